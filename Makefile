@@ -1,0 +1,42 @@
+# vit-pipeline: `make test` and `make demo` set up .venv on first use.
+#
+# torch is installed first and pinned, so GPU users pick their build:
+#   make test TORCH_VERSION=2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+PYTHON          ?= python3
+TORCH_VERSION   ?= 2.13.0
+TORCH_INDEX_URL ?=
+DEEPSPEED_VERSION ?= 0.19.8
+PYTEST_ARGS     ?=
+
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
+
+.PHONY: install test test-all demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
+	echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
+	# DeepSpeed ships only an sdist whose build imports torch: build it against the
+	# torch installed above instead of letting pip fetch another one. Ops are JIT-built.
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation \
+		-c $(VENV)/constraints.txt "deepspeed==$(DEEPSPEED_VERSION)"
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/vitp config debug
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

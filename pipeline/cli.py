@@ -1,0 +1,134 @@
+"""`vitp`: one console script, each subcommand a few lines calling the modules.
+
+Must not contain logic: parse, call, print. Heavy imports (torch, ray) happen inside the
+subcommand that needs them, so `vitp config` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from .config import ConfigError
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    COMMANDS[fn.__name__.removeprefix("cmd_").replace("_", "-")] = fn
+    return fn
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe name (see `vitp config --list`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set optim.lr=0.003 (repeatable)")
+
+
+# ------------------------------------------------------------------------ subcommands
+
+
+@command
+def cmd_config(args: argparse.Namespace) -> int:
+    from . import recipes
+
+    if args.list:
+        for name, fn in recipes.RECIPES.items():
+            first = (fn.__doc__ or "").strip().splitlines()[0]
+            print(f"{name:24s} {first}")
+        return 0
+    if not args.recipe:
+        raise ConfigError("vitp config: name a recipe, or --list to see them")
+    cfg = recipes.resolve(args.recipe, args.overrides, check_paths=not args.no_path_check)
+    if args.keys:
+        from .config import valid_keys
+
+        print("\n".join(valid_keys(cfg)))
+        return 0
+    print(cfg.to_json())
+    return 0
+
+
+@command
+def cmd_model(args: argparse.Namespace) -> int:
+    from .model import build_vit, forward_flops, training_flops
+    from .config import ModelConfig
+
+    mcfg = ModelConfig(variant=args.variant, num_classes=args.num_classes, head=args.head)
+    model = build_vit(mcfg, args.image_size, device="meta")  # counts without allocating
+    params = sum(p.numel() for p in model.parameters())
+    rep = model.representation_size if args.head == "pretrain" else None
+    fwd = forward_flops(args.variant, args.image_size, args.num_classes, rep)
+    info = {
+        "variant": args.variant,
+        "image_size": args.image_size,
+        "tokens": model.grid**2 + 1,
+        "depth": model.spec.depth,
+        "width": model.spec.width,
+        "mlp_dim": model.spec.mlp_dim,
+        "heads": model.spec.heads,
+        "head": args.head,
+        "num_classes": args.num_classes,
+        "params_m": round(params / 1e6, 3),
+        "forward_gflops": round(fwd / 1e9, 2),
+        "train_gflops": round(training_flops(args.variant, args.image_size, args.num_classes, rep) / 1e9, 2),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"ViT-{args.variant} at {args.image_size}px: {info['params_m']:.2f}M params, "
+              f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
+        print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
+              f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+    return 0
+
+
+# ------------------------------------------------------------------------ entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vitp",
+        description="Pre-train and transfer Vision Transformers on Ray (Data, Train + DeepSpeed, "
+                    "Tune) with MLflow tracking.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("config", help="print a recipe's resolved config as JSON")
+    p.add_argument("recipe", nargs="?", help="recipe name")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set optim.lr=0.003 (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the recipes")
+    p.add_argument("--keys", action="store_true", help="list every settable dotted key")
+    p.add_argument("--no-path-check", action="store_true",
+                   help="skip checking that data paths exist (to inspect a cluster recipe locally)")
+
+    p = sub.add_parser("model", help="params and GFLOPs of a ViT variant")
+    p.add_argument("variant", help='e.g. "B/16", "H/14", "Ti/16"')
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
+                   help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"vitp {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"vitp {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Analytic FLOPs and parameter counts of a ViT, from its shape alone (no allocation).
+
+Counts the multiply-accumulates of every matmul (patch projection, qkv, attention QK^T and AV,
+output projection, MLP, pre-logits, head) and reports FLOPs = 2 x MACs, as timm/fvcore do.
+Training FLOPs ~ 3 x forward (backward costs twice the forward). Used for MFU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import ViTSpec, decode_variant
+
+
+def _spec(variant: str | ViTSpec) -> ViTSpec:
+    return decode_variant(variant) if isinstance(variant, str) else variant
+
+
+def forward_flops(variant: str | ViTSpec, image_size: int = 224, num_classes: int = 1000,
+                  representation_size: Optional[int] = None, in_chans: int = 3) -> float:
+    """Forward FLOPs for one image (2 x MACs of all matmuls; elementwise ops ignored)."""
+    s = _spec(variant)
+    D, L = s.width, s.depth
+    n_patches = (image_size // s.patch) ** 2
+    N = n_patches + 1  # tokens including the class token
+    macs = n_patches * (in_chans * s.patch**2) * D  # patch projection
+    per_layer = (
+        N * D * 3 * D  # qkv
+        + 2 * N * N * D  # QK^T and attention x V, summed over heads
+        + N * D * D  # output projection
+        + 2 * N * D * s.mlp_dim  # MLP fc1 + fc2
+    )
+    macs += L * per_layer
+    if representation_size:
+        macs += D * representation_size
+        macs += representation_size * num_classes
+    else:
+        macs += D * num_classes
+    return 2.0 * macs
+
+
+def training_flops(variant: str | ViTSpec, image_size: int = 224, num_classes: int = 1000,
+                   representation_size: Optional[int] = None) -> float:
+    """FLOPs of one forward + backward for one image: 3 x forward."""
+    return 3.0 * forward_flops(variant, image_size, num_classes, representation_size)
+
+
+def param_count(variant: str | ViTSpec, image_size: int = 224, num_classes: int = 1000,
+                representation_size: Optional[int] = None, in_chans: int = 3) -> int:
+    """Parameters of `ViT(...)` computed from the shape (cross-checked against the module)."""
+    s = _spec(variant)
+    D, L, M = s.width, s.depth, s.mlp_dim
+    n = (image_size // s.patch) ** 2
+    embed = in_chans * s.patch**2 * D + D + D + (n + 1) * D  # conv w+b, cls, pos
+    block = (D * 3 * D + 3 * D) + (D * D + D) + (D * M + M) + (M * D + D) + 4 * D
+    head_in = representation_size or D
+    head = head_in * num_classes + num_classes
+    pre = (D * representation_size + representation_size) if representation_size else 0
+    return embed + L * block + 2 * D + pre + head
+
+
+def mfu(images_per_sec: float, flops_per_image_train: float, peak_flops_per_sec: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the device peak (all devices)."""
+    return images_per_sec * flops_per_image_train / peak_flops_per_sec

@@ -1,0 +1,309 @@
+"""The Vision Transformer of Dosovitskiy et al. (eq. 1-4), readable top to bottom.
+
+Patchify -> linear projection -> [class] token + 1-D position embedding -> L pre-LN blocks
+-> final LayerNorm -> head. Initialisation follows the official JAX code. Must not know
+about Ray or DeepSpeed: parallelism is applied outside the model, in `pipeline.train`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig, ViTSpec, decode_variant
+
+# flax's lecun_normal is a truncated normal whose std is corrected for the truncation at 2 sigma.
+_TRUNC_STD_CORRECTION = 0.87962566103423978
+
+
+def lecun_normal_(w: torch.Tensor) -> torch.Tensor:
+    """Truncated-normal with variance 1/fan_in (flax `lecun_normal`), for Dense and Conv kernels."""
+    fan_in = w[0].numel()  # (out, in) or (out, in, kh, kw): everything but the output dim
+    std = math.sqrt(1.0 / fan_in) / _TRUNC_STD_CORRECTION
+    return nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
+
+
+class PatchEmbed(nn.Module):
+    """Cut the image into PxP patches and project each to D: a PxP conv with stride P is that map."""
+
+    def __init__(self, patch: int, width: int, in_chans: int = 3):
+        super().__init__()
+        self.patch = patch
+        self.proj = nn.Conv2d(in_chans, width, kernel_size=patch, stride=patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)  # (B, D, H/P, W/P)
+        return x.flatten(2).transpose(1, 2)  # (B, N, D) with N = HW/P^2, row-major patch order
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through `scaled_dot_product_attention` (flash / mem-efficient)."""
+
+    def __init__(self, width: int, heads: int, attn_dropout: float = 0.0):
+        super().__init__()
+        assert width % heads == 0, f"heads {heads} must divide width {width}"
+        self.heads = heads
+        self.head_dim = width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.attn_dropout = attn_dropout
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, N, D = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.heads, self.head_dim)  # (B, N, 3, H, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, d)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self._qkv(x)
+        p = self.attn_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # (B, H, N, d)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) explicitly, (B, H, N, N): for attention maps and tests."""
+        q, k, _ = self._qkv(x)
+        return (q @ k.transpose(-2, -1) * self.head_dim**-0.5).softmax(dim=-1)
+
+
+class MLP(nn.Module):
+    """Two linear layers with GELU between (exact erf GELU, as the official code)."""
+
+    def __init__(self, width: int, mlp_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(width, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-LN encoder block: z' = MSA(LN(z)) + z ; z = MLP(LN(z')) + z'  (eq. 2-3)."""
+
+    def __init__(self, width: int, mlp_dim: int, heads: int, dropout: float = 0.0,
+                 attn_dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.attn = Attention(width, heads, attn_dropout)
+        self.drop = nn.Dropout(dropout)
+        self.norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = MLP(width, mlp_dim, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """Vision Transformer.
+
+    Args:
+        variant: "B/16"-style string or a ViTSpec (depth, width, mlp_dim, heads, patch).
+        image_size: square input resolution; must be a multiple of the patch size.
+        num_classes: K, the head's output width.
+        pool: "cls" reads the class token (paper); "gap" averages the patch tokens.
+        head: "pretrain" = tanh pre-logits layer of width `representation_size` then linear;
+            "finetune" = a single zero-initialised linear layer (pre-logits dropped).
+        representation_size: pre-logits width (default: the model width D).
+        dropout / attn_dropout: dropout after the embedding, in the MLPs / on attention weights.
+        grad_checkpointing: recompute each block in backward to save activation memory.
+    """
+
+    def __init__(
+        self,
+        variant: str | ViTSpec = "B/16",
+        image_size: int = 224,
+        num_classes: int = 1000,
+        pool: Literal["cls", "gap"] = "cls",
+        head: Literal["pretrain", "finetune"] = "finetune",
+        representation_size: Optional[int] = None,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        grad_checkpointing: bool = False,
+        in_chans: int = 3,
+    ):
+        super().__init__()
+        spec = decode_variant(variant) if isinstance(variant, str) else variant
+        if image_size % spec.patch:
+            raise ValueError(
+                f"image_size {image_size} is not divisible by patch {spec.patch}: "
+                f"use a multiple of {spec.patch}"
+            )
+        self.spec, self.image_size, self.num_classes = spec, image_size, num_classes
+        self.pool, self.head_type = pool, head
+        self.grad_checkpointing = grad_checkpointing
+        D = spec.width
+        self.grid = image_size // spec.patch
+        num_patches = self.grid**2
+
+        self.patch_embed = PatchEmbed(spec.patch, D, in_chans)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, D))  # (1, N+1, D)
+        self.pos_drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(D, spec.mlp_dim, spec.heads, dropout, attn_dropout) for _ in range(spec.depth)
+        )
+        self.norm = nn.LayerNorm(D, eps=1e-6)
+        if head == "pretrain":
+            self.representation_size = representation_size or D
+            self.pre_logits = nn.Sequential(nn.Linear(D, self.representation_size), nn.Tanh())
+        else:
+            self.representation_size = D
+            self.pre_logits = nn.Identity()
+        self.head = nn.Linear(self.representation_size, num_classes)
+        self.init_weights()
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """As the official code: xavier-uniform Dense in the encoder (MLP biases ~N(0, 1e-6)),
+        lecun-normal patch embedding and pre-logits, pos-embed ~N(0, 0.02), class token and
+        head zero (so logits are exactly 0 at step 0), LayerNorm 1/0."""
+        if self.patch_embed.proj.weight.is_meta:
+            return
+        lecun_normal_(self.patch_embed.proj.weight)
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        nn.init.zeros_(self.cls_token)
+        for blk in self.blocks:
+            for lin in (blk.attn.qkv, blk.attn.proj):
+                # the JAX code initialises q, k, v as three separate D x D kernels
+                if lin is blk.attn.qkv:
+                    for w in lin.weight.chunk(3, dim=0):
+                        nn.init.xavier_uniform_(w)
+                else:
+                    nn.init.xavier_uniform_(lin.weight)
+                nn.init.zeros_(lin.bias)
+            for lin in (blk.mlp.fc1, blk.mlp.fc2):
+                nn.init.xavier_uniform_(lin.weight)
+                nn.init.normal_(lin.bias, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if isinstance(self.pre_logits, nn.Sequential):
+            lecun_normal_(self.pre_logits[0].weight)
+            nn.init.zeros_(self.pre_logits[0].bias)
+        self.zero_head()
+
+    @torch.no_grad()
+    def zero_head(self) -> None:
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names excluded from weight decay: biases, norms, pos-embed, class token."""
+        out = {"pos_embed", "cls_token"}
+        for name, p in self.named_parameters():
+            if p.ndim <= 1:
+                out.add(name)
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> token sequence z_0 (B, N+1, D) (eq. 1)."""
+        x = self.patch_embed(x)  # (B, N, D)
+        if x.shape[1] != self.pos_embed.shape[1] - 1:
+            raise ValueError(
+                f"input gives {x.shape[1]} patches but the model was built for "
+                f"{self.pos_embed.shape[1] - 1} ({self.image_size}px): resize the input or build the "
+                "model at this resolution and load with resample_pos_embed"
+            )
+        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
+        x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, N+1, D)
+        return self.pos_drop(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> final-LayerNorm tokens (B, N+1, D)."""
+        x = self.embed(x)
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens (B, N+1, D) -> logits (B, K); `pre_logits=True` returns the features the
+        few-shot evaluator uses (B, R)."""
+        x = x[:, 0] if self.pool == "cls" else x[:, 1:].mean(dim=1)  # (B, D)
+        x = self.pre_logits(x)  # (B, R)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    @torch.no_grad()
+    def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer attention weights [(B, H, N+1, N+1)] for rollout / attention distance."""
+        maps = []
+        z = self.embed(x)
+        for blk in self.blocks:
+            maps.append(blk.attn.attention_weights(blk.norm1(z)))
+            z = blk(z)
+        return maps
+
+
+# ---------------------------------------------------------------------------------------
+# Position-embedding resampling and loading weights trained at another resolution.
+# ---------------------------------------------------------------------------------------
+
+
+def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int | tuple[int, int],
+                       num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Resample (1, prefix + gh*gw, D) position embeddings to a new patch grid.
+
+    The class-token embedding is kept as is; the grid part is reshaped to 2-D and resized
+    bilinearly (half-pixel centres, as jax.image.resize), then flattened back row-major.
+    """
+    if isinstance(new_grid, int):
+        new_grid = (new_grid, new_grid)
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    n_old = grid.shape[1]
+    g_old = int(math.isqrt(n_old))
+    if g_old * g_old != n_old:
+        raise ValueError(f"position embedding has {n_old} grid tokens: not a square grid")
+    D = grid.shape[-1]
+    dtype = grid.dtype
+    grid = grid.reshape(1, g_old, g_old, D).permute(0, 3, 1, 2).float()  # (1, D, g, g)
+    grid = F.interpolate(grid, size=new_grid, mode="bilinear", align_corners=False)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], D).to(dtype)
+    return torch.cat([prefix, grid], dim=1)  # (1, prefix + gh'*gw', D)
+
+
+def adapt_state_dict(model: ViT, state_dict: dict[str, torch.Tensor],
+                     keep_head: bool | None = None) -> dict[str, torch.Tensor]:
+    """Make a state dict from another resolution / head fit `model`.
+
+    Position embeddings are resampled to the model's grid; a head whose shape differs (or
+    `keep_head=False`) is replaced by the model's zero-initialised one; pre-logits weights are
+    dropped when the model has a fine-tuning head.
+    """
+    sd = dict(state_dict)
+    pe = sd.get("pos_embed")
+    if pe is not None and pe.shape != model.pos_embed.shape:
+        sd["pos_embed"] = resample_pos_embed(pe, model.grid)
+    own = model.state_dict()
+    if not isinstance(model.pre_logits, nn.Sequential):
+        sd = {k: v for k, v in sd.items() if not k.startswith("pre_logits.")}
+    head_fits = all(k in sd and sd[k].shape == own[k].shape for k in ("head.weight", "head.bias"))
+    if keep_head is False or not head_fits:
+        sd["head.weight"], sd["head.bias"] = own["head.weight"].clone(), own["head.bias"].clone()
+    return sd
+
+
+def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | None = None) -> ViT:
+    """The model a config describes (on `device`; "meta" allocates nothing)."""
+    with torch.device(device or "cpu"):
+        return ViT(
+            cfg.variant, image_size=image_size, num_classes=cfg.num_classes, pool=cfg.pool,
+            head=cfg.head, representation_size=cfg.representation_size, dropout=cfg.dropout,
+            attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing,
+        )

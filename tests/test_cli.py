@@ -1,0 +1,51 @@
+"""`vitp` as a user runs it: a real subprocess of the installed console script."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+VITP = [shutil.which("vitp") or "", ] if shutil.which("vitp") else [sys.executable, "-m", "pipeline.cli"]
+
+
+def run(*args):
+    return subprocess.run([*VITP, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_config_prints_resolved_json():
+    r = run("config", "debug", "--set", "optim.lr=0.005", "--set", "parallel.zero_stage=3")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(r.stdout)
+    assert cfg["optim"]["lr"] == 0.005 and cfg["parallel"]["zero_stage"] == 3
+    assert cfg["recipe"] == "debug"
+
+
+def test_config_errors_exit_2_with_message():
+    r = run("config", "debug", "--set", "optim.lrr=1")
+    assert r.returncode == 2 and "optim.lr" in r.stderr and "Traceback" not in r.stderr
+    r = run("config", "debug", "--set", "parallel.global_batch=100")
+    assert r.returncode == 2 and "global_batch 100 != micro 16" in r.stderr
+    r = run("config", "b16_i21k")
+    assert r.returncode == 2 and "data.path" in r.stderr
+    assert run("config", "b16_i21k", "--no-path-check").returncode == 0
+
+
+def test_config_list_names_every_recipe():
+    from pipeline.recipes import RECIPES
+
+    r = run("config", "--list")
+    assert r.returncode == 0
+    for name in RECIPES:
+        assert name in r.stdout
+
+
+def test_model_prints_params_and_flops():
+    r = run("model", "B/16", "--json")
+    info = json.loads(r.stdout)
+    assert info["params_m"] == pytest.approx(86.568, abs=1e-3)
+    assert info["forward_gflops"] == pytest.approx(35.13, abs=0.01)
+    r = run("model", "H/14", "--image-size", "224")
+    assert "632.05M params" in r.stdout
+    r = run("model", "B/16", "--image-size", "200")
+    assert r.returncode == 2 and "multiple of 16" in r.stderr
