@@ -1,0 +1,67 @@
+"""Credential redaction for everything that leaves the process through MLflow (params, tags, config.json).
+
+Owns the patterns that decide what looks like a secret; must not import torch or ray.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+REDACTED = "***"
+
+# A key whose last component names a credential. Only *string* values under such keys are
+# redacted, so numeric fields that merely contain a word (e.g. "max_tokens": 512) stay visible.
+_SECRET_KEY = re.compile(
+    r"(passw(or)?d|pwd|secret|token|credential|api[_-]?key|access[_-]?key|private[_-]?key|auth)",
+    re.IGNORECASE,
+)
+# Values that are credentials whatever their key is called.
+_SECRET_VALUES = [
+    re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),  # AWS access key id
+    re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}\b"),  # GitHub tokens
+    re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"),  # Hugging Face tokens
+    re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b"),  # Slack tokens
+    re.compile(r"\bsk-[A-Za-z0-9_-]{20,}\b"),  # OpenAI-style API keys
+    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),  # Authorization header values
+]
+# scheme://user:password@host -> scheme://user:***@host (keeps the host, which is useful).
+_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^@\s/]+)@")
+# key=value pairs inside a string, e.g. a command line or query string: "...&token=abc".
+_INLINE_PAIR = re.compile(
+    r"(?P<k>[A-Za-z0-9_.-]*(?:passw(?:or)?d|secret|token|api[_-]?key|access[_-]?key))"
+    r"(?P<sep>\s*[=:]\s*)(?P<v>[^\s&,;\"']+)",
+    re.IGNORECASE,
+)
+
+
+def is_secret_key(key: str) -> bool:
+    """True when the last dotted component of `key` names a credential ("s3.secret_key")."""
+    last = str(key).rsplit(".", 1)[-1]
+    return bool(_SECRET_KEY.search(last))
+
+
+def redact_text(text: str) -> str:
+    """Mask credentials embedded in a string; everything else is returned unchanged."""
+    out = _URI_PASSWORD.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
+    out = _INLINE_PAIR.sub(lambda m: f"{m.group('k')}{m.group('sep')}{REDACTED}", out)
+    for pat in _SECRET_VALUES:
+        out = pat.sub(REDACTED, out)
+    return out
+
+
+def redact_value(key: str, value: Any) -> Any:
+    """Redact one value given the key it is stored under; recurses into dicts and lists."""
+    if isinstance(value, dict):
+        return {k: redact_value(f"{key}.{k}" if key else str(k), v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_value(key, v) for v in value]
+    if isinstance(value, str):
+        if value and is_secret_key(key):
+            return REDACTED
+        return redact_text(value)
+    return value
+
+
+def redact(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `d` (flat or nested) with every credential-looking value replaced by "***"."""
+    return {k: redact_value(str(k), v) for k, v in d.items()}

@@ -1,0 +1,452 @@
+"""MLflow runs: store URI, race-safe experiments, resume by id or name, step-deduplicated metrics, exit status.
+
+Uses an explicit MlflowClient, never mlflow's global active run, because Ray Train rank 0 and several
+Tune trial drivers log from one process. Imports pipeline.config and mlflow only (no torch, no ray).
+A SIGKILLed process cannot end its run: it stays RUNNING and the next start() with its name resumes it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import ConfigError, ExperimentConfig, flatten
+from pipeline.tracking.redact import redact, redact_value
+
+log = logging.getLogger(__name__)
+
+PARENT_TAG = "mlflow.parentRunId"
+ATTEMPT_TAG = "vitp.attempt"  # 1 for a fresh run, +1 on each resume: shows how often it restarted
+TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+# mlflow's limits (mlflow.utils.validation); we truncate ourselves so the note says where the rest is.
+MAX_PARAM_VALUE = 6000
+MAX_TAG_VALUE = 8000
+PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
+TRUNCATION_NOTE = "...[truncated; full value in config.json]"
+
+
+class TrackingError(RuntimeError):
+    """An MLflow operation cannot go ahead; the message names the input and the fix."""
+
+
+class ParamConflictError(TrackingError, ValueError):
+    """A resumed run already holds a different value for a param (MLflow params are immutable)."""
+
+
+# --------------------------------------------------------------------------------------
+# Store URI and client
+# --------------------------------------------------------------------------------------
+
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _normalise_uri(uri: str) -> str:
+    """A store URI as MLflow wants it: plain paths become sqlite (".db") or file stores, absolute."""
+    if _URI_SCHEME.match(uri) or uri.startswith(("file:", "databricks")):
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            # sqlite:///rel.db is relative to the cwd of whichever process opens it; pin it.
+            path = Path(uri[len("sqlite:///"):]).expanduser().resolve()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return f"sqlite:///{path}"
+        if uri.startswith("sqlite:////"):
+            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        return uri
+    path = Path(uri).expanduser().resolve()
+    if path.suffix in (".db", ".sqlite", ".sqlite3"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    # A directory: MLflow's file store (kept for existing ./mlruns trees).
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
+    """cfg.tracking.uri (server URL, DB URI or path), else sqlite:///<abs work_dir>/mlflow.db."""
+    if cfg.tracking.uri:
+        return _normalise_uri(cfg.tracking.uri)
+    if _URI_SCHEME.match(cfg.work_dir) and not cfg.work_dir.startswith("file://"):
+        raise ConfigError(
+            f"work_dir={cfg.work_dir!r} is not a local directory, so the default SQLite MLflow "
+            "store cannot live there: set --set tracking.uri=http://<mlflow-server>:5000 "
+            "(or a database URI)"
+        )
+    work_dir = Path(cfg.work_dir.removeprefix("file://")).expanduser().resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{work_dir / 'mlflow.db'}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):])
+    return None
+
+
+_ready: set[str] = set()
+_ready_lock = threading.Lock()
+
+
+def get_client(tracking_uri: str) -> MlflowClient:
+    """An MlflowClient for `tracking_uri`, with a fresh SQLite store initialised by one process at a time.
+
+    MLflow creates/migrates the SQLite schema on first open; two processes doing that at once fail
+    with "table already exists" / "duplicate column". An exclusive file lock beside the DB serialises
+    the first open; later opens in this process skip the lock.
+    """
+    uri = _normalise_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    db = _sqlite_path(uri)
+    if db is None:
+        return client
+    with _ready_lock:
+        if uri in _ready:
+            return client
+        db.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; fall back to retrying the first open
+            fcntl = None
+        with open(f"{db}.lock", "a+") as lock_file:
+            if fcntl is not None:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                for attempt in range(5):
+                    try:
+                        client.search_experiments(max_results=1)  # opens and migrates the store
+                        break
+                    except Exception:  # noqa: BLE001 - a racing migration from an unlocked opener
+                        if attempt == 4:
+                            raise
+                        time.sleep(0.5 * (attempt + 1))
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+        _ready.add(uri)
+    return client
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "experiment"
+
+
+def get_or_create_experiment(client: MlflowClient, name: str) -> str:
+    """Experiment id for `name`, creating it if needed; safe when several processes race to create it."""
+    if not name:
+        raise TrackingError("experiment name is empty: set --set tracking.experiment=<name>")
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        artifact_location = None
+        db = _sqlite_path(client.tracking_uri)
+        if db is not None:
+            # MLflow's SQLite default puts artifacts in ./mlruns of whatever the cwd is; keep them
+            # beside the DB so a work dir is self-contained.
+            artifact_location = (db.parent / "mlartifacts" / _safe_name(name)).as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException as e:
+            # Lost the race to another process: the experiment exists now.
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise TrackingError(
+                    f"cannot create MLflow experiment {name!r} in {client.tracking_uri}: {e.message}"
+                ) from e
+    if exp.lifecycle_stage == "deleted":
+        raise TrackingError(
+            f"MLflow experiment {name!r} (id {exp.experiment_id}) in {client.tracking_uri} is "
+            f"deleted: restore it (`mlflow experiments restore --experiment-id {exp.experiment_id}`) "
+            "or choose another --set tracking.experiment=<name>"
+        )
+    return exp.experiment_id
+
+
+def _quote(value: str) -> str:
+    """A string literal for an MLflow search filter."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise TrackingError(f"run name {value!r} contains both ' and \": use a name without quotes")
+
+
+# --------------------------------------------------------------------------------------
+# Value formatting
+# --------------------------------------------------------------------------------------
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return str(value)
+
+
+def _truncate(key: str, text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    log.warning("%s: value of %d characters truncated to %d for MLflow", key, len(text), limit)
+    return text[: limit - len(TRUNCATION_NOTE)] + TRUNCATION_NOTE
+
+
+def params_for_mlflow(cfg_dict: dict[str, Any]) -> dict[str, str]:
+    """The exact param strings log_config writes: flattened, redacted, truncated to MLflow's limit."""
+    flat = flatten(cfg_dict)
+    flat = redact(flat)
+    return {k: _truncate(k, _to_str(v), MAX_PARAM_VALUE) for k, v in flat.items()}
+
+
+def _tags_for_mlflow(tags: dict[str, Any]) -> dict[str, str]:
+    return {
+        str(k): _truncate(str(k), _to_str(redact_value(str(k), v)), MAX_TAG_VALUE)
+        for k, v in tags.items()
+    }
+
+
+def _chunks(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+# --------------------------------------------------------------------------------------
+# The run logger
+# --------------------------------------------------------------------------------------
+
+
+class RunLogger:
+    """One MLflow run, owned by one process (Train rank 0 or a Tune trial driver).
+
+    Use `RunLogger.start(...)`; as a context manager the run ends FINISHED on normal exit, FAILED on
+    an exception and KILLED on KeyboardInterrupt.
+    """
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        run_id: str,
+        experiment_id: str,
+        run_name: str,
+        resumed: bool,
+        last_steps: dict[str, int],
+    ):
+        self.client = client
+        self.tracking_uri = client.tracking_uri
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.run_name = run_name
+        self.resumed = resumed
+        self._last_steps = dict(last_steps)  # metric key -> highest step already in MLflow
+        self.status: str | None = None  # set by end()
+
+    # ---------------------------------------------------------------- start / resume
+    @classmethod
+    def start(
+        cls,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str,
+        *,
+        run_id: str | None = None,
+        resume_by_name: bool = True,
+        tags: dict | None = None,
+        parent_run_id: str | None = None,
+    ) -> "RunLogger":
+        """Continue `run_id`; else the newest unfinished run named `run_name`; else create a run.
+
+        A resumed run is set back to RUNNING. With `parent_run_id`, resume by name only matches runs
+        under that parent (trial names repeat across sweeps).
+        """
+        client = get_client(tracking_uri)
+        experiment_id = get_or_create_experiment(client, experiment)
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags[PARENT_TAG] = parent_run_id
+
+        run = None
+        if run_id:
+            try:
+                run = client.get_run(run_id)
+            except MlflowException as e:
+                raise TrackingError(
+                    f"run_id={run_id!r} not found in {client.tracking_uri}: pass the id of an "
+                    "existing run, or run_id=None to resume by name / start a new run"
+                ) from e
+            if run.info.experiment_id != experiment_id:
+                raise TrackingError(
+                    f"run_id={run_id!r} belongs to experiment id {run.info.experiment_id}, not "
+                    f"{experiment!r} (id {experiment_id}): pass the matching experiment name"
+                )
+            if run.info.lifecycle_stage == "deleted":
+                raise TrackingError(
+                    f"run_id={run_id!r} is deleted: restore it (`mlflow runs restore --run-id "
+                    f"{run_id}`) or start a new run"
+                )
+        elif resume_by_name:
+            run = cls._find_unfinished(client, experiment_id, run_name, parent_run_id)
+
+        if run is None:
+            created = client.create_run(
+                experiment_id, tags={**_tags_for_mlflow(all_tags), ATTEMPT_TAG: "1"}, run_name=run_name
+            )
+            return cls(client, created.info.run_id, experiment_id, run_name, False, {})
+
+        rid = run.info.run_id
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1") or 1) + 1
+        client.update_run(rid, status="RUNNING")
+        tag_batch = {**_tags_for_mlflow(all_tags), ATTEMPT_TAG: str(attempt)}
+        client.log_batch(rid, tags=[RunTag(k, v) for k, v in tag_batch.items()])
+        last_steps = {}
+        for key in run.data.metrics:
+            history = client.get_metric_history(rid, key)
+            if history:
+                last_steps[key] = max(m.step for m in history)
+        log.info("resuming MLflow run %s (%s), attempt %d", rid, run.info.run_name, attempt)
+        return cls(client, rid, experiment_id, run.info.run_name or run_name, True, last_steps)
+
+    @staticmethod
+    def _find_unfinished(client: MlflowClient, experiment_id: str, run_name: str, parent_run_id):
+        filters = [f"attributes.run_name = {_quote(run_name)}", "attributes.status != 'FINISHED'"]
+        if parent_run_id:
+            filters.append(f"tags.`{PARENT_TAG}` = {_quote(parent_run_id)}")
+        runs = client.search_runs(
+            [experiment_id],
+            filter_string=" and ".join(filters),
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return runs[0] if runs else None
+
+    # ---------------------------------------------------------------- state
+    @property
+    def last_step(self) -> int:
+        """Highest step already logged for any metric of this run; -1 if none."""
+        return max(self._last_steps.values(), default=-1)
+
+    def last_step_of(self, key: str) -> int:
+        return self._last_steps.get(key, -1)
+
+    # ---------------------------------------------------------------- params and config
+    def log_params(self, params: dict[str, Any]) -> dict[str, str]:
+        """Log params (nested dicts are flattened), skipping ones already identical in the run.
+
+        Returns what was (or already had been) logged. A differing value raises ParamConflictError.
+        """
+        wanted = params_for_mlflow(params)
+        existing = self.client.get_run(self.run_id).data.params
+        self._check_conflicts(wanted, existing)
+        new = [Param(k, v) for k, v in wanted.items() if k not in existing]
+        for batch in _chunks(new, PARAMS_PER_BATCH):
+            try:
+                self.client.log_batch(self.run_id, params=batch)
+            except MlflowException as e:
+                # Another attempt of the same run logged in between: re-check, report ours.
+                self._check_conflicts(wanted, self.client.get_run(self.run_id).data.params)
+                raise TrackingError(f"logging params to run {self.run_id}: {e.message}") from e
+        return wanted
+
+    def log_config(self, cfg_dict: dict[str, Any]) -> dict[str, str]:
+        """The resolved config as flattened, redacted params plus a redacted config.json artifact."""
+        logged = self.log_params(cfg_dict)
+        self.log_dict(redact(cfg_dict), "config.json")
+        return logged
+
+    def _check_conflicts(self, wanted: dict[str, str], existing: dict[str, str]) -> None:
+        conflicts = [(k, existing[k], v) for k, v in wanted.items() if k in existing and existing[k] != v]
+        if not conflicts:
+            return
+        lines = "\n".join(f"  {k}: logged {old!r}, now {new!r}" for k, old, new in conflicts[:10])
+        more = f"\n  ... and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
+        raise ParamConflictError(
+            f"MLflow run {self.run_id} ({self.run_name!r}) already has different values for "
+            f"{len(conflicts)} param(s):\n{lines}{more}\n"
+            "MLflow params cannot change. To run with the new values start a new run "
+            "(e.g. --set tracking.run_name=<new name>); to resume this run use its original config."
+        )
+
+    # ---------------------------------------------------------------- metrics
+    def log_metrics(self, metrics: dict[str, float], step: int) -> int:
+        """Log one step of metrics in a batch; returns how many values were written.
+
+        A step <= the last step already logged for that key is skipped (a resumed attempt replays
+        steps after its last checkpoint), so MLflow never holds a step twice. NaN/inf are skipped
+        with a warning.
+        """
+        step = int(step)
+        now = int(time.time() * 1000)
+        batch: list[Metric] = []
+        for key, value in metrics.items():
+            if step <= self._last_steps.get(key, -1):
+                continue
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                raise TrackingError(
+                    f"metric {key}={value!r} at step {step} is not a number: log a float"
+                ) from None
+            if not math.isfinite(v):
+                log.warning("metric %s=%s at step %d is not finite: not logged", key, v, step)
+                continue
+            batch.append(Metric(key, v, now, step))
+        for chunk in _chunks(batch, METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=chunk)
+        for m in batch:
+            self._last_steps[m.key] = step
+        return len(batch)
+
+    # ---------------------------------------------------------------- tags and artifacts
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Set (or overwrite) tags; credential-looking values are stored as "***"."""
+        items = [RunTag(k, v) for k, v in _tags_for_mlflow(tags).items()]
+        for chunk in _chunks(items, PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=chunk)
+
+    def log_artifact(self, local_path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        if not os.path.exists(local_path):
+            raise TrackingError(f"artifact {local_path!s} does not exist: write it before logging it")
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+
+    def log_dict(self, d: dict, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, d, artifact_file)
+
+    # ---------------------------------------------------------------- end
+    def end(self, status: str = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED. Calling it again is a no-op."""
+        status = status.upper()
+        if status not in TERMINAL_STATUSES:
+            raise TrackingError(f"end(status={status!r}): use one of {', '.join(TERMINAL_STATUSES)}")
+        if self.status is not None:
+            return
+        self.client.set_terminated(self.run_id, status=status)
+        self.status = status
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            status = "FINISHED"
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = "KILLED"
+        else:
+            status = "FAILED"
+        try:
+            self.end(status)
+        except Exception as end_error:  # noqa: BLE001 - never hide the exception that ended the run
+            if exc_type is None:
+                raise
+            log.warning("could not mark MLflow run %s %s: %s", self.run_id, status, end_error)
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"RunLogger(run_id={self.run_id!r}, name={self.run_name!r}, resumed={self.resumed}, "
+            f"last_step={self.last_step}, uri={self.tracking_uri!r})"
+        )
