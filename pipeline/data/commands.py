@@ -1,0 +1,66 @@
+"""What `vitp synth` and `vitp preprocess` call: config in, files out, a summary dict back.
+
+Owns mapping the config onto the source listing, the synthetic renderer and the shard
+writer, and the progress/summary lines. Must not parse CLI arguments or touch models.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+from .decode import DEFAULT_MAX_PIXELS
+from .ingest import shards_dir
+from .preprocess import preprocess
+from .sources import list_source
+
+
+def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
+              log: Callable[[str], None] = print) -> dict:
+    """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
+    into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.train.seed."""
+    from .synth import generate_corpus
+
+    d = cfg.data
+    out = out_dir or os.path.join(cfg.work_dir, "synth")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
+                              "or choose another output directory")
+    if overwrite and os.path.isdir(out):
+        import shutil
+
+        shutil.rmtree(out)
+    t0 = time.time()
+    res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
+                          cfg.train.seed, out)
+    dt = time.time() - t0
+    res["seconds"] = dt
+    res["images_per_sec"] = res["images"] / max(dt, 1e-9)
+    log(f"rendered {res['images']} fractal images ({d.synth_classes} classes, "
+        f"{d.storage_size}px, seed {cfg.train.seed}) to {out} in {dt:.1f}s; "
+        f"{res['images_per_sec']:.0f} images/s")
+    return res
+
+
+def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
+                   max_pixels: int = DEFAULT_MAX_PIXELS, log: Callable[[str], None] = print) -> dict:
+    """Source (cfg.data.source, cfg.data.path) -> shards at shards_dir(cfg); returns the summary
+    dict (input, written, quarantined, reasons, shards, bytes, images_per_sec) and prints it."""
+    d = cfg.data
+    out = out_dir or shards_dir(cfg)
+    t0 = time.time()
+    listing = list_source(d.source, d.path, synth_classes=d.synth_classes,
+                          synth_images_per_class=d.synth_images_per_class, seed=cfg.train.seed)
+    listing.info["source"] = d.source
+    log(f"preprocess: {len(listing.items)} inputs, {len(listing.classes)} classes from "
+        f"{d.source}{' ' + d.path if d.path else ''} (listed in {time.time() - t0:.1f}s) -> {out}")
+    if d.num_classes and len(listing.classes) > d.num_classes:
+        log(f"preprocess: warning: the source has {len(listing.classes)} classes but "
+            f"data.num_classes={d.num_classes}; labels >= {d.num_classes} will be quarantined "
+            f"(set --set data.num_classes={len(listing.classes)})")
+    return preprocess(
+        listing, out, size=d.storage_size, storage_format=d.storage_format,
+        jpeg_quality=d.jpeg_quality, shard_mb=d.shard_mb, val_fraction=d.val_fraction,
+        num_classes=d.num_classes or len(listing.classes),
+        overwrite=overwrite, max_pixels=max_pixels, synth_seed=cfg.train.seed,
+        manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)

@@ -1,0 +1,215 @@
+"""Decode, validate and normalise one image with Pillow; resize + crop helpers shared by ingest.
+
+Owns the rules for turning bytes into an RGB uint8 array (EXIF orientation, mode conversion,
+16-bit scaling, alpha compositing), the pixel limit checked before decode, and the
+quarantine reasons. Must not know about Ray, shards or models: every function is per image.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Optional
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+# Reasons a file is quarantined (the keys of the summary line's counts).
+REASONS = (
+    "empty",          # zero-byte file
+    "unreadable",     # the path could not be opened / read
+    "not_an_image",   # Pillow cannot identify the format (e.g. text named .jpg)
+    "too_large",      # width x height above the pixel limit, checked from the header
+    "truncated",      # the file ends before the image data does
+    "corrupt",        # decodes with another error
+    "bad_mode",       # a pixel mode we cannot convert to RGB
+    "bad_label",      # the source gave no usable label
+)
+
+# 89.5 Mpx is Pillow's own default; ours is explicit so a corpus of huge scans fails loudly.
+DEFAULT_MAX_PIXELS = 89_478_485
+
+# Truncated files must raise, never be silently padded with grey.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+class DecodeError(Exception):
+    """An input cannot be used; `reason` is one of REASONS, the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 draft_size: Optional[int] = None) -> Image.Image:
+    """Open `data`, check the header's pixel count BEFORE decoding, then decode.
+
+    draft_size: for JPEG, let libjpeg decode at 1/2, 1/4, 1/8 scale as long as both sides
+    stay >= draft_size (a 4000px photo stored at 256px decodes ~8x faster).
+    """
+    if len(data) == 0:
+        raise DecodeError("empty", "zero-byte file")
+    with warnings.catch_warnings():
+        # Pillow warns above MAX_IMAGE_PIXELS and raises above 2x; our own check is below.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            im = Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:
+            raise DecodeError("not_an_image", "not an image Pillow can identify") from None
+        except Exception as e:  # noqa: BLE001 - any header failure is a corrupt file
+            raise DecodeError("corrupt", f"header unreadable: {e}") from None
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+    w, h = im.size
+    if w * h > max_pixels:
+        raise DecodeError("too_large", f"{w}x{h} = {w * h} pixels > limit {max_pixels} "
+                                       "(decompression bomb guard; raise max_pixels if genuine)")
+    if w <= 0 or h <= 0:
+        raise DecodeError("corrupt", f"image has size {w}x{h}")
+    if draft_size and im.format == "JPEG":
+        # Keep EXIF-rotated sizes right: draft scales both sides by the same factor.
+        im.draft(None, (draft_size, draft_size))
+    try:
+        im.load()
+    except OSError as e:
+        msg = str(e)
+        if "truncated" in msg or "broken data stream" in msg or "ended prematurely" in msg:
+            raise DecodeError("truncated", f"truncated {im.format or 'image'} ({msg})") from None
+        raise DecodeError("corrupt", f"{im.format or 'image'} decode failed ({msg})") from None
+    except Exception as e:  # noqa: BLE001
+        raise DecodeError("corrupt", f"{im.format or 'image'} decode failed ({e})") from None
+    return im
+
+
+def to_rgb(im: Image.Image) -> np.ndarray:
+    """Any Pillow image -> (H, W, 3) uint8 RGB, EXIF orientation applied.
+
+    - 16-bit ("I;16*", or "I" holding 0..65535) is scaled to 8 bits by /257 (65535 -> 255).
+    - "F" (float) is taken as 0..1 if its max <= 1, else clipped to 0..255.
+    - Alpha (RGBA, LA, PA, P with a transparent colour) is composited on WHITE: a transparent
+      pixel becomes (255, 255, 255), so logos and cut-outs keep their look on paper.
+    - CMYK, YCbCr, greyscale ("L", "1") and palette go through Pillow's convert("RGB").
+    """
+    try:
+        im = ImageOps.exif_transpose(im)
+    except Exception:  # noqa: BLE001 - a broken EXIF block must not lose the image
+        pass
+    mode = im.mode
+    if mode.startswith("I;16") or mode == "I":
+        a = np.asarray(im).astype(np.float64)
+        if mode == "I" and a.max(initial=0) <= 255:
+            a8 = np.clip(a, 0, 255)
+        else:
+            a8 = np.clip(a, 0, 65535) / 257.0
+        return np.repeat(np.rint(a8).astype(np.uint8)[..., None], 3, axis=2)
+    if mode == "F":
+        a = np.asarray(im).astype(np.float64)
+        a = a * 255.0 if a.max(initial=0) <= 1.0 else a
+        return np.repeat(np.rint(np.clip(a, 0, 255)).astype(np.uint8)[..., None], 3, axis=2)
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+        mode == "P" and "transparency" in im.info) or (mode in ("L", "RGB") and "transparency" in im.info)
+    if has_alpha:
+        rgba = np.asarray(im.convert("RGBA")).astype(np.float32)
+        alpha = rgba[..., 3:4] / 255.0
+        out = rgba[..., :3] * alpha + 255.0 * (1.0 - alpha)  # composite on white
+        return np.rint(out).astype(np.uint8)
+    try:
+        rgb = im.convert("RGB")
+    except Exception as e:  # noqa: BLE001
+        raise DecodeError("bad_mode", f"cannot convert mode {mode} to RGB ({e})") from None
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 draft_size: Optional[int] = None) -> np.ndarray:
+    """Bytes of any image file -> (H, W, 3) uint8; DecodeError with a reason otherwise."""
+    im = open_checked(data, max_pixels=max_pixels, draft_size=draft_size)
+    try:
+        return to_rgb(im)
+    except DecodeError:
+        raise
+    except OSError as e:  # lazy formats can still fail during convert
+        raise DecodeError("truncated" if "truncated" in str(e) else "corrupt", str(e)) from None
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+def resize_center_crop(img: np.ndarray, size: int, resample=Image.BICUBIC) -> np.ndarray:
+    """(H, W, 3) -> (size, size, 3): resize the shorter side to `size`, crop the centre.
+
+    Done as one Pillow resize of the centred square box, which is what "resize shorter side,
+    then centre crop" computes; small images (8x8 digits) are upscaled.
+    """
+    h, w = img.shape[:2]
+    if h == size and w == size:
+        return img
+    s = min(h, w)
+    box = ((w - s) / 2.0, (h - s) / 2.0, (w + s) / 2.0, (h + s) / 2.0)
+    return np.asarray(Image.fromarray(img).resize((size, size), resample=resample, box=box))
+
+
+def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: int,
+                flip: bool, resample=Image.BILINEAR) -> np.ndarray:
+    """Crop `box` (x0, y0, x1, y1) out of (H, W, 3) and resize to (size, size, 3) in one pass."""
+    im = Image.fromarray(img)
+    out = im.resize((size, size), resample=resample, box=box)
+    if flip:
+        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
+
+
+def inception_crop_box(rng: np.random.Generator, h: int, w: int, scale_min: float,
+                       scale_max: float = 1.0, ratio=(3 / 4, 4 / 3)) -> tuple[float, float, float, float]:
+    """Random-resized-crop box (Szegedy et al. / torchvision's RandomResizedCrop rule).
+
+    Area fraction ~ U(scale_min, scale_max), log aspect ratio ~ U(log 3/4, log 4/3); ten tries,
+    then the centre crop of the whole image clipped to the ratio range.
+    """
+    area = h * w
+    log_r = (np.log(ratio[0]), np.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale_min, scale_max)
+        ar = float(np.exp(rng.uniform(*log_r)))
+        cw = int(round(np.sqrt(target * ar)))
+        ch = int(round(np.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            y0 = int(rng.integers(0, h - ch + 1))
+            x0 = int(rng.integers(0, w - cw + 1))
+            return (x0, y0, x0 + cw, y0 + ch)
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    x0, y0 = (w - cw) // 2, (h - ch) // 2
+    return (x0, y0, x0 + cw, y0 + ch)
+
+
+def random_crop_box(rng: np.random.Generator, h: int, w: int, size: int) -> tuple[float, float, float, float]:
+    """Pad-free random crop: the shorter side is resized to max(size, shorter side) (stored
+    images are only upscaled when smaller than `size`), then a size x size window is drawn
+    uniformly on that grid; returned in source coordinates for `crop_resize`."""
+    scale = max(size, min(h, w)) / min(h, w)
+    rh, rw = int(round(h * scale)), int(round(w * scale))  # resized image, (rh, rw) >= size
+    y0 = int(rng.integers(0, rh - size + 1))
+    x0 = int(rng.integers(0, rw - size + 1))
+    return (x0 / scale, y0 / scale, (x0 + size) / scale, (y0 + size) / scale)
+
+
+def encode_jpeg(img: np.ndarray, quality: int) -> bytes:
+    """(H, W, 3) uint8 -> JPEG bytes at `quality` (Pillow defaults: 4:2:0 subsampling)."""
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=int(quality))
+    return buf.getvalue()
+
+
+def decode_stored(image: bytes, height: int, width: int, storage_format: str) -> np.ndarray:
+    """A shard row's `image` cell -> (height, width, 3) uint8."""
+    if storage_format == "jpeg":
+        return np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+    return np.frombuffer(image, dtype=np.uint8).reshape(height, width, 3)
