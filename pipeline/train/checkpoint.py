@@ -1,0 +1,151 @@
+"""Sharded DeepSpeed checkpoints with completion markers, RNG and data position.
+
+Layout of one checkpoint directory (the merge of every rank's files):
+    state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
+    rng/rank_00000.pt          each rank's torch / numpy / python RNG state
+    complete/rank_00000.json   written by each rank *after* its files are on disk: step, world,
+                               and the size of every file it wrote
+    meta.json                  rank 0: step, world size, ZeRO stage, data position, config
+A checkpoint is complete only when meta.json and one marker per rank are present and every file
+a marker lists exists with its recorded size; an incomplete one is never restored.
+No Ray here: the Ray Train loop moves these directories to and from storage.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+TAG = "state"
+
+
+@dataclass
+class TrainState:
+    """Where training stands: enough to continue exactly where a checkpoint left off."""
+
+    step: int = 0  # optimizer steps done
+    samples_seen: int = 0  # global images consumed (data position)
+    epoch: int = 0  # epoch of the next sample
+    best_metric: float | None = None
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _files_under(root: str) -> dict[str, int]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            out[os.path.relpath(path, root)] = os.path.getsize(path)
+    return out
+
+
+def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None) -> str:
+    """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local).
+
+    DeepSpeed's save is collective. The marker is written last, after this rank's files are
+    flushed, so a rank killed mid-save leaves no marker and the checkpoint stays incomplete.
+    """
+    rank, world = _rank_world()
+    os.makedirs(directory, exist_ok=True)
+    before = set(_files_under(directory))
+    engine.save_checkpoint(directory, tag=TAG, client_state={"train_state": asdict(state)},
+                           save_latest=False)
+    os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+    torch.save(
+        {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        os.path.join(directory, "rng", f"rank_{rank:05d}.pt"),
+    )
+    if rank == 0:
+        meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
+                "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict}
+        _write_json(os.path.join(directory, "meta.json"), meta)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank's DeepSpeed files are written
+    files = {k: v for k, v in _files_under(directory).items()
+             if k not in before and not k.startswith("complete/")}
+    _write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
+                {"rank": rank, "world_size": world, "step": state.step, "files": files})
+    return directory
+
+
+def _write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a reader never sees half a marker
+
+
+def verify(directory: str) -> tuple[bool, str]:
+    """(complete?, reason). Complete = meta + a marker per rank + every listed file present."""
+    meta_path = os.path.join(directory, "meta.json")
+    if not os.path.exists(meta_path):
+        return False, f"{directory}: no meta.json (rank 0 never finished saving)"
+    with open(meta_path) as f:
+        meta = json.load(f)
+    world = meta["world_size"]
+    for r in range(world):
+        marker = os.path.join(directory, "complete", f"rank_{r:05d}.json")
+        if not os.path.exists(marker):
+            return False, f"{directory}: rank {r} of {world} has no completion marker"
+        with open(marker) as f:
+            listed = json.load(f)["files"]
+        for rel, size in listed.items():
+            path = os.path.join(directory, rel)
+            if not os.path.exists(path) or os.path.getsize(path) != size:
+                return False, f"{directory}: {rel} from rank {r} is missing or truncated"
+    return True, "complete"
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, "meta.json")) as f:
+        return json.load(f)
+
+
+def load(engine, directory: str, load_optimizer: bool = True) -> TrainState:
+    """All ranks: restore model, optimizer, LR scheduler, RNG and TrainState from `directory`.
+
+    Raises if the checkpoint is incomplete, was written by another world size, or DeepSpeed finds
+    nothing to load (its `load_checkpoint` returns None instead of raising).
+    """
+    ok, reason = verify(directory)
+    if not ok:
+        raise RuntimeError(f"refusing to restore an incomplete checkpoint: {reason}")
+    rank, world = _rank_world()
+    meta = read_meta(directory)
+    if meta["world_size"] != world:
+        raise RuntimeError(
+            f"{directory} was saved by {meta['world_size']} ranks but {world} are running: ZeRO "
+            "shards are per rank; resume with the same parallel.num_workers, or export the "
+            "weights (`vitp export`) and start a new run from them"
+        )
+    path, client = engine.load_checkpoint(directory, tag=meta["tag"], load_optimizer_states=load_optimizer,
+                                          load_lr_scheduler_states=load_optimizer)
+    if path is None:
+        raise RuntimeError(
+            f"DeepSpeed found no checkpoint under {directory}/{meta['tag']} although a resume was "
+            "expected: the directory is incomplete or from another layout"
+        )
+    rng_path = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
+    if os.path.exists(rng_path):
+        rng = torch.load(rng_path, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    state = (client or {}).get("train_state") or meta["train_state"]
+    return TrainState(**state)

@@ -1,0 +1,163 @@
+"""DeepSpeed engine built from our config: the one place the DeepSpeed config dict is made.
+
+Plain torch + DeepSpeed, no Ray: a GPU benchmark or a single-process debug run builds the same
+engine as a Ray Train worker does. Owns optimizer parameter groups, the LR schedule, the ZeRO /
+precision / offload settings and process-group set-up.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import torch
+
+from ..config import ExperimentConfig, OptimConfig
+
+# --------------------------------------------------------------------------- DeepSpeed config
+
+
+def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg`; the batch triangle is checked against the real world size."""
+    p = cfg.parallel
+    world = world_size if world_size is not None else p.num_workers
+    if p.micro_batch * p.grad_accum * world != p.global_batch:
+        raise ValueError(
+            f"global batch {p.global_batch} != micro {p.micro_batch} x accum {p.grad_accum} x "
+            f"world {world} = {p.micro_batch * p.grad_accum * world}: set parallel.num_workers={world} "
+            "to match the running world, or adjust parallel.grad_accum / parallel.global_batch"
+        )
+    zero: dict[str, Any] = {"stage": p.zero_stage}
+    if p.zero_stage >= 1:
+        # Overlap the reduce with backward where DeepSpeed can; bucket sizes suit ViT layers.
+        zero.update(reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7),
+                    overlap_comm=p.use_gpu, contiguous_gradients=True)
+    if p.zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=int(1e5), stage3_prefetch_bucket_size=int(5e7))
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": p.use_gpu}
+    if p.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": p.use_gpu}
+    return {
+        "train_batch_size": p.global_batch,
+        "train_micro_batch_size_per_gpu": p.micro_batch,
+        "gradient_accumulation_steps": p.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": p.precision == "bf16"},
+        "fp16": {"enabled": p.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,  # our own progress line replaces DeepSpeed's
+        "wall_clock_breakdown": False,
+        "seed": cfg.train.seed,
+    }
+
+
+# --------------------------------------------------------------------------- optimizer + LR
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: biases, norms, position embedding and class token get no decay."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name in skip or p.ndim <= 1 else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: ExperimentConfig) -> torch.optim.Optimizer:
+    o, p = cfg.optim, cfg.parallel
+    groups = param_groups(model, o.weight_decay)
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    if p.offload_optimizer:
+        # ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's vectorised Adam.
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=1e-8)
+
+
+def lr_multiplier(step: int, o: OptimConfig, total_steps: int) -> float:
+    """LR / peak LR after `step` optimizer steps: linear warm-up, then linear/cosine decay."""
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - o.warmup_steps)
+    frac = min(1.0, (step - o.warmup_steps) / span)
+    if o.schedule == "linear":
+        decay = 1.0 - frac
+    else:  # cosine
+        decay = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    o, total = cfg.optim, cfg.train.steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, o, total))
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(use_gpu: bool) -> None:
+    """Join (or create) the process group DeepSpeed uses.
+
+    Under Ray Train the group already exists (gloo on CPU, NCCL on GPU). Run alone — the GPU
+    benchmark, a debug session — we make a world of one on 127.0.0.1.
+    """
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo", verbose=False)
+
+
+def device_for(cfg: ExperimentConfig) -> torch.device:
+    if cfg.parallel.use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "parallel.use_gpu=true but no CUDA device is visible to this worker: "
+                "set --set parallel.use_gpu=false (and precision fp32/bf16) to train on CPU"
+            )
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_engine(model: torch.nn.Module, cfg: ExperimentConfig, world_size: int | None = None):
+    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler)."""
+    import deepspeed
+
+    init_distributed(cfg.parallel.use_gpu)
+    world = torch.distributed.get_world_size()
+    if world_size is not None and world_size != world:
+        raise ValueError(f"world size {world_size} requested but the process group has {world}")
+    ds_config = build_ds_config(cfg, world)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+    )
+    return engine, optimizer, scheduler
+
+
+def model_dtype(cfg: ExperimentConfig) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.parallel.precision]

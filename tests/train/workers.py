@@ -1,0 +1,116 @@
+"""Module-level functions the engine tests run on spawned gloo processes (no Ray)."""
+import os
+
+import torch
+
+from pipeline.config import ExperimentConfig, apply_overrides
+from pipeline.recipes import debug
+
+
+def learnable_batches(cfg: ExperimentConfig, rank: int, world: int, steps: int, seed: int = 0):
+    """A learnable stream: class k images have a bright k-th horizontal band. Rank r takes
+    slice r of every global batch, so every world size sees the same global batches."""
+    g = torch.Generator().manual_seed(seed)
+    p, S, K = cfg.parallel, cfg.data.image_size, cfg.model.num_classes
+    for _ in range(steps * p.grad_accum):
+        B = p.micro_batch * world
+        y = torch.randint(0, K, (B,), generator=g)
+        x = torch.randn(B, 3, S, S, generator=g) * 0.3
+        band = S // K if S >= K else 1
+        for i, k in enumerate(y.tolist()):
+            x[i, :, (k * band) % S:(k * band) % S + band, :] += 2.0
+        sl = slice(rank * p.micro_batch, (rank + 1) * p.micro_batch)
+        yield x[sl], y[sl]
+
+
+def cfg_for(stage: int, world: int, steps: int, extra=()) -> ExperimentConfig:
+    return apply_overrides(debug(), [
+        f"parallel.zero_stage={stage}", f"parallel.num_workers={world}", "parallel.micro_batch=8",
+        "parallel.grad_accum=2", f"parallel.global_batch={8 * 2 * world}", f"train.steps={steps}",
+        "train.log_every=1", "optim.warmup_steps=2", "optim.lr=0.002", *extra])
+
+
+def curves_per_stage(rank, world, stages, steps):
+    """Loss curve of each ZeRO stage on identical data and seed."""
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+
+    out = {}
+    for stage in stages:
+        cfg = cfg_for(stage, world, steps)
+        engine, _, _ = build_model_and_engine(cfg, world)
+        res = run_loop(cfg, engine, learnable_batches(cfg, rank, world, steps), ckpt.TrainState(),
+                       LoopHooks(), rank, world)
+        out[stage] = [h["train/loss"] for h in res.history]
+        out[f"{stage}/grad_norm"] = [h["train/grad_norm"] for h in res.history]
+    return out
+
+
+def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir):
+    """Train, checkpoint at the end, export on rank 0; return the engine's logits on a probe."""
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.export import export
+    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+
+    cfg = cfg_for(stage, world, steps)
+    engine, _, _ = build_model_and_engine(cfg, world)
+
+    def on_checkpoint(step, state, metrics):
+        ckpt.save(engine, ckpt_dir, state, cfg.to_dict())
+
+    run_loop(cfg, engine, learnable_batches(cfg, rank, world, steps), ckpt.TrainState(),
+             LoopHooks(on_checkpoint=on_checkpoint), rank, world)
+    torch.distributed.barrier()
+    if rank == 0:
+        export(ckpt_dir, export_dir)
+    probe = torch.Generator().manual_seed(123)
+    x = torch.randn(4, 3, cfg.data.image_size, cfg.data.image_size, generator=probe)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(x)  # ZeRO-3 gathers the partitioned params for the forward
+    return logits.numpy()  # tensors would travel as shared memory that dies with the process
+
+
+def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
+    """Uninterrupted curve vs. (train to split_at, checkpoint, fresh engine, load, continue)."""
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+
+    cfg = cfg_for(stage, world, steps)
+    engine, _, _ = build_model_and_engine(cfg, world)
+    full = run_loop(cfg, engine, learnable_batches(cfg, rank, world, steps), ckpt.TrainState(),
+                    LoopHooks(), rank, world)
+    full_curve = [h["train/loss"] for h in full.history]
+
+    # first part: stop at split_at with a checkpoint
+    part_cfg = cfg_for(stage, world, steps, extra=[f"train.checkpoint_every={split_at}"])
+    engine, _, _ = build_model_and_engine(part_cfg, world)
+    saved = {}
+
+    class Stop(Exception):
+        pass
+
+    def on_checkpoint(step, state, metrics):
+        if step == split_at:
+            ckpt.save(engine, ckpt_dir, state, part_cfg.to_dict())
+            saved["state"] = state
+            raise Stop()
+
+    first = []
+    try:
+        run_loop(part_cfg, engine, learnable_batches(part_cfg, rank, world, steps), ckpt.TrainState(),
+                 LoopHooks(on_log=lambda s, m: first.append(m["train/loss"]), on_checkpoint=on_checkpoint),
+                 rank, world)
+    except Stop:
+        pass
+    # second part: new engine with different init, restore, skip consumed batches, continue
+    torch.manual_seed(999)
+    engine, _, _ = build_model_and_engine(part_cfg, world)
+    state = ckpt.load(engine, ckpt_dir)
+    restored_step = state.step
+    stream = learnable_batches(part_cfg, rank, world, steps)
+    for _ in range(state.step * part_cfg.parallel.grad_accum):
+        next(stream)
+    second = run_loop(part_cfg, engine, stream, state, LoopHooks(), rank, world)
+    return {"full": full_curve, "resumed": first + [h["train/loss"] for h in second.history],
+            "step": restored_step, "lr_after": engine.get_lr()[0]}
