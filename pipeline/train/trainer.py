@@ -1,0 +1,173 @@
+"""Driver side of a training run: Ray Train `TorchTrainer` from the config, MLflow run, result.
+
+Builds ScalingConfig / RunConfig / FailureConfig from the config, hands the dataset factories
+to Train (re-evaluated on every worker-group restart so a resumed attempt streams from the
+epoch its checkpoint stopped in), starts or resumes the MLflow run by name and ends it FAILED
+on a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..config import ExperimentConfig, flatten
+from . import checkpoint as ckpt
+
+
+def storage_path(cfg: ExperimentConfig) -> str:
+    """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (a local path or a URI)."""
+    if "://" in cfg.work_dir:
+        return cfg.work_dir.rstrip("/") + "/runs"
+    return os.path.abspath(os.path.join(cfg.work_dir, "runs"))
+
+
+def latest_complete_checkpoint(cfg: ExperimentConfig) -> Optional[str]:
+    """Newest checkpoint directory of this run that passes `checkpoint.verify` (local storage)."""
+    run_dir = os.path.join(storage_path(cfg), cfg.run_name)
+    if "://" in run_dir or not os.path.isdir(run_dir):
+        return None
+    for name in sorted(os.listdir(run_dir), reverse=True):
+        path = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and ckpt.verify(path)[0]:
+            return path
+    return None
+
+
+def train_rows_per_epoch(cfg: ExperimentConfig) -> int:
+    """Training images per epoch, from the shards' manifest."""
+    from ..data import shards as sh
+    from ..data.ingest import shards_dir
+
+    return int(sh.read_manifest(shards_dir(cfg))["counts"]["train"])
+
+
+def stream_start_epoch(cfg: ExperimentConfig) -> int:
+    """The epoch a (re)started attempt streams from: that of the newest complete checkpoint.
+
+    Called by the dataset factory (in the Train controller) and by every worker, so both agree.
+    With remote storage (URIs) attempts stream from epoch 0 and workers skip what was consumed.
+    """
+    latest = latest_complete_checkpoint(cfg)
+    return int(ckpt.read_meta(latest)["train_state"]["epoch"]) if latest else 0
+
+
+class TrainDatasetFactory:
+    """Picklable `() -> Dataset` for Train: called on every worker-group (re)start, it streams
+    from the epoch the newest complete checkpoint stopped in (the data position)."""
+
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.cfg_dict = cfg_dict
+
+    def __call__(self):
+        from ..data.ingest import build_train_dataset
+
+        cfg = ExperimentConfig.from_dict(self.cfg_dict)
+        return build_train_dataset(cfg, start_epoch=stream_start_epoch(cfg))
+
+
+class EvalDatasetFactory:
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.cfg_dict = cfg_dict
+
+    def __call__(self):
+        from ..data.ingest import build_eval_dataset
+
+        return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
+
+
+@dataclass
+class TrainSummary:
+    run_name: str
+    mlflow_run_id: Optional[str]
+    checkpoint: Optional[str]
+    metrics: dict[str, Any]
+    seconds: float
+
+
+def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] = None,
+                  with_val: bool = True):
+    """The TorchTrainer for `cfg` (not yet started)."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .loop import train_per_worker
+
+    from ray.data import DataContext
+
+    # Train propagates the driver's DataContext to the workers: our progress line replaces
+    # Ray Data's per-dataset bars, which would otherwise repeat for every epoch and eval pass.
+    DataContext.get_current().enable_progress_bars = False
+    p = cfg.parallel
+    resources = {"CPU": p.cpus_per_worker}
+    if p.use_gpu:
+        resources["GPU"] = p.gpus_per_worker
+    cfg_dict = cfg.to_dict()
+    datasets: dict[str, Any] = {"train": TrainDatasetFactory(cfg_dict)}
+    if with_val:
+        datasets["val"] = EvalDatasetFactory(cfg_dict)
+    return TorchTrainer(
+        train_per_worker,
+        train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
+        torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=cfg.run_name,
+            storage_path=storage_path(cfg),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
+        ),
+        datasets=datasets,
+    )
+
+
+def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = True,
+                 extra_tags: Optional[dict[str, str]] = None) -> TrainSummary:
+    """Run (or resume, same run name) a Ray Train job for `cfg`, logged to MLflow.
+
+    Re-running with the same `tracking.run_name`/recipe resumes from the newest checkpoint
+    and continues the same MLflow run; a new name starts fresh.
+    """
+    from ..tracking import RunLogger, resolve_tracking_uri
+
+    t0 = time.time()
+    logger = None
+    mlflow_info = None
+    if tracking:
+        uri = resolve_tracking_uri(cfg)
+        logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
+                                 tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
+                                       "dataset": cfg.data.source, **cfg.tracking.tags,
+                                       **(extra_tags or {})})
+        logger.log_config(cfg.to_dict())
+        _log_manifest(logger, cfg)
+        mlflow_info = {"uri": uri, "run_id": logger.run_id}
+        print(f"[{cfg.run_name}] MLflow run {logger.run_id} ({'resumed' if logger.resumed else 'new'}) at {uri}",
+              flush=True)
+    trainer = build_trainer(cfg, mlflow_info, with_val=with_val)
+    try:
+        result = trainer.fit()
+    except BaseException as e:
+        if logger:
+            logger.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    metrics = dict(result.metrics or {})
+    if logger:
+        if checkpoint:
+            logger.set_tags({"checkpoint": checkpoint})
+        logger.end("FINISHED")
+    return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
+                        time.time() - t0)
+
+
+def _log_manifest(logger, cfg: ExperimentConfig) -> None:
+    from ..data.ingest import shards_dir
+
+    path = os.path.join(shards_dir(cfg), "manifest.json")
+    if "://" not in path and os.path.exists(path):
+        with open(path) as f:
+            logger.log_dict(json.load(f), "data/manifest.json")
