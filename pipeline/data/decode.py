@@ -58,7 +58,9 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
             im = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
             raise DecodeError("not_an_image", "not an image Pillow can identify") from None
-        except Exception as e:  # noqa: BLE001 - any header failure is a corrupt file
+        except Exception as e:  # noqa: BLE001 - any other header failure is a corrupt file
+            if "truncated" in str(e).lower():  # the file ends inside the header
+                raise DecodeError("truncated", f"truncated header ({e})") from None
             raise DecodeError("corrupt", f"header unreadable: {e}") from None
         finally:
             Image.MAX_IMAGE_PIXELS = saved
@@ -75,7 +77,7 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
         im.load()
     except OSError as e:
         msg = str(e)
-        if "truncated" in msg or "broken data stream" in msg or "ended prematurely" in msg:
+        if any(t in msg.lower() for t in ("truncated", "broken data stream", "ended prematurely")):
             raise DecodeError("truncated", f"truncated {im.format or 'image'} ({msg})") from None
         raise DecodeError("corrupt", f"{im.format or 'image'} decode failed ({msg})") from None
     except Exception as e:  # noqa: BLE001
@@ -202,9 +204,11 @@ def random_crop_box(rng: np.random.Generator, h: int, w: int, size: int) -> tupl
 
 
 def encode_jpeg(img: np.ndarray, quality: int) -> bytes:
-    """(H, W, 3) uint8 -> JPEG bytes at `quality` (Pillow defaults: 4:2:0 subsampling)."""
+    """(H, W, 3) uint8 -> JPEG bytes. At quality >= 90 chroma is kept at full resolution
+    (4:4:4): 4:2:0 costs ~8 dB PSNR on small, colourful images for ~25% fewer bytes."""
     buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="JPEG", quality=int(quality))
+    Image.fromarray(img).save(buf, format="JPEG", quality=int(quality),
+                              subsampling=0 if quality >= 90 else 2)
     return buf.getvalue()
 
 

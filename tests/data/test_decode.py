@@ -1,0 +1,100 @@
+"""decode.py without Ray: every mode converted to RGB with the expected pixels, every bad
+input rejected with its reason, and the crop boxes inside their bounds."""
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.data.decode import (DecodeError, crop_resize, decode_image, inception_crop_box,
+                                  random_crop_box, resize_center_crop)
+
+
+def enc(im, fmt, **kw):
+    b = io.BytesIO()
+    im.save(b, format=fmt, **kw)
+    return b.getvalue()
+
+
+def fake_png_header(w, h):
+    """A PNG whose IHDR claims w x h: only the header exists (a decompression bomb's shape)."""
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+def test_modes_convert_to_expected_rgb():
+    grey = Image.fromarray(np.full((4, 4), 77, np.uint8), "L")
+    assert (decode_image(enc(grey, "PNG")) == 77).all()
+    cmyk = Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # pure red in CMYK
+    assert (decode_image(enc(cmyk, "TIFF")) == [255, 0, 0]).all()
+    i16 = Image.fromarray(np.array([[0, 65535], [32896, 257]], np.uint16))  # 16-bit grey
+    out = decode_image(enc(i16, "PNG"))
+    assert out[..., 0].tolist() == [[0, 255], [128, 1]] and (out[..., 0] == out[..., 2]).all()
+    rgba = np.zeros((2, 2, 4), np.uint8)
+    rgba[0, 0] = (255, 0, 0, 0)      # fully transparent red -> white
+    rgba[0, 1] = (0, 0, 255, 255)    # opaque blue stays blue
+    rgba[1, 0] = (0, 0, 0, 128)      # half-transparent black on white -> ~127 grey
+    rgba[1, 1] = (0, 255, 0, 255)
+    out = decode_image(enc(Image.fromarray(rgba, "RGBA"), "PNG"))
+    assert out[0, 0].tolist() == [255, 255, 255] and out[0, 1].tolist() == [0, 0, 255]
+    assert out[1, 0].tolist() == [127, 127, 127] and out[1, 1].tolist() == [0, 255, 0]
+    pal = Image.fromarray(np.array([[0, 1], [1, 0]], np.uint8), "P")
+    pal.putpalette([10, 20, 30, 200, 100, 50] + [0] * 762)
+    out = decode_image(enc(pal, "PNG", transparency=0))  # index 0 transparent -> white
+    assert out[0, 0].tolist() == [255, 255, 255] and out[0, 1].tolist() == [200, 100, 50]
+
+
+def test_exif_orientation_applied():
+    a = np.zeros((32, 64, 3), np.uint8)  # (H, W): left half red, right half blue
+    a[:, :32] = (255, 0, 0)
+    a[:, 32:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display": left edge goes to the top
+    out = decode_image(enc(Image.fromarray(a), "JPEG", quality=98, exif=exif.tobytes()))
+    assert out.shape == (64, 32, 3)
+    assert out[8, 16, 0] > 200 and out[8, 16, 2] < 50   # top: red
+    assert out[56, 16, 2] > 200 and out[56, 16, 0] < 50  # bottom: blue
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"", "empty"),
+    (b"this is not an image, it only has a .jpg name", "not_an_image"),
+    (fake_png_header(100_000, 100_000), "too_large"),
+])
+def test_bad_inputs_have_reasons(data, reason):
+    with pytest.raises(DecodeError) as e:
+        decode_image(data)
+    assert e.value.reason == reason
+
+
+def test_truncated_jpeg_and_pixel_limit_before_decode():
+    full = enc(Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)), "JPEG")
+    with pytest.raises(DecodeError) as e:
+        decode_image(full[: len(full) // 2])
+    assert e.value.reason == "truncated"
+    big = enc(Image.new("RGB", (300, 300)), "PNG")
+    with pytest.raises(DecodeError) as e:
+        decode_image(big, max_pixels=300 * 300 - 1)
+    assert e.value.reason == "too_large" and "300x300" in str(e.value)
+
+
+def test_resize_center_crop_and_boxes():
+    img = np.arange(8 * 12 * 3, dtype=np.uint8).reshape(8, 12, 3)
+    assert resize_center_crop(img, 8).shape == (8, 8, 3)
+    assert (resize_center_crop(img[:, 2:10], 8) == img[:, 2:10]).all()  # already square: unchanged
+    assert resize_center_crop(np.zeros((8, 8, 3), np.uint8), 40).shape == (40, 40, 3)  # upscale
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        x0, y0, x1, y1 = inception_crop_box(rng, 30, 50, 0.08)
+        assert 0 <= x0 < x1 <= 50 and 0 <= y0 < y1 <= 30
+        area = (x1 - x0) * (y1 - y0) / (30 * 50)
+        assert 0.05 <= area <= 1.0
+        x0, y0, x1, y1 = random_crop_box(rng, 40, 40, 32)
+        assert 0 <= x0 and x1 <= 40 + 1e-9 and abs((x1 - x0) - 32) < 1e-9
+    box = random_crop_box(rng, 8, 8, 16)  # smaller than the crop: upscaled, whole image
+    assert box == (0.0, 0.0, 8.0, 8.0)
+    assert crop_resize(img, (0, 0, 12, 8), 16, flip=True).shape == (16, 16, 3)
