@@ -1,0 +1,154 @@
+"""Training ingest: equal batches per Train worker, no duplicates within an epoch, few left
+out (and different ones each epoch), deterministic augmentation, normalisation on the device."""
+import dataclasses
+import json
+import os
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data.commands import run_preprocess
+from pipeline.data.ingest import (build_eval_dataset, build_train_dataset, iter_device_batches,
+                                  normalize)
+
+from .conftest import make_cfg
+
+pytestmark = pytest.mark.ray
+WORLD, BATCH = 2, 8
+
+
+@pytest.fixture(scope="module")
+def shards(ray_session, tmp_path_factory):
+    """10 classes x 23 synthetic images at 24px, ~10% val: 207-ish train rows (odd on purpose)."""
+    tmp = tmp_path_factory.mktemp("ingest")
+    cfg = make_cfg(tmp, synth_images_per_class=23, storage_size=24, image_size=16,
+                   shard_mb=0.1, val_fraction=0.1, crop_scale_min=0.35)
+    res = run_preprocess(cfg)
+    return cfg, res
+
+
+def split_keys(ds, world=WORLD, batch=BATCH):
+    """Consume streaming_split(world, equal=True) concurrently, as Train workers do."""
+    its = ds.streaming_split(world, equal=True)
+    seen = [[] for _ in range(world)]
+
+    def consume(i):
+        for b in its[i].iter_batches(batch_size=batch, drop_last=True):
+            seen[i].append([(int(e), k) for e, k in zip(b["epoch"], b["key"])])
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(world)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return seen
+
+
+def test_streaming_split_equal_no_duplicates_left_out_changes(shards):
+    cfg, res = shards
+    n = res["train"]
+    assert n % (WORLD * BATCH) != 0  # otherwise nothing is left out and the test proves less
+    left = []
+    for epoch in (0, 1):
+        seen = split_keys(build_train_dataset(cfg, start_epoch=epoch, num_epochs=1, unit_rows=16))
+        assert len(seen[0]) == len(seen[1]) > 0  # equal batches per worker
+        keys = [k for w in seen for b in w for (e, k) in b]
+        assert all(e == epoch for w in seen for b in w for (e, _) in b)
+        assert len(keys) == len(set(keys))  # nobody sees an example twice in an epoch
+        all_keys = {r["key"] for r in build_eval_dataset(cfg, "train").select_columns(["key"]).take_all()}
+        assert set(keys) <= all_keys and len(all_keys) == n
+        left.append(all_keys - set(keys))
+        assert len(left[-1]) < WORLD * BATCH
+    assert left[0] != left[1]  # the left-out examples change between epochs
+
+
+def test_multi_epoch_stream_covers_each_epoch(shards):
+    cfg, res = shards
+    seen = split_keys(build_train_dataset(cfg, num_epochs=3))
+    assert len(seen[0]) == len(seen[1])
+    per_epoch = Counter(e for w in seen for b in w for (e, _) in b)
+    assert per_epoch[0] == per_epoch[1] == res["train"]  # only the stream's tail is cut
+    assert res["train"] - WORLD * BATCH < per_epoch[2] <= res["train"]
+    pairs = [p for w in seen for b in w for p in b]
+    assert len(pairs) == len(set(pairs))
+    # default length covers train.steps x global_batch rows
+    cfg2 = cfg.replace(train=dataclasses.replace(cfg.train, steps=20),
+                       parallel=dataclasses.replace(cfg.parallel, global_batch=32))
+    assert build_train_dataset(cfg2).count() >= 20 * 32
+
+
+def test_augmentation_deterministic_and_varies_by_epoch(shards):
+    cfg, _ = shards
+
+    def images(start):
+        ds = build_train_dataset(cfg, start_epoch=start, num_epochs=1)
+        return {k: im for b in ds.iter_batches(batch_size=None) for k, im in zip(b["key"], b["image"])}
+
+    a, b, c = images(0), images(0), images(1)
+    assert a.keys() == b.keys() == c.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # same seed + epoch: same pixels
+    same = sum(np.array_equal(a[k], c[k]) for k in a)
+    assert same < len(a) // 10  # another epoch: other crops/flips
+    assert next(iter(a.values())).shape == (16, 16, 3)
+    order0 = [k for b_ in build_train_dataset(cfg, num_epochs=1).iter_batches(batch_size=None)
+              for k in b_["key"]]
+    order1 = [k for b_ in build_train_dataset(cfg, start_epoch=1, num_epochs=1)
+              .iter_batches(batch_size=None) for k in b_["key"]]
+    assert order0 != order1 and sorted(order0) == sorted(order1)  # reshuffled each epoch
+
+
+def test_eval_dataset_and_device_batches(shards):
+    cfg, res = shards
+    ds = build_eval_dataset(cfg)
+    batches = list(iter_device_batches(ds, 8, "cpu", drop_last=False))
+    assert sum(len(y) for _, y in batches) == res["val"]
+    x, y = batches[0]
+    assert x.shape == (8, 3, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert -1.0 <= x.min() and x.max() <= 1.0
+    u8 = torch.tensor([[[[0, 255, 51]]]], dtype=torch.uint8)  # (1, 1, 1, 3)
+    out = normalize(u8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    assert out.shape == (1, 3, 1, 1) and torch.allclose(out.flatten(), torch.tensor([-1.0, 1.0, -0.6]))
+    assert normalize(u8, (0, 0, 0), (1, 1, 1), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def _record_keys_per_worker(config):
+    """Train worker: read this worker's shard, write the keys of every batch to a file."""
+    import ray.train
+
+    from pipeline.data.ingest import iter_device_batches
+
+    rank = ray.train.get_context().get_world_rank()
+    it = ray.train.get_dataset_shard("train")
+    nb = 0
+    keys = []
+    for b in it.iter_batches(batch_size=config["batch"], drop_last=True):
+        keys.extend(str(k) for k in b["key"])
+        nb += 1
+    # the device path from a Train worker too (a second pass over this worker's shard)
+    nd = sum(1 for _ in iter_device_batches(it, config["batch"], "cpu"))
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"batches": nb, "device_batches": nd, "keys": keys}, f)
+
+
+def test_torch_trainer_workers_get_equal_batches(shards, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cfg, res = shards
+    ds = build_train_dataset(cfg, num_epochs=1, unit_rows=16)
+    trainer = TorchTrainer(
+        _record_keys_per_worker,
+        train_loop_config={"batch": BATCH, "out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False,
+                                     resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="ingest"),
+        datasets={"train": ds},
+    )
+    trainer.fit()
+    out = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
+    assert out[0]["batches"] == out[1]["batches"] > 0
+    assert out[0]["device_batches"] == out[1]["device_batches"] > 0
+    keys = out[0]["keys"] + out[1]["keys"]
+    assert len(keys) == len(set(keys))
+    assert res["train"] - len(keys) < WORLD * BATCH
