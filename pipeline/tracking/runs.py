@@ -100,22 +100,21 @@ _ready_lock = threading.Lock()
 def get_client(tracking_uri: str) -> MlflowClient:
     """An MlflowClient for `tracking_uri`, with a fresh SQLite store initialised by one process at a time.
 
-    MLflow creates/migrates the SQLite schema on first open; two processes doing that at once fail
-    with "table already exists" / "duplicate column". An exclusive file lock beside the DB serialises
-    the first open; later opens in this process skip the lock.
+    MLflow creates/migrates the SQLite schema when the client is constructed; two processes doing
+    that at once fail with "table already exists" / "duplicate column". An exclusive file lock beside
+    the DB serialises the first open; later opens in this process skip the lock.
     """
     uri = _normalise_uri(tracking_uri)
-    client = MlflowClient(tracking_uri=uri)
     db = _sqlite_path(uri)
     if db is None:
-        return client
+        return MlflowClient(tracking_uri=uri)
     with _ready_lock:
         if uri in _ready:
-            return client
+            return MlflowClient(tracking_uri=uri)
         db.parent.mkdir(parents=True, exist_ok=True)
         try:
             import fcntl
-        except ImportError:  # Windows: no flock; fall back to retrying the first open
+        except ImportError:  # Windows: no flock; the retries below absorb most races
             fcntl = None
         with open(f"{db}.lock", "a+") as lock_file:
             if fcntl is not None:
@@ -123,9 +122,10 @@ def get_client(tracking_uri: str) -> MlflowClient:
             try:
                 for attempt in range(5):
                     try:
-                        client.search_experiments(max_results=1)  # opens and migrates the store
+                        client = MlflowClient(tracking_uri=uri)  # opens and migrates the store
+                        client.search_experiments(max_results=1)
                         break
-                    except Exception:  # noqa: BLE001 - a racing migration from an unlocked opener
+                    except Exception:  # noqa: BLE001 - e.g. a migration by an opener without our lock
                         if attempt == 4:
                             raise
                         time.sleep(0.5 * (attempt + 1))

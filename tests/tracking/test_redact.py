@@ -1,0 +1,32 @@
+"""Credential redaction: what is masked, and what must stay readable."""
+from pipeline.tracking.redact import REDACTED, is_secret_key, redact, redact_text
+
+
+def test_secret_keys_are_whole_words():
+    for key in ("hf_token", "db.password", "aws_secret_access_key", "apiKey", "s3.secret_key",
+                "MLFLOW_TRACKING_PASSWORD", "basic_auth", "credentials"):
+        assert is_secret_key(key), key
+    for key in ("tokenizer", "author", "data.path", "model.variant", "optim.lr", "keep_checkpoints"):
+        assert not is_secret_key(key), key
+
+
+def test_secret_values_are_masked_wherever_they_are():
+    text = ("https://alice:hunter2@mlflow.example.com/api?token=abc123&page=2 "
+            "key=AKIAIOSFODNN7EXAMPLE Authorization: Bearer eyJhbGciOiJIUzI1NiJ9 "
+            "ghp_0123456789abcdefghijABCDEFGHIJ")
+    out = redact_text(text)
+    for secret in ("hunter2", "abc123", "AKIAIOSFODNN7EXAMPLE", "eyJhbGciOiJIUzI1NiJ9", "ghp_0123"):
+        assert secret not in out, secret
+    # The non-secret parts stay: the user, the host, other query params.
+    assert "https://alice:***@mlflow.example.com/api?token=***&page=2" in out
+
+
+def test_redact_keeps_numbers_and_plain_strings_and_recurses():
+    d = {"max_tokens": 512, "hf_token": "hf_abcdefghijklmnopqrstuvwxyz", "path": "/data/x",
+         "tags": {"owner": "bob", "github_token": "x"}, "uris": ["s3://k:s@bucket/a"]}
+    out = redact(d)
+    assert out["max_tokens"] == 512 and out["path"] == "/data/x"
+    assert out["hf_token"] == REDACTED
+    assert out["tags"] == {"owner": "bob", "github_token": REDACTED}
+    assert out["uris"] == ["s3://k:***@bucket/a"]
+    assert d["hf_token"].startswith("hf_"), "redact must not modify its input"
