@@ -9,11 +9,12 @@ from typing import Any
 
 REDACTED = "***"
 
-# A key whose last component names a credential. Only *string* values under such keys are
-# redacted, so numeric fields that merely contain a word (e.g. "max_tokens": 512) stay visible.
-_SECRET_KEY = re.compile(
-    r"(passw(or)?d|pwd|secret|token|credential|api[_-]?key|access[_-]?key|private[_-]?key|auth)",
-    re.IGNORECASE,
+# A key whose last component names a credential, as a whole word ("hf_token", "db_password",
+# "aws_secret_access_key", "apiKey") but not inside another word ("tokenizer", "author").
+# Only *string* values under such keys are redacted, so numeric fields stay visible.
+_SECRET_WORD = re.compile(
+    r"(^|_)(passw(or)?d|pwd|secrets?|tokens?|credentials?|auth|api_?key|access_?key|private_?key"
+    r"|secret_?key|session_?key)(_|$)"
 )
 # Values that are credentials whatever their key is called.
 _SECRET_VALUES = [
@@ -37,7 +38,8 @@ _INLINE_PAIR = re.compile(
 def is_secret_key(key: str) -> bool:
     """True when the last dotted component of `key` names a credential ("s3.secret_key")."""
     last = str(key).rsplit(".", 1)[-1]
-    return bool(_SECRET_KEY.search(last))
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", last).lower().replace("-", "_")  # apiKey -> api_key
+    return bool(_SECRET_WORD.search(words))
 
 
 def redact_text(text: str) -> str:

@@ -224,8 +224,9 @@ def _chunks(items: list, n: int):
 class RunLogger:
     """One MLflow run, owned by one process (Train rank 0 or a Tune trial driver).
 
-    Use `RunLogger.start(...)`; as a context manager the run ends FINISHED on normal exit, FAILED on
-    an exception and KILLED on KeyboardInterrupt.
+    Use `RunLogger.start(...)`; as a context manager the run ends FINISHED on normal exit (or
+    sys.exit(0)), FAILED on an exception and KILLED on KeyboardInterrupt. A process killed by
+    SIGKILL/OOM cannot end its run: it stays RUNNING until a later start() resumes it by name or id.
     """
 
     def __init__(
@@ -259,9 +260,10 @@ class RunLogger:
         tags: dict | None = None,
         parent_run_id: str | None = None,
     ) -> "RunLogger":
-        """Continue `run_id`; else the newest unfinished run named `run_name`; else create a run.
+        """Continue `run_id` (whatever its status: a retried trial); else the newest unfinished
+        (RUNNING/FAILED/KILLED) run named `run_name`; else create a run.
 
-        A resumed run is set back to RUNNING. With `parent_run_id`, resume by name only matches runs
+        A resumed run is set back to RUNNING and its `vitp.attempt` tag incremented. With `parent_run_id`, resume by name only matches runs
         under that parent (trial names repeat across sweeps).
         """
         client = get_client(tracking_uri)
@@ -299,10 +301,17 @@ class RunLogger:
             return cls(client, created.info.run_id, experiment_id, run_name, False, {})
 
         rid = run.info.run_id
-        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1") or 1) + 1
-        client.update_run(rid, status="RUNNING")
-        tag_batch = {**_tags_for_mlflow(all_tags), ATTEMPT_TAG: str(attempt)}
-        client.log_batch(rid, tags=[RunTag(k, v) for k, v in tag_batch.items()])
+        tag_batch = _tags_for_mlflow(all_tags)
+        # A Train worker attaching to the RUNNING run its driver opened is not a new attempt; a
+        # resume by name (driver restart) or of an ended run (trial retry) is.
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1") or 1)
+        if not (run_id and run.info.status == "RUNNING"):
+            attempt += 1
+            tag_batch[ATTEMPT_TAG] = str(attempt)
+        if run.info.status != "RUNNING":
+            client.update_run(rid, status="RUNNING")
+        if tag_batch:
+            client.log_batch(rid, tags=[RunTag(k, v) for k, v in tag_batch.items()])
         last_steps = {}
         for key in run.data.metrics:
             history = client.get_metric_history(rid, key)
@@ -431,8 +440,8 @@ class RunLogger:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            status = "FINISHED"
+        if exc_type is None or (issubclass(exc_type, SystemExit) and exc.code in (0, None)):
+            status = "FINISHED"  # sys.exit(0) inside the block is a normal end
         elif issubclass(exc_type, KeyboardInterrupt):
             status = "KILLED"
         else:

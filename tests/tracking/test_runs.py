@@ -72,6 +72,10 @@ def test_resume_by_name_continues_the_run_and_never_logs_a_step_twice(tracking_u
     client = MlflowClient(tracking_uri)
     assert client.get_run(second.run_id).info.status == "RUNNING"
     second.log_config(cfg)  # identical params: accepted, nothing re-logged
+    # A Train worker attaching by id to the RUNNING run sees the same steps; it is not an attempt.
+    worker = RunLogger.start(tracking_uri, experiment, "pretrain-B16", run_id=first.run_id)
+    assert worker.resumed and worker.last_step == 4
+    assert worker.log_metrics({"train/loss": 0.0}, step=4) == 0
     # The resumed attempt replays from step 0 (its last checkpoint) to 9.
     written = [second.log_metrics({"train/loss": 100.0 + s, "train/lr": 0.2}, step=s) for s in range(10)]
     assert written == [0] * 5 + [2] * 5
@@ -148,6 +152,11 @@ def test_context_manager_sets_status_from_how_the_block_ended(tracking_uri, expe
         with RunLogger.start(tracking_uri, experiment, "interrupted") as interrupted:
             raise KeyboardInterrupt
     assert client.get_run(interrupted.run_id).info.status == "KILLED"
+
+    with pytest.raises(SystemExit):
+        with RunLogger.start(tracking_uri, experiment, "exit0") as exit0:
+            raise SystemExit(0)
+    assert client.get_run(exit0.run_id).info.status == "FINISHED"
 
     # A crashed run is resumable by name; the resumed attempt can then finish it.
     with RunLogger.start(tracking_uri, experiment, "crash") as again:
