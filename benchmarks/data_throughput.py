@@ -5,7 +5,7 @@
       (uint8 shards, and JPEG-q95 shards for comparison)
   (c) baseline: torch DataLoader, Pillow decode of the JPEGs + the same augmentation function
 
-Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2
+Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --rounds 3
 Every path gets the same number of CPUs (Ray num_cpus = DataLoader workers = --cpus).
 """
 from __future__ import annotations
@@ -61,35 +61,24 @@ class JpegFolder:
         return torch.from_numpy(out), self.labels[i]
 
 
-def bench_dataloader(files, labels, size, cpus, batch, scale_min):
-    import torch
-
+def dataloader_pass(dl):
     from pipeline.data.ingest import normalize
 
-    dl = torch.utils.data.DataLoader(JpegFolder(files, labels, size, scale_min), batch_size=batch,
-                                     shuffle=True, num_workers=cpus, persistent_workers=True,
-                                     drop_last=True, prefetch_factor=4)
-    rates = []
-    for _ in range(2):  # first pass warms the worker processes
-        t0, n = time.time(), 0
-        for x, y in dl:
-            x = normalize(x, (0.5,) * 3, (0.5,) * 3)
-            n += len(y)
-        rates.append(n / (time.time() - t0))
-    return rates[-1]
+    t0, n = time.time(), 0
+    for x, y in dl:
+        x = normalize(x, (0.5,) * 3, (0.5,) * 3)
+        n += len(y)
+    return n / (time.time() - t0)
 
 
-def bench_ingest(cfg, batch):
+def ingest_pass(cfg, batch, epoch):
     from pipeline.data.ingest import build_train_dataset, iter_device_batches
 
-    rates = []
-    for epoch in range(2):  # first pass warms Ray's worker processes
-        ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=1)
-        t0, n = time.time(), 0
-        for x, y in iter_device_batches(ds, batch, "cpu"):
-            n += len(y)
-        rates.append(n / (time.time() - t0))
-    return rates[-1]
+    ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=1)
+    t0, n = time.time(), 0
+    for x, y in iter_device_batches(ds, batch, "cpu"):
+        n += len(y)
+    return n / (time.time() - t0)
 
 
 def main():
@@ -100,6 +89,7 @@ def main():
     ap.add_argument("--storage", type=int, default=256)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default="")
     args = ap.parse_args()
 
@@ -125,26 +115,45 @@ def main():
                                storage_size=args.storage, image_size=args.size,
                                num_classes=args.classes, val_fraction=0.0, shard_mb=64,
                                crop_scale_min=0.08)
-    results = {}
+    results, cfgs = {}, {}
     for fmt in ("uint8", "jpeg"):
         cfg = dataclasses.replace(base, work_dir=work, data=dataclasses.replace(
             data, storage_format=fmt, shards=os.path.join(work, f"shards-{fmt}")))
         run_preprocess(cfg, overwrite=True, log=lambda s: None)  # warm-up: worker start-up
         res = run_preprocess(cfg, overwrite=True, log=lambda s: None)
-        results[f"(a) preprocess JPEG -> {fmt} shards"] = (res["images_per_sec"], res["bytes"])
-        results[f"(b) ingest from {fmt} shards"] = (bench_ingest(cfg, args.batch), None)
-    ray.shutdown()
-    results["(c) DataLoader, Pillow decode + same aug"] = (
-        bench_dataloader(files, labels, args.size, args.cpus, args.batch, 0.08), None)
+        results[f"(a) preprocess JPEG -> {fmt} shards"] = [res["images_per_sec"]]
+        cfgs[fmt] = cfg
+        ingest_pass(cfg, args.batch, 0)  # warm-up
 
-    ref = results["(c) DataLoader, Pillow decode + same aug"][0]
-    print(f"\n{args.images} JPEGs ({sum(os.path.getsize(f) for f in files) / 1e6:.0f} MB), "
-          f"storage {args.storage}px, train crop {args.size}px, batch {args.batch}, {args.cpus} CPUs\n")
-    print("| path | images/s | images/s per core | vs DataLoader | shard MB |")
-    print("|---|---:|---:|---:|---:|")
-    for name, (rate, nbytes) in results.items():
-        mb = f"{nbytes / 1e6:.0f}" if nbytes else ""
-        print(f"| {name} | {rate:.0f} | {rate / args.cpus:.0f} | {rate / ref:.2f}x | {mb} |")
+    import torch
+
+    dl = torch.utils.data.DataLoader(JpegFolder(files, labels, args.size, 0.08), batch_size=args.batch,
+                                     shuffle=True, num_workers=args.cpus, persistent_workers=True,
+                                     drop_last=True, prefetch_factor=4)
+    dataloader_pass(dl)  # warm-up: worker processes
+    # Interleave the passes: on a shared machine the load drifts, and alternating rounds keeps
+    # that drift out of the ratios. Each path reports the median of its rounds.
+    names = ["(b) ingest from uint8 shards", "(b) ingest from jpeg shards",
+             "(c) DataLoader, Pillow decode + same aug"]
+    for r in range(args.rounds):
+        results.setdefault(names[0], []).append(ingest_pass(cfgs["uint8"], args.batch, r + 1))
+        results.setdefault(names[1], []).append(ingest_pass(cfgs["jpeg"], args.batch, r + 1))
+        results.setdefault(names[2], []).append(dataloader_pass(dl))
+        print(f"round {r}: " + ", ".join(f"{n.split(' ', 1)[1]} {results[n][-1]:.0f}/s" for n in names),
+              flush=True)
+    ray.shutdown()
+
+    ref = float(np.median(results[names[2]]))
+    size_mb = sum(os.path.getsize(f) for f in files) / 1e6
+    print(f"\n{args.images} JPEGs ({size_mb:.0f} MB), storage {args.storage}px, train crop "
+          f"{args.size}px, batch {args.batch}, {args.cpus} CPUs, {args.rounds} interleaved rounds, "
+          f"load average at end {os.getloadavg()[0]:.1f}\n")
+    print("| path | images/s (median) | images/s per core | vs DataLoader | rounds |")
+    print("|---|---:|---:|---:|---|")
+    for name, rates in results.items():
+        med = float(np.median(rates))
+        print(f"| {name} | {med:.0f} | {med / args.cpus:.0f} | {med / ref:.2f}x | "
+              f"{' '.join(f'{x:.0f}' for x in rates)} |")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 
