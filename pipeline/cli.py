@@ -84,6 +84,63 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+@command
+def cmd_synth(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .data.commands import run_synth
+
+    cfg = recipes.resolve(args.recipe, args.overrides)
+    _start_local_ray(cfg, args.address)
+    run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
+    return 0
+
+
+@command
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .data.commands import run_preprocess
+
+    cfg = recipes.resolve(args.recipe, args.overrides)
+    _start_local_ray(cfg, args.address)
+    summary = run_preprocess(cfg, overwrite=args.overwrite, out_dir=args.out)
+    return 0 if summary.get("written", 0) > 0 else 1
+
+
+@command
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .train.trainer import ensure_shards, run_training
+
+    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    cfg = recipes.resolve(args.recipe, overrides)
+    _start_local_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking)
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, "
+          f"train/loss {summary.metrics.get('train/loss', float('nan')):.4f}")
+    print(f"  checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"  MLflow run: {summary.mlflow_run_id}")
+    print(f"  export:     vitp export {summary.checkpoint}")
+    return 0
+
+
+@command
+def cmd_export(args: argparse.Namespace) -> int:
+    from .train.export import export
+
+    out = args.out or args.checkpoint.rstrip("/") + "-export"
+    export(args.checkpoint, out)
+    print(f"wrote {out}/model.safetensors and {out}/config.json")
+    return 0
+
+
+def _start_local_ray(cfg, address: str | None) -> None:
+    from .train.trainer import connect_ray
+
+    connect_ray(cfg, address)
+
+
 # ------------------------------------------------------------------------ entry point
 
 
@@ -111,6 +168,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
                    help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("synth", help="render the synthetic fractal corpus (ImageFolder) with Ray Data")
+    _add_recipe_args(p)
+    p.add_argument("--out", help="output directory (default <work_dir>/synth)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("preprocess", help="decode, validate, resize and shard a corpus to Parquet")
+    _add_recipe_args(p)
+    p.add_argument("--out", help="shard directory (default data.shards or <work_dir>/shards/<source>)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing shards")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("pretrain", help="pre-train a ViT with Ray Train + DeepSpeed ZeRO")
+    _add_recipe_args(p)
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
+    p.add_argument("checkpoint", help="a checkpoint directory written by pretrain/finetune")
+    p.add_argument("--out", help="output directory (default CHECKPOINT-export)")
     return parser
 
 
@@ -125,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"vitp {args.command}: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"vitp {args.command}: {e}", file=sys.stderr)
         return 2
 

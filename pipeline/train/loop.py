@@ -142,6 +142,26 @@ def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_star
     return line
 
 
+def _pick_checkpoint(cfg: ExperimentConfig, reported):
+    """The checkpoint to resume from: Ray's latest registered one, or a newer one on storage
+    whose completion markers are all present. A worker killed inside `ray.train.report` leaves
+    a checkpoint that every rank finished writing but Ray never registered; the markers make it
+    safe to use, so no finished work is thrown away."""
+    import ray.train
+
+    from .trainer import latest_complete_checkpoint
+
+    newest = latest_complete_checkpoint(cfg)
+    if newest is None:
+        return reported
+    newest_step = ckpt.read_meta(newest)["step"]
+    if reported is not None:
+        with reported.as_directory() as d:
+            if ckpt.verify(d)[0] and ckpt.read_meta(d)["step"] >= newest_step:
+                return reported
+    return ray.train.Checkpoint.from_directory(newest)
+
+
 def train_per_worker(config: dict[str, Any]) -> None:
     """Runs on each Ray Train worker: build, restore, stream shards, train, report, checkpoint.
 
@@ -159,7 +179,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
     engine, _, _ = build_model_and_engine(cfg, world)
 
     state = ckpt.TrainState()
-    restored = ray.train.get_checkpoint()
+    restored = _pick_checkpoint(cfg, ray.train.get_checkpoint())
     if restored is not None:
         with restored.as_directory() as d:
             state = ckpt.load(engine, d)
@@ -175,6 +195,9 @@ def train_per_worker(config: dict[str, Any]) -> None:
     if rank == 0 and config.get("mlflow"):
         logger = RunLogger.start(config["mlflow"]["uri"], cfg.tracking.experiment, cfg.run_name,
                                  run_id=config["mlflow"]["run_id"])
+
+    if logger and restored is not None:
+        logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
 
     # Data position: this attempt's stream starts at the epoch of the newest complete checkpoint
     # (TrainDatasetFactory); skip the micro-batches of that epoch the restored steps consumed.

@@ -62,8 +62,11 @@ class TrainDatasetFactory:
         self.cfg_dict = cfg_dict
 
     def __call__(self):
+        from ray.data import DataContext
+
         from ..data.ingest import build_train_dataset
 
+        DataContext.get_current().enable_progress_bars = False  # the split runs in this process
         cfg = ExperimentConfig.from_dict(self.cfg_dict)
         return build_train_dataset(cfg, start_epoch=stream_start_epoch(cfg))
 
@@ -73,8 +76,11 @@ class EvalDatasetFactory:
         self.cfg_dict = cfg_dict
 
     def __call__(self):
+        from ray.data import DataContext
+
         from ..data.ingest import build_eval_dataset
 
+        DataContext.get_current().enable_progress_bars = False
         return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
 
 
@@ -134,6 +140,14 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     from ..tracking import RunLogger, resolve_tracking_uri
 
     t0 = time.time()
+    existing = latest_complete_checkpoint(cfg)
+    if existing and cfg.train.resume == "never":
+        raise FileExistsError(
+            f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
+            "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
+        )
+    if existing:
+        print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
     logger = None
     mlflow_info = None
     if tracking:
@@ -171,3 +185,50 @@ def _log_manifest(logger, cfg: ExperimentConfig) -> None:
     if "://" not in path and os.path.exists(path):
         with open(path) as f:
             logger.log_dict(json.load(f), "data/manifest.json")
+
+
+# ---------------------------------------------------------------------------------------
+# Driver conveniences the CLI calls
+# ---------------------------------------------------------------------------------------
+
+
+def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
+    """Join the cluster at `address` (or $RAY_ADDRESS); else start a local Ray sized for `cfg`.
+
+    Locally the CPU count is logical: Train's controller and Ray Data's read/augment tasks need
+    slots beside the workers, so we ask for at least workers x cpus_per_worker + 2.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    p = cfg.parallel
+    need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+             logging_level="WARNING")
+
+
+def ensure_shards(cfg: ExperimentConfig, log=print) -> str:
+    """Shards for `cfg` exist (manifest present) or, for the synthetic corpus, are made now."""
+    from ..data import shards as sh
+    from ..data.ingest import shards_dir
+
+    root = shards_dir(cfg)
+    try:
+        sh.read_manifest(root)
+        return root
+    except FileNotFoundError:
+        if cfg.data.source != "synthetic":
+            raise FileNotFoundError(
+                f"no shards at {root} for data.source={cfg.data.source!r}: run "
+                f"`vitp preprocess {cfg.recipe}` first (or set data.shards to existing shards)"
+            ) from None
+    from ..data.commands import run_preprocess
+
+    log(f"[{cfg.run_name}] no shards at {root}: rendering the synthetic corpus and preprocessing it")
+    run_preprocess(cfg, overwrite=False, log=log)
+    return root
