@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
     p.add_argument("checkpoint", help="a checkpoint directory written by pretrain/finetune")
     p.add_argument("--out", help="output directory (default CHECKPOINT-export)")
+
+    # Cluster commands (submit, jobs, mlflow-server) register their own parsers and handlers.
+    from . import submit
+
+    COMMANDS.update(submit.add_parsers(sub))
     return parser
 
 
