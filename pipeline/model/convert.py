@@ -1,0 +1,416 @@
+"""Weights from elsewhere: official ViT `.npz`, timm and Hugging Face state dicts <-> our naming.
+
+Owns the key maps and tensor re-layouts, inferring the variant from tensor shapes, and writing an
+export dir (model.safetensors + config.json) that `pipeline.train.export.load_model` reads.
+Must not know about Ray or DeepSpeed, and never downloads anything: sources are local files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from ..config import VARIANTS, ExperimentConfig
+from .vit import build_vit, resample_pos_embed
+
+# The export-dir layout of pipeline.train.export (model/ must not import train/).
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _t(a: Any) -> torch.Tensor:
+    """numpy / torch -> contiguous fp32 torch tensor (we convert in fp32; bf16 sources upcast)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().to(torch.float32).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float32)))
+
+
+# --------------------------------------------------------------------------------------
+# Variant inference from our naming
+# --------------------------------------------------------------------------------------
+
+
+def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> dict[str, Any]:
+    """Shape facts of a state dict in our naming: depth, width, mlp_dim, heads, patch, grid,
+    image_size, head ("pretrain" if pre-logits are present), representation_size, num_classes
+    (None when there is no head), and `variant` ("B/16") from pipeline.config.VARIANTS.
+
+    Heads are not visible in a fused qkv weight, so they come from `heads` (the official
+    layout and HF configs carry them) or from the variant table row that matches the shapes.
+    """
+    for key in ("patch_embed.proj.weight", "cls_token", "pos_embed", "blocks.0.mlp.fc1.weight"):
+        if key not in sd:
+            raise KeyError(f"state dict has no {key!r}: not a ViT in our naming (keys start "
+                           f"{sorted(sd)[:5]}); convert it with from_official_npz/from_timm/from_hf")
+    width, in_chans, patch, patch_w = sd["patch_embed.proj.weight"].shape  # (D, C, P, P)
+    if patch != patch_w:
+        raise ValueError(f"patch embedding kernel is {patch}x{patch_w}: only square patches are supported")
+    if in_chans != 3:
+        raise ValueError(f"patch embedding takes {in_chans} input channels: our ViT reads RGB (3)")
+    depth = len({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
+    mlp_dim = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    n = sd["pos_embed"].shape[1] - 1  # (1, N+1, D): one class token
+    grid = math.isqrt(n)
+    if grid * grid != n:
+        raise ValueError(f"position embedding has {n} patch tokens: not a square grid (needs g*g)")
+    matches = [name for name, (d, w, m, h) in VARIANTS.items()
+               if (d, w, m) == (depth, width, mlp_dim) and (heads is None or h == heads)]
+    if not matches:
+        raise ValueError(
+            f"weights have depth {depth}, width {width}, MLP {mlp_dim}, heads {heads or '?'}: no row "
+            "of pipeline.config.VARIANTS has that shape; add one there (name -> (depth, width, "
+            f"mlp_dim, heads)) to import them. Known: {VARIANTS}"
+        )
+    name = matches[0]
+    has_pre = "pre_logits.0.weight" in sd
+    return {
+        "variant": f"{name}/{patch}", "depth": depth, "width": width, "mlp_dim": mlp_dim,
+        "heads": VARIANTS[name][3], "patch": patch, "grid": grid, "image_size": grid * patch,
+        "head": "pretrain" if has_pre else "finetune",
+        "representation_size": sd["pre_logits.0.weight"].shape[0] if has_pre else None,
+        "num_classes": sd["head.weight"].shape[0] if "head.weight" in sd else None,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Official google-research/vision_transformer (and big_vision) .npz
+# --------------------------------------------------------------------------------------
+
+# The two JAX layouts name the sub-modules of an encoder block differently.
+_JAX_BLOCK_NAMES = {
+    "official": {"ln1": "LayerNorm_0", "mha": "MultiHeadDotProductAttention_1",
+                 "ln2": "LayerNorm_2", "mlp": "MlpBlock_3"},
+    "big_vision": {"ln1": "LayerNorm_0", "mha": "MultiHeadDotProductAttention_0",
+                   "ln2": "LayerNorm_1", "mlp": "MlpBlock_0"},
+}
+
+
+def _load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
+    if isinstance(src, Mapping):
+        return {k: np.asarray(v) for k, v in src.items()}
+    with np.load(src, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str, Any]]:
+    """Official ViT `.npz` (path or {key: array}) -> (state dict in our naming, info).
+
+    Accepts the vision_transformer layout (optionally under `opt/target/`) and big_vision's
+    unscanned one (`params/`, `pos_embedding` at the top). Re-layouts: conv kernel HWIO (P,P,C,D)
+    -> OIHW (D,C,P,P); per-head q/k/v kernels (D,H,d) -> one fused (3D, D) qkv weight; out kernel
+    (H,d,D) -> (D, H*d); Dense kernels (in, out) -> Linear weights (out, in).
+    """
+    w = _load_npz(npz)
+    roots = [k[: -len("embedding/kernel")] for k in w if k.endswith("embedding/kernel")]
+    if not roots:
+        raise KeyError("no 'embedding/kernel' in the .npz: not an official ViT checkpoint "
+                       f"(first keys: {sorted(w)[:5]}); hybrid ResNet stems are not supported")
+    p = min(roots, key=len)  # "" | "opt/target/" | "params/" | "params/img/"
+    layout = "big_vision" if f"{p}pos_embedding" in w else "official"
+    pos_key = f"{p}pos_embedding" if layout == "big_vision" else f"{p}Transformer/posembed_input/pos_embedding"
+    if f"{p}Transformer/encoderblock/LayerNorm_0/scale" in w:
+        raise ValueError("this .npz stores scanned (stacked) encoder blocks: re-save it unscanned "
+                         "(Transformer/encoderblock_{i}/...) before importing")
+    if f"{p}cls" not in w:
+        raise ValueError("the .npz has no class token ('cls'): only classifier='token' ViTs are "
+                         "supported (global-average-pool checkpoints are not)")
+    names = _JAX_BLOCK_NAMES[layout]
+
+    def get(key: str) -> np.ndarray:
+        try:
+            return w[p + key]
+        except KeyError:
+            raise KeyError(f"{p + key!r} missing from the .npz ({layout} layout): the checkpoint "
+                           "is incomplete or not a ViT") from None
+
+    sd: StateDict = {
+        "patch_embed.proj.weight": _t(get("embedding/kernel").transpose(3, 2, 0, 1)),  # (D, C, P, P)
+        "patch_embed.proj.bias": _t(get("embedding/bias")),
+        "cls_token": _t(get("cls")),  # (1, 1, D)
+        "pos_embed": _t(w[pos_key]),  # (1, N+1, D)
+    }
+    depth = len({int(m.group(1)) for k in w if (m := re.match(re.escape(p) + r"Transformer/encoderblock_(\d+)/", k))})
+    heads = None
+    for i in range(depth):
+        b, o = f"Transformer/encoderblock_{i}/", f"blocks.{i}."
+        mha = f"{b}{names['mha']}/"
+        q = get(mha + "query/kernel")  # (D, H, d)
+        D, heads, d = q.shape
+        # Linear weight rows are output features in (head, dim) order, which matches our
+        # reshape(B, N, 3, H, d) of the fused projection.
+        sd[o + "attn.qkv.weight"] = _t(np.concatenate(
+            [get(f"{mha}{n}/kernel").reshape(D, heads * d).T for n in ("query", "key", "value")]))
+        sd[o + "attn.qkv.bias"] = _t(np.concatenate(
+            [get(f"{mha}{n}/bias").reshape(heads * d) for n in ("query", "key", "value")]))
+        sd[o + "attn.proj.weight"] = _t(get(mha + "out/kernel").reshape(heads * d, D).T)  # (D, H*d)
+        sd[o + "attn.proj.bias"] = _t(get(mha + "out/bias"))
+        for ours, theirs in (("norm1", names["ln1"]), ("norm2", names["ln2"])):
+            sd[f"{o}{ours}.weight"] = _t(get(f"{b}{theirs}/scale"))
+            sd[f"{o}{ours}.bias"] = _t(get(f"{b}{theirs}/bias"))
+        for j in (0, 1):
+            sd[f"{o}mlp.fc{j + 1}.weight"] = _t(get(f"{b}{names['mlp']}/Dense_{j}/kernel").T)
+            sd[f"{o}mlp.fc{j + 1}.bias"] = _t(get(f"{b}{names['mlp']}/Dense_{j}/bias"))
+    sd["norm.weight"] = _t(get("Transformer/encoder_norm/scale"))
+    sd["norm.bias"] = _t(get("Transformer/encoder_norm/bias"))
+    if f"{p}pre_logits/kernel" in w:
+        sd["pre_logits.0.weight"] = _t(get("pre_logits/kernel").T)  # (R, D)
+        sd["pre_logits.0.bias"] = _t(get("pre_logits/bias"))
+    if f"{p}head/kernel" in w:
+        sd["head.weight"] = _t(get("head/kernel").T)  # (K, R)
+        sd["head.bias"] = _t(get("head/bias"))
+    info = infer_info(sd, heads=heads)
+    info["format"] = f"npz-{layout}"
+    return sd, info
+
+
+# --------------------------------------------------------------------------------------
+# timm vision_transformer
+# --------------------------------------------------------------------------------------
+
+# timm features our ViT does not have; importing them silently would change the function.
+_TIMM_UNSUPPORTED = {
+    "fc_norm.": "global-pool models (fc_norm)", "reg_token": "register tokens",
+    "norm_pre.": "pre-norm (CLIP-style)", "attn_pool.": "attention-pool heads (MAP)",
+    ".ls1.": "LayerScale", ".ls2.": "LayerScale", ".q_norm.": "QK-norm", ".k_norm.": "QK-norm",
+    "dist_token": "DeiT distillation token", "head_dist.": "DeiT distillation head",
+}
+
+
+def _strip(sd: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any]:
+    for prefix in prefixes:
+        if sd and all(k.startswith(prefix) for k in sd):
+            return {k[len(prefix):]: v for k, v in sd.items()}
+    return dict(sd)
+
+
+def from_timm(sd: Mapping[str, Any]) -> StateDict:
+    """timm `VisionTransformer` state dict -> ours. The names are timm's already; old timm's
+    `pre_logits.fc` becomes our `pre_logits.0`. Features we do not model raise ValueError."""
+    sd = _strip(sd, ("module.", "model."))
+    bad = sorted({why for k in sd for key, why in _TIMM_UNSUPPORTED.items() if key in k})
+    if bad:
+        raise ValueError(f"timm weights use {', '.join(bad)}, which pipeline.model.ViT does not "
+                         "implement: import a plain class-token ViT (e.g. vit_base_patch16_224)")
+    out = {}
+    for k, v in sd.items():
+        out[k.replace("pre_logits.fc.", "pre_logits.0.")] = _t(v)
+    return out
+
+
+def to_timm(sd: Mapping[str, torch.Tensor]) -> StateDict:
+    """Ours -> timm naming. Pre-logits (pretrain head) use old timm's `pre_logits.fc` name:
+    timm >= 0.6 dropped the representation layer, so only a finetune-head model loads there."""
+    return {k.replace("pre_logits.0.", "pre_logits.fc."): _t(v) for k, v in sd.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face ViTModel / ViTForImageClassification
+# --------------------------------------------------------------------------------------
+
+# Per-layer names: hub checkpoints (and save_pretrained) use the first spelling; transformers >= 5
+# renamed the in-memory modules (`layers.{i}.attention.q_proj`, `.mlp.fc1`) and maps on load/save.
+_HF_LAYER = {
+    "layernorm_before": "norm1", "layernorm_after": "norm2",
+    "attention.output.dense": "attn.proj", "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
+    "attention.o_proj": "attn.proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
+}
+_HF_QKV = re.compile(r"attention\.(?:attention\.(query|key|value)|(q|k|v)_proj)$")
+_HF_TOP = {
+    "embeddings.patch_embeddings.projection": "patch_embed.proj",
+    "layernorm": "norm", "pooler.dense": "pre_logits.0", "classifier": "head",
+}
+
+
+def from_hf(sd: Mapping[str, Any]) -> StateDict:
+    """HF `ViTModel` (its tanh pooler = our pre-logits) or `ViTForImageClassification`
+    (`classifier` = our head) state dict, with or without the `vit.` prefix, in the hub naming
+    (`encoder.layer.{i}...`) or the transformers >= 5 module naming (`layers.{i}...`) -> ours.
+
+    HF keeps q, k, v as three (D, D) Linears; we fuse them into one (3D, D) in q, k, v order.
+    """
+    src = {k.removeprefix("vit."): v for k, v in sd.items()}
+    src.pop("embeddings.mask_token", None)  # only for masked-image-modelling inputs
+    out: StateDict = {}
+    qkv: dict[int, dict[str, Any]] = {}
+    unknown = []
+    for k, v in src.items():
+        if k == "embeddings.cls_token":
+            out["cls_token"] = _t(v)
+        elif k == "embeddings.position_embeddings":
+            out["pos_embed"] = _t(v)
+        elif m := re.match(r"(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias)$", k):
+            i, mod, kind = int(m.group(1)), m.group(2), m.group(3)
+            if am := _HF_QKV.match(mod):
+                name = am.group(1) or {"q": "query", "k": "key", "v": "value"}[am.group(2)]
+                qkv.setdefault(i, {})[f"{name}.{kind}"] = v
+            elif mod in _HF_LAYER:
+                out[f"blocks.{i}.{_HF_LAYER[mod]}.{kind}"] = _t(v)
+            else:
+                unknown.append(k)
+        elif (m := re.match(r"(.+)\.(weight|bias)$", k)) and m.group(1) in _HF_TOP:
+            out[f"{_HF_TOP[m.group(1)]}.{m.group(2)}"] = _t(v)
+        else:
+            unknown.append(k)
+    if unknown:
+        raise ValueError(f"HF ViT keys with no counterpart in our ViT: {unknown[:8]}: only "
+                         "ViTModel / ViTForImageClassification state dicts are supported")
+    for i, parts in qkv.items():
+        for kind in ("weight", "bias"):
+            try:
+                out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(
+                    [_t(parts[f"{n}.{kind}"]) for n in ("query", "key", "value")])
+            except KeyError as e:
+                raise KeyError(f"encoder.layer.{i}: attention {e.args[0]} missing (HF ViT with "
+                               "qkv_bias=False is not supported)") from None
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Reading files, detecting the format, writing an export dir
+# --------------------------------------------------------------------------------------
+
+
+def _read_any(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, side info) from .npz / .safetensors / .pt / .pth / .bin or a directory holding
+    one (an HF save_pretrained dir also yields its config.json as side info)."""
+    side: dict[str, Any] = {}
+    path = src
+    if os.path.isdir(src):
+        for name in (WEIGHTS, "pytorch_model.bin", "model.pt", "model.npz"):
+            if os.path.exists(os.path.join(src, name)):
+                path = os.path.join(src, name)
+                break
+        else:
+            raise FileNotFoundError(f"{src}: no {WEIGHTS}, pytorch_model.bin, model.pt or model.npz "
+                                    "inside; point at the weights file itself")
+        cfg_path = os.path.join(src, CONFIG)
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                side["config"] = json.load(f)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.endswith(".npz"):
+        return _load_npz(path), side
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return dict(load_file(path)), side
+    if path.endswith((".pt", ".pth", ".bin")):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "model", "module"):  # common checkpoint wrappers
+            if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+                obj = obj[key]
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+        return obj, side
+    raise ValueError(f"{path}: unknown weights format; use .npz (official), .safetensors, "
+                     ".pt/.pth or .bin (timm / Hugging Face / ours)")
+
+
+def detect_format(keys) -> str:
+    """"npz" (official JAX layout), "hf" or "timm" (timm naming; ours is a subset of it)."""
+    keys = list(keys)
+    if any(k.endswith("embedding/kernel") for k in keys):
+        return "npz"
+    if any(k.removeprefix("vit.").startswith(("embeddings.", "encoder.layer.", "layers.")) for k in keys):
+        return "hf"
+    if any(re.search(r"(^|\.)blocks\.0\.attn\.qkv\.weight$", k) for k in keys):
+        return "timm"
+    raise ValueError(f"cannot tell the layout of a weights file with keys {keys[:6]}...: pass "
+                     "fmt='npz', 'timm' or 'hf' explicitly, or check it is a ViT checkpoint")
+
+
+def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Optional[int] = None,
+                   num_classes: Optional[int] = None) -> str:
+    """Convert `src` (official .npz, timm or HF weights) into an export dir at `out_dir`.
+
+    The variant, head type, pre-logits width, classes and resolution are inferred from the
+    tensors. `image_size` resamples the position embedding to another resolution; `num_classes`
+    (or a source without a head, like HF ViTModel) gives a zero-initialised head of that width.
+    config.json holds an ExperimentConfig dict plus `_export` (source, format, what changed).
+    """
+    raw, side = _read_any(src)
+    if fmt == "auto":
+        fmt = detect_format(raw)
+    hf_heads = None
+    if fmt == "npz":
+        sd, info = from_official_npz(raw)
+    elif fmt == "timm":
+        sd = from_timm(raw)
+    elif fmt == "hf":
+        sd = from_hf(raw)
+        hf_cfg = side.get("config") or {}
+        hf_heads = hf_cfg.get("num_attention_heads")
+    else:
+        raise ValueError(f"fmt={fmt!r}: use 'auto', 'npz', 'timm' or 'hf'")
+    if fmt != "npz":
+        info = infer_info(sd, heads=hf_heads)
+        info["format"] = fmt
+    notes = []
+
+    # A different resolution keeps the patch size, so only the position-embedding grid changes.
+    if image_size is not None and image_size != info["image_size"]:
+        if image_size % info["patch"]:
+            raise ValueError(f"image_size={image_size} is not a multiple of the patch size "
+                             f"{info['patch']} of {info['variant']}: use e.g. "
+                             f"{(image_size // info['patch']) * info['patch']}")
+        sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], image_size // info["patch"])
+        notes.append(f"pos_embed resampled {info['image_size']}px -> {image_size}px")
+        info["image_size"], info["grid"] = image_size, image_size // info["patch"]
+    R = info["representation_size"] or info["width"]
+    if info["num_classes"] is None or (num_classes is not None and num_classes != info["num_classes"]):
+        k = num_classes or 1000
+        sd["head.weight"], sd["head.bias"] = torch.zeros(k, R), torch.zeros(k)
+        notes.append(f"zero-initialised head with {k} classes (source had "
+                     f"{info['num_classes'] or 'none'})")
+        info["num_classes"] = k
+
+    base = ExperimentConfig(recipe="import")
+    cfg = base.replace(
+        model=dataclasses.replace(base.model, variant=info["variant"], num_classes=info["num_classes"],
+                                  head=info["head"], representation_size=info["representation_size"]),
+        data=dataclasses.replace(base.data, image_size=info["image_size"], num_classes=info["num_classes"],
+                                 storage_size=max(info["image_size"], base.data.storage_size)),
+    )
+    model = build_vit(cfg.model, info["image_size"])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{src}: converted weights do not fit {info['variant']} "
+                         f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(out_dir, WEIGHTS), metadata={"source": os.path.abspath(src), "format": fmt})
+    with open(os.path.join(out_dir, CONFIG), "w") as f:
+        json.dump({**cfg.to_dict(), "_export": {"source": os.path.abspath(src), "format": info["format"],
+                                                "imported": info, "notes": notes}}, f, indent=2)
+    return out_dir
+
+
+def export_timm(export_dir: str, out_path: str) -> str:
+    """Our export dir (or a .safetensors of ours) -> timm-named weights at `out_path`
+    (.safetensors, or torch.save for .pt/.pth/.bin)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(export_dir, WEIGHTS) if os.path.isdir(export_dir) else export_dir
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: not found; run `vitp export CHECKPOINT` or `vitp import` first")
+    sd = to_timm(load_file(path))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    if out_path.endswith(".safetensors"):
+        save_file(sd, out_path)
+    elif out_path.endswith((".pt", ".pth", ".bin")):
+        torch.save(sd, out_path)
+    else:
+        raise ValueError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
+    return out_path

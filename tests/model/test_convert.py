@@ -1,0 +1,268 @@
+"""Weight conversion: official .npz against an independent numpy forward, HF against the real
+transformers ViT, ours <-> timm naming, and `import_weights` export dirs that load_model reads."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import erf
+
+from pipeline.model import ViT
+from pipeline.model.convert import (detect_format, export_timm, from_hf, from_official_npz,
+                                    from_timm, import_weights, to_timm)
+from pipeline.train.export import load_config, load_model
+
+ATOL = 1e-5
+
+
+# ----------------------------------------------------------------------------- official .npz
+
+
+def official_npz(depth=2, width=64, mlp=128, heads=4, patch=8, grid=4, classes=7, rep=48, seed=0):
+    """Random weights in the google-research/vision_transformer key layout and shapes."""
+    rng = np.random.default_rng(seed)
+    d = width // heads
+
+    def r(*shape, s=0.1):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    w = {
+        "embedding/kernel": r(patch, patch, 3, width, s=0.05),  # HWIO
+        "embedding/bias": r(width),
+        "cls": r(1, 1, width),
+        "Transformer/posembed_input/pos_embedding": r(1, grid * grid + 1, width),
+        "Transformer/encoder_norm/scale": 1 + r(width),
+        "Transformer/encoder_norm/bias": r(width),
+        "pre_logits/kernel": r(width, rep),
+        "pre_logits/bias": r(rep),
+        "head/kernel": r(rep, classes),
+        "head/bias": r(classes),
+    }
+    for i in range(depth):
+        b = f"Transformer/encoderblock_{i}/"
+        mha = b + "MultiHeadDotProductAttention_1/"
+        for n in ("query", "key", "value"):
+            w[f"{mha}{n}/kernel"] = r(width, heads, d)
+            w[f"{mha}{n}/bias"] = r(heads, d)
+        w[mha + "out/kernel"] = r(heads, d, width)
+        w[mha + "out/bias"] = r(width)
+        for ln in ("LayerNorm_0", "LayerNorm_2"):
+            w[f"{b}{ln}/scale"] = 1 + r(width)
+            w[f"{b}{ln}/bias"] = r(width)
+        w[b + "MlpBlock_3/Dense_0/kernel"] = r(width, mlp)
+        w[b + "MlpBlock_3/Dense_0/bias"] = r(mlp)
+        w[b + "MlpBlock_3/Dense_1/kernel"] = r(mlp, width)
+        w[b + "MlpBlock_3/Dense_1/bias"] = r(width)
+    return w
+
+
+def reference_forward(w, img):
+    """The official ViT written out in numpy from the .npz layout (float64): patches as a
+    reshape + matmul with the HWIO kernel, attention as einsums over the (D, H, d) kernels."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    B, H, W, C = img.shape
+    P, D = w["embedding/kernel"].shape[0], w["embedding/kernel"].shape[-1]
+    gh, gw = H // P, W // P
+    x = img.reshape(B, gh, P, gw, P, C).transpose(0, 1, 3, 2, 4, 5).reshape(B, gh * gw, P * P * C)
+    x = x @ w["embedding/kernel"].reshape(P * P * C, D) + w["embedding/bias"]  # (B, N, D)
+    x = np.concatenate([np.broadcast_to(w["cls"], (B, 1, D)), x], axis=1)
+    x = x + w["Transformer/posembed_input/pos_embedding"]
+
+    def ln(z, pre):
+        mu, var = z.mean(-1, keepdims=True), z.var(-1, keepdims=True)
+        return (z - mu) / np.sqrt(var + 1e-6) * w[pre + "/scale"] + w[pre + "/bias"]
+
+    i = 0
+    while f"Transformer/encoderblock_{i}/LayerNorm_0/scale" in w:
+        b = f"Transformer/encoderblock_{i}/"
+        m = b + "MultiHeadDotProductAttention_1/"
+        y = ln(x, b + "LayerNorm_0")
+        q, k, v = (np.einsum("bnd,dhk->bnhk", y, w[f"{m}{n}/kernel"]) + w[f"{m}{n}/bias"]
+                   for n in ("query", "key", "value"))
+        logits = np.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
+        a = np.exp(logits - logits.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = np.einsum("bhqs,bshk->bqhk", a, v)
+        x = x + np.einsum("bqhk,hkd->bqd", o, w[m + "out/kernel"]) + w[m + "out/bias"]
+        y = ln(x, b + "LayerNorm_2")
+        h = y @ w[b + "MlpBlock_3/Dense_0/kernel"] + w[b + "MlpBlock_3/Dense_0/bias"]
+        h = 0.5 * h * (1 + erf(h / np.sqrt(2)))  # exact GELU, as pipeline.model.ViT
+        x = x + h @ w[b + "MlpBlock_3/Dense_1/kernel"] + w[b + "MlpBlock_3/Dense_1/bias"]
+        i += 1
+    x = ln(x, "Transformer/encoder_norm")[:, 0]
+    x = np.tanh(x @ w["pre_logits/kernel"] + w["pre_logits/bias"])
+    return x @ w["head/kernel"] + w["head/bias"]
+
+
+def images(B=3, size=32, seed=1):
+    return np.random.default_rng(seed).uniform(-1, 1, (B, size, size, 3))  # NHWC
+
+
+def ours(x_nhwc):
+    return torch.from_numpy(x_nhwc).float().permute(0, 3, 1, 2).contiguous()
+
+
+def test_official_npz_matches_independent_numpy_forward(tmp_path):
+    w = official_npz()
+    np.savez(tmp_path / "vit.npz", **w)
+    sd, info = from_official_npz(str(tmp_path / "vit.npz"))
+    assert info["variant"] == "pico/8" and info["heads"] == 4 and info["image_size"] == 32
+    assert info["num_classes"] == 7 and info["representation_size"] == 48 and info["head"] == "pretrain"
+    m = ViT("pico/8", image_size=32, num_classes=7, head="pretrain", representation_size=48)
+    m.load_state_dict(sd)
+    x = images()
+    ref = reference_forward(w, x)
+    with torch.no_grad():
+        got = m.eval()(ours(x)).double().numpy()
+    assert np.abs(ref).max() > 0.1  # a real signal, not all-zero logits
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+
+
+def test_official_npz_prefixes_and_big_vision_layout():
+    w = official_npz(seed=3)
+    sd, _ = from_official_npz(w)
+    sd_prefixed, _ = from_official_npz({"opt/target/" + k: v for k, v in w.items()})
+    rename = {"MultiHeadDotProductAttention_1": "MultiHeadDotProductAttention_0",
+              "LayerNorm_2": "LayerNorm_1", "MlpBlock_3": "MlpBlock_0",
+              "Transformer/posembed_input/pos_embedding": "pos_embedding"}
+    bv = {}
+    for k, v in w.items():
+        for a, b in rename.items():
+            k = k.replace(a, b)
+        bv["params/" + k] = v
+    sd_bv, info = from_official_npz(bv)
+    assert info["format"] == "npz-big_vision"
+    for other in (sd_prefixed, sd_bv):
+        assert other.keys() == sd.keys()
+        for k in sd:
+            assert torch.equal(sd[k], other[k]), k
+
+
+def test_import_npz_writes_an_export_dir_load_model_reads(tmp_path):
+    w = official_npz(seed=4)
+    np.savez(tmp_path / "ViT-pico_8.npz", **w)
+    out = import_weights(str(tmp_path / "ViT-pico_8.npz"), str(tmp_path / "imported"))
+    cfg = load_config(out)
+    assert (cfg.model.variant, cfg.model.num_classes, cfg.model.head, cfg.model.representation_size,
+            cfg.data.image_size) == ("pico/8", 7, "pretrain", 48, 32)
+    x = images(seed=5)
+    with torch.no_grad():
+        got = load_model(out)(ours(x)).double().numpy()
+    np.testing.assert_allclose(got, reference_forward(w, x), atol=ATOL, rtol=0)
+
+    # a higher resolution resamples the grid; a new class count gives a zero head
+    out48 = import_weights(str(tmp_path / "ViT-pico_8.npz"), str(tmp_path / "i48"), image_size=48,
+                           num_classes=3)
+    m48 = load_model(out48)
+    assert m48.pos_embed.shape == (1, 37, 64) and m48.image_size == 48
+    assert torch.count_nonzero(m48.head.weight) == 0 and m48.head.weight.shape == (3, 48)
+    notes = json.load(open(f"{out48}/config.json"))["_export"]["notes"]
+    assert any("resampled" in n for n in notes)
+
+
+def test_npz_with_unknown_shape_names_the_variant_table():
+    w = official_npz(width=48, heads=4, mlp=96)
+    with pytest.raises(ValueError, match="VARIANTS"):
+        from_official_npz(w)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+import transformers  # noqa: E402  (a dev dependency: compared against the real HF ViT)
+
+
+def hf_config(num_labels=5):
+    return transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        image_size=32, patch_size=8, num_channels=3, layer_norm_eps=1e-6, num_labels=num_labels,
+        hidden_act="gelu", qkv_bias=True)
+
+
+def perturb(model, seed=0):
+    """Random init sets LayerNorms to 1/0 and the head to small values: move every parameter
+    so that a swapped norm or a transposed weight cannot go unnoticed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def test_hf_image_classification_same_logits(tmp_path):
+    torch.manual_seed(0)
+    hf = perturb(transformers.ViTForImageClassification(hf_config()))
+    sd = from_hf(hf.state_dict())
+    m = ViT("pico/8", image_size=32, num_classes=5, head="finetune")
+    m.load_state_dict(sd)
+    x = ours(images(seed=2))
+    with torch.no_grad():
+        ref = hf(pixel_values=x).logits
+        got = m.eval()(x)
+    assert ref.abs().max() > 0.05
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+    # a save_pretrained directory (vit.-prefixed safetensors + HF config.json) imports too
+    hf.save_pretrained(tmp_path / "hf")
+    out = import_weights(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    assert load_config(out).model.head == "finetune"
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
+
+
+def test_hf_vitmodel_pooler_is_our_pre_logits():
+    torch.manual_seed(1)
+    hf = perturb(transformers.ViTModel(hf_config(), add_pooling_layer=True), seed=1)
+    ours_sd = from_hf(hf.state_dict())  # ViTModel keys carry no "vit." prefix
+    assert "head.weight" not in ours_sd and "pre_logits.0.weight" in ours_sd
+    m = ViT("pico/8", image_size=32, num_classes=3, head="pretrain")
+    ours_sd["head.weight"], ours_sd["head.bias"] = m.head.weight.detach(), m.head.bias.detach()
+    m.load_state_dict(ours_sd)
+    x = ours(images(seed=4))
+    with torch.no_grad():
+        out = hf(pixel_values=x)
+        feats = m.eval().forward_features(x)
+        torch.testing.assert_close(feats, out.last_hidden_state, atol=ATOL, rtol=0)
+        torch.testing.assert_close(m.forward_head(feats, pre_logits=True), out.pooler_output,
+                                   atol=ATOL, rtol=0)
+
+
+def test_hf_unknown_keys_are_named():
+    with pytest.raises(ValueError, match="decoder"):
+        from_hf({"decoder.0.weight": torch.zeros(1)})
+
+
+# ----------------------------------------------------------------------------- timm naming
+
+
+def test_ours_to_timm_and_back_same_logits(tmp_path):
+    torch.manual_seed(0)
+    m = perturb(ViT("pico/8", image_size=32, num_classes=6, head="pretrain", representation_size=40))
+    x = ours(images(seed=6))
+    with torch.no_grad():
+        ref = m(x)
+    t = to_timm(m.state_dict())
+    assert "pre_logits.fc.weight" in t and "blocks.1.attn.qkv.weight" in t and "head.weight" in t
+    assert not any(k.startswith("pre_logits.0") for k in t)
+    assert detect_format(t) == "timm"
+    back = ViT("pico/8", image_size=32, num_classes=6, head="pretrain", representation_size=40)
+    back.load_state_dict(from_timm(t))
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x), ref, atol=ATOL, rtol=0)
+
+    # file level: export dir -> timm .safetensors -> import_weights -> load_model
+    from safetensors.torch import save_file
+
+    exp = tmp_path / "export"
+    exp.mkdir()
+    save_file(m.state_dict(), str(exp / "model.safetensors"))
+    timm_file = export_timm(str(exp), str(tmp_path / "timm" / "vit.safetensors"))
+    out = import_weights(timm_file, str(tmp_path / "back"))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
+
+
+def test_timm_features_we_lack_are_rejected():
+    sd = to_timm(ViT("mu/4", image_size=16, num_classes=2).state_dict())
+    sd["fc_norm.weight"] = torch.ones(32)
+    with pytest.raises(ValueError, match="fc_norm"):
+        from_timm(sd)
