@@ -126,6 +126,26 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 @command
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .train.trainer import ensure_shards, run_training
+    from .train.transfer import finetune_config
+
+    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    cfg, tags = finetune_config(recipes.get_recipe(args.recipe), args.source, overrides)
+    _start_local_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
+    m = summary.metrics
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {m.get('step')}, "
+          f"val/top1 {m.get('val/top1', float('nan')):.4f}, val/loss {m.get('val/loss', float('nan')):.4f}")
+    print(f"  checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"  MLflow run: {summary.mlflow_run_id}")
+    return 0
+
+
+@command
 def cmd_export(args: argparse.Namespace) -> int:
     from .train.export import export
 
@@ -182,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretrain", help="pre-train a ViT with Ray Train + DeepSpeed ZeRO")
     _add_recipe_args(p)
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("finetune", help="fine-tune from pre-trained weights (or scratch) with the transfer recipe")
+    _add_recipe_args(p)
+    p.add_argument("--from", dest="source", required=True,
+                   help="checkpoint dir, export dir (vitp export / vitp import), .safetensors file, or 'scratch'")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")

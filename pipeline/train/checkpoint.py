@@ -49,7 +49,8 @@ def _files_under(root: str) -> dict[str, int]:
     return out
 
 
-def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None) -> str:
+def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
+         mlflow_run_id: str | None = None) -> str:
     """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local).
 
     DeepSpeed's save is collective. The marker is written last, after this rank's files are
@@ -68,7 +69,8 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     )
     if rank == 0:
         meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
-                "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict}
+                "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict,
+                "mlflow_run_id": mlflow_run_id}
         _write_json(os.path.join(directory, "meta.json"), meta)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written

@@ -50,9 +50,9 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     save_file(sd, os.path.join(out_dir, WEIGHTS), metadata={"step": str(meta["step"])})
     with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump({**(meta.get("config") or {}), "_export": {"step": meta["step"],
-                                                            "source": os.path.abspath(checkpoint_dir)}},
-                  f, indent=2)
+        json.dump({**(meta.get("config") or {}),
+                   "_export": {"step": meta["step"], "source": os.path.abspath(checkpoint_dir),
+                               "mlflow_run_id": meta.get("mlflow_run_id")}}, f, indent=2)
     return out_dir
 
 

@@ -59,7 +59,9 @@ def build_model_and_engine(cfg: ExperimentConfig, world_size: int | None = None)
         from .export import load_weights
 
         sd = load_weights(cfg.train.init_from)
-        model.load_state_dict(adapt_state_dict(model, sd))
+        # a fine-tuning head is always fresh (zero-init, pre-logits dropped); pos-embed resampled
+        keep = None if cfg.model.head == "pretrain" else False
+        model.load_state_dict(adapt_state_dict(model, sd, keep_head=keep))
     return build_engine(model, cfg, world_size)
 
 
@@ -140,6 +142,22 @@ def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_star
     if "val/top1" in m:
         line += f" | val top1 {m['val/top1']:.3f} loss {m['val/loss']:.3f}"
     return line
+
+
+def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch]:
+    """Log max |logits| of the first micro-batch before any update; the batch is not lost."""
+    import itertools
+
+    first = next(stream)
+    with torch.no_grad():
+        module = engine.module
+        was = module.training
+        module.eval()
+        absmax = engine(first[0].to(next(module.parameters()).dtype)).abs().max().item()
+        module.train(was)
+    if logger:
+        logger.log_metrics({"train/init_logit_absmax": absmax}, step=0)
+    return itertools.chain([first], stream)
 
 
 def _pick_checkpoint(cfg: ExperimentConfig, reported):
@@ -228,12 +246,17 @@ def train_per_worker(config: dict[str, Any]) -> None:
         st.epoch = st.samples_seen // max(epoch_rows, 1)
         local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-")
         try:
-            ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None)
+            ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
+                      mlflow_run_id=(config.get("mlflow") or {}).get("run_id"))
             ray.train.report({"step": step, **metrics},
                              checkpoint=ray.train.Checkpoint.from_directory(local),
                              checkpoint_dir_name=f"checkpoint_{step:08d}")
         finally:
             shutil.rmtree(local, ignore_errors=True)
+
+    if state.step == 0 and cfg.model.head == "finetune":
+        # The transfer head starts at zero: record the largest |logit| of the first batch.
+        stream = _peek_init_logits(engine, stream, logger)
 
     has_val = "val" in config.get("datasets", ["val"])
     hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,

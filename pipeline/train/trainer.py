@@ -153,6 +153,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     if tracking:
         uri = resolve_tracking_uri(cfg)
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
+                                 run_id=_run_id_of_checkpoints(uri, cfg) if existing else None,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
                                        **(extra_tags or {})})
@@ -176,6 +177,21 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         logger.end("FINISHED")
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)
+
+
+def _run_id_of_checkpoints(uri: str, cfg: ExperimentConfig) -> Optional[str]:
+    """The MLflow run that wrote this run's checkpoints (so a finished run re-run continues it)."""
+    latest = latest_complete_checkpoint(cfg)
+    run_id = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
+    if not run_id:
+        return None
+    from ..tracking.runs import get_client
+
+    try:
+        get_client(uri).get_run(run_id)
+    except Exception:  # a different store: start or resume by name instead
+        return None
+    return run_id
 
 
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:
@@ -213,7 +229,8 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
 
 
 def ensure_shards(cfg: ExperimentConfig, log=print) -> str:
-    """Shards for `cfg` exist (manifest present) or, for the synthetic corpus, are made now."""
+    """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
+    (synthetic fractals, scikit-learn's digits), are made now."""
     from ..data import shards as sh
     from ..data.ingest import shards_dir
 
@@ -222,13 +239,13 @@ def ensure_shards(cfg: ExperimentConfig, log=print) -> str:
         sh.read_manifest(root)
         return root
     except FileNotFoundError:
-        if cfg.data.source != "synthetic":
+        if cfg.data.source not in ("synthetic", "digits"):
             raise FileNotFoundError(
                 f"no shards at {root} for data.source={cfg.data.source!r}: run "
                 f"`vitp preprocess {cfg.recipe}` first (or set data.shards to existing shards)"
             ) from None
     from ..data.commands import run_preprocess
 
-    log(f"[{cfg.run_name}] no shards at {root}: rendering the synthetic corpus and preprocessing it")
+    log(f"[{cfg.run_name}] no shards at {root}: preprocessing the bundled {cfg.data.source} corpus")
     run_preprocess(cfg, overwrite=False, log=log)
     return root

@@ -1,0 +1,37 @@
+"""Transfer on Ray Train: a debug pre-training checkpoint fine-tuned on digits at 48 px."""
+import pytest
+
+from pipeline.recipes import get_recipe, resolve
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_finetune_from_pretrain_checkpoint_at_higher_resolution(tmp_path, ray_session):
+    from pipeline.data.commands import run_preprocess
+    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import get_client
+    from pipeline.train.trainer import ensure_shards, run_training
+    from pipeline.train.transfer import finetune_config
+
+    pre = resolve("debug", [f"work_dir={tmp_path}", "train.steps=20", "train.checkpoint_every=0"])
+    run_preprocess(pre, log=lambda s: None)
+    pre_summary = run_training(pre)
+
+    cfg, tags = finetune_config(get_recipe("debug_finetune"), pre_summary.checkpoint,
+                                [f"work_dir={tmp_path}"])
+    assert cfg.model.variant == "pico/8" and cfg.model.head == "finetune"
+    assert cfg.data.image_size == 48 and tags["source_image_size"] == "32"  # 4x4 -> 6x6 grid
+    assert tags["source_run_id"] == pre_summary.mlflow_run_id
+    ensure_shards(cfg, log=lambda s: None)  # digits ship with scikit-learn
+    summary = run_training(cfg, extra_tags=tags)
+
+    client = get_client(resolve_tracking_uri(cfg))
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.data.tags["source_run_id"] == pre_summary.mlflow_run_id
+    init = client.get_metric_history(summary.mlflow_run_id, "train/init_logit_absmax")
+    assert [(m.step, m.value) for m in init] == [(0, 0.0)]  # zero-init head: logits exactly 0
+    top1 = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "val/top1"),
+                                    key=lambda m: m.step)]
+    assert len(top1) == 2  # at step 100 and at the end
+    assert top1[-1] > 0.5, f"digits top-1 {top1[-1]:.3f} is not well above chance (0.1)"
+    print(f"digits top-1 after fine-tuning from a 20-step debug pre-training: {top1}")
