@@ -167,3 +167,19 @@ def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_
     assert len(fresh) == 1 and fresh[0].info.run_id != run_id
     assert _history(cfg, fresh[0].info.run_id, "train/resumed_from") == []
     assert [s for s, _ in _history(cfg, fresh[0].info.run_id, "train/loss")] == [5, 10]
+
+
+def test_crash_ends_mlflow_run_failed(tmp_path, shards):
+    """A worker error (labels beyond the head: 10-class shards, 5-class model) fails the run."""
+    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import get_client
+    from pipeline.train.trainer import run_training
+
+    cfg = _cfg(tmp_path, shards, "model.num_classes=5", "train.max_failures=0", "train.steps=10")
+    with pytest.raises(Exception) as e:
+        run_training(cfg)
+    assert "out of bounds" in str(e.value) or "TrainingFailed" in type(e.value).__name__
+    client = get_client(resolve_tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"
