@@ -1,11 +1,14 @@
 """Start and stop a real `mlflow server` subprocess (SQL backend, proxied artifacts) and wait for /health.
 
-Binds 127.0.0.1 unless told otherwise; used by tests and by `vitp mlflow-server`. No torch, no ray.
+Binds 127.0.0.1 unless told otherwise; beyond loopback it needs basic auth (MLflow's `basic-auth`
+app) with a non-default admin password. Used by tests and by `vitp mlflow-server`. No torch, no ray.
 """
 from __future__ import annotations
 
+import configparser
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +26,75 @@ from pipeline.tracking.runs import TrackingError, _normalise_uri, get_client
 log = logging.getLogger(__name__)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The admin password older MLflow releases shipped in basic_auth.ini (GHSA-gq3w-7jj3-x7gr).
+DEFAULT_ADMIN_PASSWORD = "password1234"
+
+
+@dataclass
+class AuthSettings:
+    """MLflow basic auth: the admin account and the user store.
+
+    The password is handed to the server through MLFLOW_AUTH_ADMIN_PASSWORD, never written to
+    the generated auth config file. It only bootstraps the admin user on an empty user store.
+    """
+
+    admin_password: str = ""  # "" = take $MLFLOW_AUTH_ADMIN_PASSWORD
+    admin_username: str = "admin"
+    database_uri: str = ""  # "" = sqlite beside the tracking store's log file
+    default_permission: str = "READ"  # what a signed-in user may do to others' experiments
+
+
+def check_admin_password(password: str | None) -> str:
+    """The admin password to use; TrackingError naming the fix when it is missing or the default."""
+    if not password:
+        raise TrackingError(
+            "basic auth needs an admin password: export MLFLOW_AUTH_ADMIN_PASSWORD=<a long random "
+            "password> (e.g. `openssl rand -base64 24`); it is never written to disk or logged"
+        )
+    if password == DEFAULT_ADMIN_PASSWORD:
+        raise TrackingError(
+            f"refusing to start: the admin password is MLflow's old published default "
+            f"{DEFAULT_ADMIN_PASSWORD!r} (GHSA-gq3w-7jj3-x7gr): set MLFLOW_AUTH_ADMIN_PASSWORD to "
+            "a password of your own"
+        )
+    return password
+
+
+def _check_external_auth_config(path: str) -> None:
+    # A user-supplied MLFLOW_AUTH_CONFIG_PATH may still carry the old default in admin_password.
+    cp = configparser.ConfigParser()
+    cp.read(path)
+    if cp.has_section("mlflow") and cp["mlflow"].get("admin_password", "").strip() == DEFAULT_ADMIN_PASSWORD:
+        raise TrackingError(
+            f"refusing to start: {path} (MLFLOW_AUTH_CONFIG_PATH) sets admin_password to the "
+            f"published default {DEFAULT_ADMIN_PASSWORD!r}: remove it and export "
+            "MLFLOW_AUTH_ADMIN_PASSWORD=<your password> instead"
+        )
+
+
+def _auth_env(auth: AuthSettings, log_file: Path, env: dict[str, str]) -> dict[str, str]:
+    """Environment for the basic-auth app: generated config file, password and CSRF key."""
+    merged = {**os.environ, **env}
+    password = check_admin_password(auth.admin_password or merged.get("MLFLOW_AUTH_ADMIN_PASSWORD"))
+    out = {"MLFLOW_AUTH_ADMIN_PASSWORD": password}
+    if merged.get("MLFLOW_AUTH_CONFIG_PATH"):
+        _check_external_auth_config(merged["MLFLOW_AUTH_CONFIG_PATH"])
+    else:
+        db = auth.database_uri or f"sqlite:///{log_file.with_suffix('.auth.db')}"
+        cp = configparser.ConfigParser()
+        cp["mlflow"] = {
+            "default_permission": auth.default_permission,
+            "database_uri": db,
+            "admin_username": auth.admin_username,
+            "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
+        }
+        ini = log_file.with_suffix(".auth.ini")
+        with open(os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            cp.write(f)
+        out["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
+    # The CSRF key must be the same in every worker of this server: one random key per start.
+    out["MLFLOW_FLASK_SERVER_SECRET_KEY"] = merged.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(32)
+    return out
 
 
 def _free_port(host: str) -> int:
@@ -95,6 +167,8 @@ def start_server(
     log_path: str | os.PathLike | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    auth: AuthSettings | None = None,
+    allow_unauthenticated: bool = False,
 ) -> ServerHandle:
     """Launch `python -m mlflow server` from this interpreter and return once /health answers.
 
@@ -117,6 +191,7 @@ def start_server(
             "(the names clients use) when exposing it beyond this machine", host
         )
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="mlflow-server-", suffix=".log")[1])
+    auth_env = _auth_env(auth, log_file, env or {}) if auth is not None else {}
     last_error = ""
     for _ in range(3):  # a picked port can be taken before the server binds it
         p = port or _free_port(host)
@@ -129,6 +204,8 @@ def start_server(
         ]
         if allowed_hosts:
             cmd += ["--allowed-hosts", ",".join(allowed_hosts)]
+        if auth is not None:
+            cmd += ["--app-name", "basic-auth"]
         cmd += list(extra_args)
         out = open(log_file, "ab")
         proc = subprocess.Popen(
@@ -138,6 +215,7 @@ def start_server(
                 **os.environ,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
                 **(env or {}),
+                **auth_env,
             },
         )
         out.close()

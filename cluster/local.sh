@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# A local Ray cluster on 127.0.0.1: one head plus N worker nodes (separate raylets on this machine).
+#
+#   cluster/local.sh start [--workers N] [--num-cpus C] [--port P] [--dashboard-port D] [--auth]
+#                          [--state-dir DIR]
+#   cluster/local.sh stop   [--port P | --state-dir DIR]
+#   cluster/local.sh status [--port P | --state-dir DIR]
+#
+# Every node runs `ray start --block` in its own process group, recorded in DIR/pids; `stop` ends
+# exactly those groups (never `ray stop`, which would kill every Ray on the machine).
+# --auth turns on token authentication (RAY_AUTH_MODE=token) with a fresh token in DIR/auth_token;
+# clients then need RAY_AUTH_TOKEN_PATH=DIR/auth_token (printed on start). Without --auth the
+# cluster runs with RAY_AUTH_MODE=disabled explicitly, so a stray ~/.ray/auth_token does not
+# switch it on half-way. Nothing binds 0.0.0.0: node, dashboard and agents use 127.0.0.1.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+# The venv's Python (same interpreter for nodes and jobs, so `vitp` resolves inside jobs).
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON="$(command -v python3)"
+BIN="$(dirname "$PYTHON")"
+
+cmd="${1:-}"; shift || true
+workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --workers) workers="$2"; shift 2 ;;
+    --num-cpus) num_cpus="$2"; shift 2 ;;
+    --port) port="$2"; shift 2 ;;
+    --dashboard-port) dash_port="$2"; shift 2 ;;
+    --auth) auth=1; shift ;;
+    --state-dir) state_dir="$2"; shift 2 ;;
+    --timeout) timeout="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "cluster/local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+# Short default path: Ray puts Unix sockets under the temp dir and those are limited to 107 bytes.
+state_dir="${state_dir:-/tmp/vitp-ray-$port}"
+
+free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+port_in_use() {
+  "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)
+sys.exit(1)
+EOF
+}
+
+stop_cluster() {
+  local pidfile="$state_dir/pids"
+  if [ ! -f "$pidfile" ]; then
+    echo "cluster/local.sh: no cluster recorded in $state_dir (nothing to stop)"; return 0
+  fi
+  # Workers first, then the head. Only each node's `ray start --block` leader gets SIGTERM: it
+  # shuts its own daemons down in order (signalling the whole group at once leaves the raylet
+  # and GCS hanging); whatever is left of the group after 20 s gets SIGKILL.
+  local pids; pids="$(tac "$pidfile")"
+  for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 40); do
+    local alive=0
+    for pid in $pids; do
+      if [ -n "$(ps -o pid= -g "$pid" 2>/dev/null)" ]; then alive=1; fi
+    done
+    [ "$alive" = 0 ] && break
+    sleep 0.5
+  done
+  for pid in $pids; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  rm -f "$pidfile"
+  echo "stopped local Ray cluster ($state_dir)"
+}
+
+wait_nodes() {
+  # Ready = the dashboard's job API answers and the GCS reports every node alive.
+  local want="$1" deadline=$((SECONDS + timeout))
+  while [ $SECONDS -lt $deadline ]; do
+    if "$PYTHON" - "$port" "$want" <<'EOF' 2>/dev/null
+import sys, ray
+from ray._private.state import GlobalState
+from ray._raylet import GcsClientOptions
+gs = GlobalState()
+gs._initialize_global_state(GcsClientOptions.create(f"127.0.0.1:{sys.argv[1]}", None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False))
+alive = [n for n in gs.node_table() if n["Alive"]]
+sys.exit(0 if len(alive) >= int(sys.argv[2]) else 1)
+EOF
+    then
+      return 0
+    fi
+    sleep 1
+  done
+  return 1
+}
+
+start_cluster() {
+  if [ -f "$state_dir/pids" ]; then
+    echo "cluster/local.sh: a cluster is already recorded in $state_dir: run 'cluster/local.sh stop --state-dir $state_dir' first" >&2
+    exit 1
+  fi
+  for p in "$port" "$dash_port"; do
+    if port_in_use "$p"; then
+      echo "cluster/local.sh: port $p on 127.0.0.1 is in use (another Ray?): pick --port/--dashboard-port" >&2
+      exit 1
+    fi
+  done
+  mkdir -p "$state_dir/logs"
+  chmod 700 "$state_dir"
+  export PATH="$BIN:$PATH"
+  export RAY_USAGE_STATS_ENABLED=0
+  if [ "$auth" = 1 ]; then
+    # A fresh random token per cluster, readable only by this user.
+    (umask 077; "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$state_dir/auth_token")
+    export RAY_AUTH_MODE=token
+    export RAY_AUTH_TOKEN_PATH="$state_dir/auth_token"
+    unset RAY_AUTH_TOKEN
+  else
+    export RAY_AUTH_MODE=disabled
+    echo "cluster/local.sh: token authentication is off (pass --auth to turn it on)" >&2
+  fi
+  : > "$state_dir/pids"
+  local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
+                --dashboard-agent-listen-port "$(free_port)" --block)
+  setsid "$BIN/ray" start --head --port "$port" --dashboard-host 127.0.0.1 \
+    --dashboard-port "$dash_port" --include-dashboard true \
+    --ray-client-server-port "$(free_port)" --temp-dir "$state_dir/tmp" "${common[@]}" \
+    > "$state_dir/logs/head.log" 2>&1 < /dev/null &
+  echo $! >> "$state_dir/pids"
+  if ! wait_nodes 1; then
+    echo "cluster/local.sh: head did not come up within ${timeout}s; log $state_dir/logs/head.log:" >&2
+    tail -n 30 "$state_dir/logs/head.log" >&2
+    stop_cluster >&2; exit 1
+  fi
+  for i in $(seq 1 "$workers"); do
+    common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
+            --dashboard-agent-listen-port "$(free_port)" --block)
+    setsid "$BIN/ray" start --address "127.0.0.1:$port" "${common[@]}" \
+      > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null &
+    echo $! >> "$state_dir/pids"
+  done
+  if ! wait_nodes $((workers + 1)); then
+    echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
+    tail -n 30 "$state_dir"/logs/worker-*.log >&2
+    stop_cluster >&2; exit 1
+  fi
+  echo "local Ray cluster: head + $workers worker node(s), $num_cpus CPUs each, on 127.0.0.1"
+  echo "  RAY_ADDRESS=127.0.0.1:$port"
+  echo "  dashboard / jobs API: http://127.0.0.1:$dash_port"
+  if [ "$auth" = 1 ]; then
+    echo "  token auth on: export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$state_dir/auth_token"
+  fi
+  echo "  stop: cluster/local.sh stop --state-dir $state_dir"
+}
+
+case "$cmd" in
+  start) start_cluster ;;
+  stop) stop_cluster ;;
+  status)
+    if [ -f "$state_dir/pids" ]; then
+      for pid in $(cat "$state_dir/pids"); do
+        if kill -0 "$pid" 2>/dev/null; then echo "node pid $pid: running"; else echo "node pid $pid: gone"; fi
+      done
+    else
+      echo "no cluster recorded in $state_dir"
+    fi ;;
+  *) echo "usage: cluster/local.sh start|stop|status [options] (see --help)" >&2; exit 2 ;;
+esac

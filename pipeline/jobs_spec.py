@@ -1,0 +1,337 @@
+"""Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipe and the upload size.
+
+A spec's keys are `JobSubmissionClient.submit_job`'s keyword arguments. This module never
+submits and never prints secret values; `submit.py` does the talking to the cluster.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+from .tracking.redact import REDACTED, is_secret_key, redact_text
+
+# submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
+SPEC_KEYS = {
+    "entrypoint": str,
+    "submission_id": str,
+    "runtime_env": dict,
+    "metadata": dict,
+    "entrypoint_num_cpus": (int, float),
+    "entrypoint_num_gpus": (int, float),
+    "entrypoint_memory": int,
+    "entrypoint_resources": dict,
+    "entrypoint_label_selector": dict,
+}
+# vitp subcommands whose first positional argument is a recipe name.
+RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot"}
+# Options of those subcommands that take a value (so the value is not mistaken for the recipe).
+_VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri"}
+_SHELL_OPS = {"&&", "||", ";", "|"}
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass
+class VitpCall:
+    """One `vitp SUBCOMMAND [RECIPE] ...` found in an entrypoint."""
+
+    subcommand: str
+    recipe: str | None
+    overrides: list[str]
+    segment: int  # index of the shell segment it came from
+
+
+@dataclass
+class JobSpec:
+    """A validated spec: `kwargs` go to submit_job as they are; `secrets` must never be shown."""
+
+    path: str
+    kwargs: dict[str, Any]
+    calls: list[VitpCall] = field(default_factory=list)
+    secrets: list[str] = field(default_factory=list)
+
+    @property
+    def entrypoint(self) -> str:
+        return self.kwargs["entrypoint"]
+
+    def mask(self, text: str) -> str:
+        """`text` with every secret value and credential-looking substring replaced by ***."""
+        for value in sorted(self.secrets, key=len, reverse=True):
+            if len(value) >= 4:
+                text = text.replace(value, REDACTED)
+        return redact_text(text)
+
+    def describe(self) -> list[str]:
+        """Lines safe to print: entrypoint, env var names (secret values masked), resources."""
+        lines = [f"entrypoint: {self.mask(self.entrypoint)}"]
+        env = (self.kwargs.get("runtime_env") or {}).get("env_vars") or {}
+        if env:
+            shown = [f"{k}={REDACTED if (v in self.secrets or is_secret_key(k)) else self.mask(v)}"
+                     for k, v in sorted(env.items())]
+            lines.append("env_vars: " + ", ".join(shown))
+        for key in ("entrypoint_num_cpus", "entrypoint_num_gpus", "entrypoint_resources"):
+            if key in self.kwargs:
+                lines.append(f"{key}: {self.kwargs[key]}")
+        return lines
+
+
+# ------------------------------------------------------------------------------- parsing
+
+
+def _segments(entrypoint: str) -> list[list[str]]:
+    """Split a shell command line into commands at &&, ||, ; and | (quotes respected)."""
+    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    segments: list[list[str]] = [[]]
+    for tok in lexer:
+        if tok in _SHELL_OPS:
+            segments.append([])
+        else:
+            segments[-1].append(tok)
+    return [s for s in segments if s]
+
+
+def _vitp_args(tokens: list[str]) -> list[str] | None:
+    """The arguments after `vitp` / `python -m pipeline.cli`, or None for another command."""
+    i = 0
+    while i < len(tokens) and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", tokens[i]):
+        i += 1  # leading VAR=value assignments
+    rest = tokens[i:]
+    if rest and os.path.basename(rest[0]) == "vitp":
+        return rest[1:]
+    if len(rest) >= 3 and os.path.basename(rest[0]).startswith("python") and rest[1:3] == ["-m", "pipeline.cli"]:
+        return rest[3:]
+    return None
+
+
+def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
+    """Every vitp call in the entrypoint, with its recipe and `--set` overrides."""
+    calls = []
+    for n, tokens in enumerate(_segments(entrypoint)):
+        args = _vitp_args(tokens)
+        if not args:
+            continue
+        sub, recipe, overrides = args[0], None, []
+        i = 1
+        while i < len(args):
+            a = args[i]
+            if a == "--set" and i + 1 < len(args):
+                overrides.append(args[i + 1])
+                i += 2
+                continue
+            if a.startswith("--set="):
+                overrides.append(a[len("--set="):])
+            elif a in _VALUE_OPTIONS:
+                i += 1
+            elif not a.startswith("-") and recipe is None and sub in RECIPE_COMMANDS:
+                recipe = a
+            i += 1
+        calls.append(VitpCall(sub, recipe, overrides, n))
+    return calls
+
+
+def add_overrides(entrypoint: str, overrides: list[str]) -> str:
+    """Append `--set k=v` to the entrypoint's one recipe command; error if there is not exactly one."""
+    if not overrides:
+        return entrypoint
+    calls = [c for c in parse_entrypoint(entrypoint) if c.recipe]
+    if len(calls) != 1:
+        raise ConfigError(
+            f"--set needs exactly one `vitp <command> RECIPE` in the entrypoint, found {len(calls)} "
+            f"in {redact_text(entrypoint)!r}: put the overrides into the spec's entrypoint instead"
+        )
+    segments = _segments(entrypoint)
+    ops = [t for t in _op_tokens(entrypoint)]
+    target = segments[calls[0].segment]
+    for item in overrides:
+        target += ["--set", item]
+    out = shlex.join(segments[0])
+    for op, seg in zip(ops, segments[1:]):
+        out += f" {op} {shlex.join(seg)}"
+    return out
+
+
+def _op_tokens(entrypoint: str) -> list[str]:
+    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    return [t for t in lexer if t in _SHELL_OPS]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Resolve ${VAR} / ${VAR:-default} in env_vars from this shell; expanded values are secrets.
+
+    Variables that end up empty are dropped, so `${AWS_ACCESS_KEY_ID:-}` falls back to the
+    cluster's own credentials (instance role, workload identity) instead of an empty key.
+    """
+    out: dict[str, str] = {}
+    secrets: list[str] = []
+    for key, value in env.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"{spec_path}: runtime_env.env_vars.{key} must be a string, got {type(value).__name__}")
+        text = str(value)
+        expanded = False
+
+        def sub(m: re.Match) -> str:
+            nonlocal expanded
+            name, default = m.group(1), m.group(2)
+            if name in environ:
+                expanded = True
+                return environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(
+                f"{spec_path}: runtime_env.env_vars.{key} uses ${{{name}}}, which is not set in this "
+                f"shell: export {name}=... before `vitp submit` (its value is sent to the cluster and "
+                f"never printed), or write ${{{name}:-}} to make it optional"
+            )
+
+        text = _VAR.sub(sub, text)
+        if text == "" and _VAR.search(str(value)):
+            continue
+        out[str(key)] = text
+        if text and (expanded or is_secret_key(str(key))):
+            secrets.append(text)
+    return out, secrets
+
+
+def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
+              environ: dict[str, str] | None = None, check_recipe: bool = True) -> JobSpec:
+    """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`."""
+    import yaml
+
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"job spec {path} does not exist: see jobs/*.yaml for examples") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with at least `entrypoint:`")
+    unknown = sorted(set(raw) - set(SPEC_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; a job spec's keys are submit_job's "
+            f"arguments: {', '.join(SPEC_KEYS)}"
+        )
+    if not raw.get("entrypoint"):
+        raise ConfigError(f"{path}: `entrypoint:` is missing, e.g. entrypoint: vitp pretrain debug")
+    for key, tp in SPEC_KEYS.items():
+        if key in raw and raw[key] is not None and not isinstance(raw[key], tp):
+            want = " or ".join(t.__name__ for t in (tp if isinstance(tp, tuple) else (tp,)))
+            raise ConfigError(f"{path}: {key} must be {want}, got {type(raw[key]).__name__}")
+    kwargs = {k: v for k, v in raw.items() if v is not None}
+    kwargs["entrypoint"] = add_overrides(" ".join(str(raw["entrypoint"]).split()), list(overrides))
+    secrets: list[str] = []
+    runtime_env = dict(kwargs.get("runtime_env") or {})
+    if "env_vars" in runtime_env:
+        if not isinstance(runtime_env["env_vars"], dict):
+            raise ConfigError(f"{path}: runtime_env.env_vars must be a mapping NAME: value")
+        runtime_env["env_vars"], secrets = _expand_env(path, runtime_env["env_vars"], environ)
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    meta = kwargs.get("metadata") or {}
+    bad = [k for k, v in meta.items() if not isinstance(v, str)]
+    if bad:
+        raise ConfigError(f"{path}: metadata values must be strings (quote them): {', '.join(map(str, bad))}")
+    spec = JobSpec(path, kwargs, parse_entrypoint(kwargs["entrypoint"]), secrets)
+    if check_recipe:
+        resolve_recipes(spec)
+    return spec
+
+
+def resolve_recipes(spec: JobSpec) -> list:
+    """Resolve every recipe the entrypoint names (data paths live on the cluster: not checked)."""
+    from . import recipes
+
+    if not spec.calls:
+        raise ConfigError(
+            f"{spec.path}: the entrypoint {spec.mask(spec.entrypoint)!r} runs no vitp command: "
+            "use e.g. `vitp pretrain RECIPE --set k=v` (or `python -m pipeline.cli ...`)"
+        )
+    out = []
+    for call in spec.calls:
+        if call.subcommand in RECIPE_COMMANDS and not call.recipe:
+            raise ConfigError(f"{spec.path}: `vitp {call.subcommand}` in the entrypoint names no recipe")
+        if call.recipe:
+            try:
+                out.append(recipes.resolve(call.recipe, call.overrides, check_paths=False))
+            except ConfigError as e:
+                raise ConfigError(f"{spec.path}: recipe {call.recipe!r} does not resolve: {e}") from None
+    return out
+
+
+# -------------------------------------------------------------------------- upload size
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def upload_limit() -> int:
+    """Ray's limit on a working_dir / py_modules package (the GCS gRPC message size)."""
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+
+    return int(GCS_STORAGE_MAX_SIZE)
+
+
+def measure_upload(directory: str, excludes: list[str] | None = None) -> tuple[int, dict[str, int]]:
+    """Bytes Ray would package from `directory` (same excludes as Ray: .gitignore, .rayignore,
+    runtime_env.excludes, Ray's defaults), and the size per top-level entry. Uncompressed."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    root = Path(directory).resolve()
+    all_excludes = ray_constants.get_runtime_env_default_excludes() + list(excludes or [])
+    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    per_entry: dict[str, int] = {}
+    total = 0
+
+    def handler(p: Path) -> None:
+        nonlocal total
+        if p.is_file() and not p.is_symlink():
+            size = p.stat().st_size
+            total += size
+            top = p.relative_to(root).parts[0]
+            per_entry[top] = per_entry.get(top, 0) + size
+
+    _dir_travel(root, [_get_excludes(root, all_excludes)], handler, include_gitignore=include_gitignore)
+    return total, per_entry
+
+
+def check_upload_size(spec: JobSpec, limit: int | None = None) -> list[str]:
+    """Raise ConfigError naming the biggest entries and the fix when a local working_dir or
+    py_modules directory is over Ray's upload limit; return notes on what will be uploaded."""
+    runtime_env = spec.kwargs.get("runtime_env") or {}
+    limit = upload_limit() if limit is None else limit
+    dirs = []
+    if isinstance(runtime_env.get("working_dir"), str):
+        dirs.append(("runtime_env.working_dir", runtime_env["working_dir"]))
+    for mod in runtime_env.get("py_modules") or []:
+        if isinstance(mod, str):
+            dirs.append(("runtime_env.py_modules", mod))
+    notes = []
+    for field_name, d in dirs:
+        if "://" in d or not os.path.isdir(d):
+            continue  # a URI or a package file: Ray uploads nothing / checks it itself
+        total, per_entry = measure_upload(d, runtime_env.get("excludes"))
+        if total >= limit:
+            biggest = sorted(per_entry.items(), key=lambda kv: -kv[1])[:5]
+            raise ConfigError(
+                f"{spec.path}: {field_name}={d!r} would upload {_mib(total)} (before compression), over "
+                f"Ray's {_mib(limit)} upload limit; biggest: "
+                + ", ".join(f"{k} {_mib(v)}" for k, v in biggest)
+                + ". Fix: list them under runtime_env.excludes or in a .rayignore file, keep data and "
+                "checkpoints on shared storage (s3://, gs://, NFS) and pass the path with "
+                "--set data.path=..., or bake the code into the cluster image and drop working_dir"
+            )
+        notes.append(f"{field_name}: {d} ({_mib(total)} to upload, limit {_mib(limit)})")
+    return notes
