@@ -1,0 +1,160 @@
+"""What a ViT looks at: attention rollout (paper Fig. 6) and mean attention distance (Fig. 7).
+
+Owns the arithmetic over `ViT.attention_maps` and the PNG/plot writers (Pillow, matplotlib's Agg
+canvas; no global pyplot state). Must not know about Ray, DeepSpeed or MLflow.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .vit import ViT
+
+
+def _maps(model: ViT, images: torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer softmax weights [(B, H, N+1, N+1)] in eval mode (no dropout), float32."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [a.float() for a in model.attention_maps(images)]
+    finally:
+        model.train(was_training)
+
+
+def rollout_from_maps(maps: Sequence[torch.Tensor], grid: int | tuple[int, int]) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema 2020) of per-layer maps [(B, H, T, T)], T = 1 + gh*gw.
+
+    Each layer: average the heads, add the identity for the residual path, renormalise rows;
+    multiply the layers from the input up; read the class-token row over the patch tokens and
+    renormalise it to sum to 1. Returns (B, gh, gw).
+    """
+    gh, gw = (grid, grid) if isinstance(grid, int) else grid
+    rollout = None
+    for a in maps:
+        a = a.mean(dim=1)  # (B, T, T): heads averaged
+        a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout  # (B, T, T): layer l applied after l-1
+    if rollout is None:
+        raise ValueError("no attention maps: the model has no blocks")
+    cls_to_patches = rollout[:, 0, 1:]  # (B, N)
+    if cls_to_patches.shape[-1] != gh * gw:
+        raise ValueError(f"maps have {cls_to_patches.shape[-1]} patch tokens, grid {gh}x{gw} needs {gh * gw}")
+    cls_to_patches = cls_to_patches / cls_to_patches.sum(dim=-1, keepdim=True)
+    return cls_to_patches.reshape(-1, gh, gw)
+
+
+@torch.no_grad()
+def attention_rollout(model: ViT, images: torch.Tensor) -> torch.Tensor:
+    """Normalised images (B, 3, S, S) -> rollout over the patch grid (B, gh, gw), rows sum to 1."""
+    return rollout_from_maps(_maps(model, images), model.grid)
+
+
+def patch_distances(grid: int | tuple[int, int], patch: int) -> torch.Tensor:
+    """Euclidean pixel distance between patch centres, (N, N), patches in row-major order."""
+    gh, gw = (grid, grid) if isinstance(grid, int) else grid
+    ys, xs = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    centres = torch.stack([ys.flatten(), xs.flatten()], dim=-1).double() * patch  # (N, 2)
+    return torch.cdist(centres, centres)  # (N, N)
+
+
+def attention_distance_from_maps(maps: Sequence[torch.Tensor], grid: int | tuple[int, int],
+                                 patch: int) -> torch.Tensor:
+    """Mean attention distance in pixels, (L, H), from per-layer maps [(B, H, T, T)].
+
+    The class token is left out as query and as key; each query's weights over the patch keys
+    are renormalised, so a query's distance is the attention-weighted mean distance to the
+    patches it attends to (in [0, image diagonal]). Averaged over queries and images.
+    """
+    dist = patch_distances(grid, patch)  # (N, N)
+    out = []
+    for a in maps:
+        p = a[:, :, 1:, 1:].double()  # (B, H, N, N): patch queries -> patch keys
+        p = p / p.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+        per_query = (p * dist).sum(dim=-1)  # (B, H, N)
+        out.append(per_query.mean(dim=(0, 2)))  # (H,)
+    return torch.stack(out).float()  # (L, H)
+
+
+@torch.no_grad()
+def mean_attention_distance(model: ViT, images: torch.Tensor) -> torch.Tensor:
+    """Normalised images (B, 3, S, S) -> mean attention distance per layer and head (L, H), pixels."""
+    return attention_distance_from_maps(_maps(model, images), model.grid, model.spec.patch)
+
+
+# ------------------------------------------------------------------------------- pictures
+
+
+def _as_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _need_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("attention pictures need matplotlib: pip install 'vit-pipeline[demo]' "
+                          "(or pip install matplotlib)") from None
+
+
+def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -> str:
+    """Write the image and its rollout heat map overlaid side by side as a PNG; returns path.
+
+    `image_uint8_hwc`: (H, W, 3) uint8 (greyscale (H, W) is accepted); `rollout`: (gh, gw).
+    The heat map is upsampled bilinearly to the image and scaled to its own maximum.
+    """
+    _need_matplotlib()
+    from matplotlib import colormaps
+    from PIL import Image
+
+    img = _as_numpy(image_uint8_hwc)
+    if img.ndim == 2:
+        img = np.repeat(img[..., None], 3, axis=-1)
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[-1] != 3:
+        raise ValueError(f"image must be (H, W, 3) uint8, got {img.shape} {img.dtype}: pass the "
+                         "un-normalised image (e.g. the shard's pixels), not the model input")
+    r = _as_numpy(rollout).astype(np.float64)
+    if r.ndim != 2:
+        raise ValueError(f"rollout must be (gh, gw) for one image, got shape {r.shape}")
+    h, w = img.shape[:2]
+    heat = Image.fromarray(r.astype(np.float32)).resize((w, h), Image.BILINEAR)
+    heat = np.asarray(heat, dtype=np.float64)
+    heat = heat / heat.max() if heat.max() > 0 else heat  # (H, W) in [0, 1]
+    colour = colormaps["inferno"](heat)[..., :3] * 255.0  # (H, W, 3)
+    overlay = (1 - alpha) * img.astype(np.float64) + alpha * colour
+    both = np.concatenate([img, np.clip(overlay, 0, 255).astype(np.uint8)], axis=1)  # (H, 2W, 3)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(both).save(path, format="PNG")
+    return path
+
+
+def plot_attention_distance(dist, path: str, title: str = "") -> str:
+    """Scatter of mean attention distance (pixels) against layer, one dot per head (paper Fig. 7)."""
+    _need_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    d = _as_numpy(dist)
+    if d.ndim != 2:
+        raise ValueError(f"dist must be (layers, heads), got shape {d.shape}")
+    L, H = d.shape
+    fig = Figure(figsize=(4.5, 3.5), dpi=120)
+    FigureCanvasAgg(fig)  # Agg canvas without touching pyplot's global backend
+    ax = fig.add_subplot(1, 1, 1)
+    for h in range(H):
+        ax.scatter(np.arange(1, L + 1), d[:, h], s=14, label=f"head {h + 1}" if H <= 16 else None)
+    ax.set_xlabel("network depth (layer)")
+    ax.set_ylabel("mean attention distance (pixels)")
+    ax.set_xticks(np.arange(1, L + 1))
+    ax.set_ylim(bottom=0)
+    if title:
+        ax.set_title(title)
+    if H <= 16:
+        ax.legend(fontsize=6, ncol=2, loc="lower right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    return path
