@@ -146,6 +146,75 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 @command
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .tracking.compare import compare_rows, format_table
+    from .train.trainer import connect_ray, ensure_shards
+    from .tune.sweep import build_spec, run_sweep, trial_config
+
+    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    overrides += [f"tune.scheduler={args.scheduler}"] if args.scheduler else []
+    base = recipes.resolve(args.recipe, overrides, check_paths=False)
+    space = {}
+    for item in args.space:
+        key, _, values = item.partition("=")
+        space[key] = [_scalar(v) for v in values.split(",") if v]
+    spec = build_spec(args.name or args.recipe, base, args.recipe, overrides,
+                      recipes=args.datasets.split(",") if args.datasets else None,
+                      sources=args.sources or None, extra_space=space)
+    connect_ray(base, args.address)
+    for recipe in spec.space.get("recipe", [args.recipe]):  # shards once, before trials race
+        cfg, _ = trial_config(spec, {"recipe": recipe, "source": "scratch"})
+        ensure_shards(cfg)
+    summary = run_sweep(spec, resume=args.resume)
+    print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
+    for dataset, best in summary["best"].items():
+        print(f"best on {dataset}: {best['run_name']} top-1 {best['top1']:.4f}")
+    if summary["failed"]:
+        print(f"{len(summary['failed'])} trial(s) failed:", file=sys.stderr)
+        for f in summary["failed"]:
+            print(f"  {f['trial']}: {f['error']}", file=sys.stderr)
+    return 0
+
+
+def _scalar(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+@command
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .tracking.compare import compare_rows, format_table, sweep_parents
+    from .tracking.plots import log_plot_to_parent, plot_compare
+
+    uri = _tracking_uri(args)
+    tags = dict(t.split("=", 1) for t in args.tag)
+    rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=tags, filter_string=args.filter)
+    print(format_table(rows, args.format))
+    if args.plot:
+        out = plot_compare(uri, rows, args.plot)
+        for parent in sweep_parents(rows):
+            log_plot_to_parent(uri, parent, out)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _tracking_uri(args: argparse.Namespace) -> str:
+    """--tracking-uri, else the recipe's default store (sqlite in its work_dir)."""
+    from . import recipes
+    from .tracking import resolve_tracking_uri
+
+    if args.tracking_uri:
+        return args.tracking_uri
+    cfg = recipes.resolve(args.recipe, args.overrides, check_paths=False)
+    return resolve_tracking_uri(cfg)
+
+
+@command
 def cmd_export(args: argparse.Namespace) -> int:
     from .train.export import export
 
@@ -213,6 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("sweep", help="Ray Tune sweep of fine-tuning runs (lr x datasets x sources)")
+    _add_recipe_args(p)
+    p.add_argument("--name", help="sweep name (default: the recipe); also the MLflow parent run")
+    p.add_argument("--datasets", help="comma-separated fine-tuning recipes to sweep over, e.g. "
+                                      "finetune_cifar10,finetune_pets")
+    p.add_argument("--from", dest="sources", action="append", default=[],
+                   help="a source to start from (repeatable): checkpoint/export path or 'scratch'")
+    p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
+                   help="add a grid axis, e.g. --space optim.lr=0.01,0.03 (repeatable)")
+    p.add_argument("--scheduler", choices=["none", "asha"], help="override tune.scheduler")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("compare", help="table (text/CSV/JSON) and plot of runs from MLflow")
+    p.add_argument("--recipe", default="debug", help="recipe whose MLflow store to read (default debug)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the recipe (e.g. --set work_dir=...)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (overrides the recipe's store)")
+    p.add_argument("--experiment", action="append", help="experiment name(s); default all")
+    p.add_argument("--sweep", help="only the runs of this sweep")
+    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="filter by tag")
+    p.add_argument("--filter", default="", help="an MLflow filter string, ANDed with the rest")
+    p.add_argument("--format", choices=["text", "csv", "json"], default="text")
+    p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset")
 
     p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
     p.add_argument("checkpoint", help="a checkpoint directory written by pretrain/finetune")

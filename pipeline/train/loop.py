@@ -241,6 +241,10 @@ def train_per_worker(config: dict[str, Any]) -> None:
             print(_progress_line(cfg, step, metrics, t_start, start_step), flush=True)
             if logger:
                 logger.log_metrics(metrics, step=step)
+        ckpt_due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps
+        if "val/top1" in metrics and not ckpt_due:
+            # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
+            ray.train.report({"step": step, **metrics})
 
     def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
         st.epoch = st.samples_seen // max(epoch_rows, 1)

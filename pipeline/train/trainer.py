@@ -94,7 +94,7 @@ class TrainSummary:
 
 
 def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] = None,
-                  with_val: bool = True):
+                  with_val: bool = True, callbacks: Optional[list] = None):
     """The TorchTrainer for `cfg` (not yet started)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -125,13 +125,15 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
             storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
+            callbacks=callbacks or None,
         ),
         datasets=datasets,
     )
 
 
 def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = True,
-                 extra_tags: Optional[dict[str, str]] = None) -> TrainSummary:
+                 extra_tags: Optional[dict[str, str]] = None, parent_run_id: Optional[str] = None,
+                 callbacks: Optional[list] = None) -> TrainSummary:
     """Run (or resume, same run name) a Ray Train job for `cfg`, logged to MLflow.
 
     Re-running with the same `tracking.run_name`/recipe resumes from the newest checkpoint
@@ -154,6 +156,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         uri = resolve_tracking_uri(cfg)
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
                                  run_id=_run_id_of_checkpoints(uri, cfg) if existing else None,
+                                 parent_run_id=parent_run_id,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
                                        **(extra_tags or {})})
@@ -162,7 +165,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         print(f"[{cfg.run_name}] MLflow run {logger.run_id} ({'resumed' if logger.resumed else 'new'}) at {uri}",
               flush=True)
-    trainer = build_trainer(cfg, mlflow_info, with_val=with_val)
+    trainer = build_trainer(cfg, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
         result = trainer.fit()
     except BaseException as e:

@@ -1,0 +1,247 @@
+"""Ray Tune sweeps over fine-tuning runs: search space, driver function, MLflow parent/children.
+
+A trial's config is a flat dict of dotted config keys plus two axes that are not config fields:
+`recipe` (a fine-tuning preset, i.e. the downstream dataset) and `source` (what to start from:
+a checkpoint/export path or "scratch"). Each trial runs one Ray Train fine-tuning job through
+`finetune_trial_driver_fn`; MLflow is written only through `pipeline.tracking`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..config import ConfigError, ExperimentConfig, field_type, set_value
+from ..recipes import RECIPES, get_recipe
+
+AXES = ("recipe", "source")  # trial keys that are not config fields
+
+
+@dataclass
+class SweepSpec:
+    """What to sweep: the base recipe + overrides, the grid/choices, and how to schedule it."""
+
+    name: str
+    base_recipe: str
+    overrides: list[str]
+    space: dict[str, list]
+    search: str = "grid"
+    num_samples: int = 1
+    scheduler: str = "none"
+    metric: str = "val/top1"
+    mode: str = "max"
+    trial_retries: int = 1
+    max_concurrent_trials: int = 0
+    work_dir: str = "work"
+    tracking_uri: str = ""
+    experiment: str = "vit-pipeline"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: list[str],
+               recipes: Optional[list[str]] = None, sources: Optional[list[str]] = None,
+               extra_space: Optional[dict[str, list]] = None) -> SweepSpec:
+    """The sweep for `base` (recipe + overrides): its tune.space x datasets x sources."""
+    from ..tracking import resolve_tracking_uri
+
+    space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
+    space.update(extra_space or {})
+    if recipes:
+        unknown = [r for r in recipes if r not in RECIPES]
+        if unknown:
+            raise ConfigError(f"--datasets {unknown}: not recipes; choose from {', '.join(RECIPES)}")
+        space["recipe"] = list(recipes)
+    if sources:
+        space["source"] = list(sources)
+    for key, values in space.items():
+        if key not in AXES:
+            field_type(key)  # unknown keys fail here, before Ray starts
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"tune.space[{key!r}] must be a non-empty list, got {values!r}")
+    if "source" not in space:
+        space["source"] = ["scratch"]
+    t = base.tune
+    return SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), space=space,
+                     search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
+                     metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
+                     max_concurrent_trials=t.max_concurrent_trials,
+                     work_dir=os.path.abspath(base.work_dir) if "://" not in base.work_dir else base.work_dir,
+                     tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
+
+
+def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, str]]:
+    """The validated fine-tuning config of one trial, and its lineage tags."""
+    from ..config import apply_overrides
+    from ..train.transfer import finetune_config
+
+    recipe = trial.get("recipe", spec.base_recipe)
+    cfg = apply_overrides(get_recipe(recipe), [f"work_dir={spec.work_dir}"] +
+                          [o for o in spec.overrides if not o.startswith("work_dir=")])
+    for key, value in trial.items():
+        if key not in AXES:
+            cfg = set_value(cfg, key, value)
+    cfg = apply_overrides(cfg, [f"tracking.experiment={spec.experiment}", f"tracking.uri={spec.tracking_uri}",
+                                f"tracking.run_name={trial_run_name(spec, trial)}"])
+    # one Train report per evaluation, so ASHA can stop a trial between evaluations
+    if cfg.train.eval_every:
+        cfg = set_value(cfg, "train.checkpoint_every", 0)
+    return finetune_config(cfg, trial.get("source", "scratch"))
+
+
+def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
+    """Stable, readable child-run name: the same trial always maps to the same name."""
+    parts = [spec.name]
+    recipe = trial.get("recipe", spec.base_recipe)
+    parts.append(recipe.replace("finetune_", ""))
+    src = trial.get("source", "scratch")
+    parts.append("scratch" if src == "scratch" else "from-" + _short(src))
+    for k in sorted(trial):
+        if k not in AXES:
+            parts.append(f"{k.split('.')[-1]}{trial[k]}")
+    return "-".join(parts)
+
+
+def _short(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    parent = os.path.basename(os.path.dirname(os.path.normpath(path)))
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{parent}_{base}")[-40:]
+
+
+# ---------------------------------------------------------------------------------------
+# Tune
+# ---------------------------------------------------------------------------------------
+
+
+def finetune_trial_driver_fn(trial: dict[str, Any]) -> None:
+    """Tune trainable: one fine-tuning run on Ray Train, its evaluations reported to Tune."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from ..train.trainer import run_training
+
+    spec = SweepSpec(**trial["__spec__"])
+    params = {k: v for k, v in trial.items() if not k.startswith("__")}
+    cfg, tags = trial_config(spec, params)
+    ctx = ray.tune.get_context()
+    tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id(),
+            "dataset": cfg.data.source}
+    summary = run_training(cfg, extra_tags=tags, parent_run_id=trial["__parent_run_id__"],
+                           callbacks=[TuneReportCallback()])
+    if summary.metrics.get(spec.metric) is None:
+        raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.metric}")
+
+
+def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
+    """Trials that fit at once: each needs its workers' CPUs plus ~1 for the controller/data."""
+    if spec.max_concurrent_trials:
+        return spec.max_concurrent_trials
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 1)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    p = cfg.parallel
+    by_cpu = cpus // (p.num_workers * p.cpus_per_worker + 1)
+    by_gpu = gpus // (p.num_workers * p.gpus_per_worker) if p.use_gpu else math.inf
+    return max(1, int(min(by_cpu, by_gpu)))
+
+
+def _param_space(spec: SweepSpec) -> dict[str, Any]:
+    from ray import tune
+
+    out: dict[str, Any] = {}
+    for key, values in spec.space.items():
+        out[key] = tune.grid_search(values) if spec.search == "grid" else tune.choice(values)
+    return out
+
+
+def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
+    """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
+    import ray
+    from ray import tune
+
+    from ..tracking import RunLogger
+
+    storage = os.path.join(spec.work_dir, "sweeps")
+    path = os.path.join(storage, spec.name)
+    if os.path.exists(path) and not resume and tune.Tuner.can_restore(path):
+        raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
+                              "or pass another --name")
+    first_trial_cfg, _ = trial_config(spec, {k: v[0] for k, v in spec.space.items()})
+    parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
+                             tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe})
+    parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
+                       "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
+                       "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
+                       "sweep.overrides": json.dumps(spec.overrides)})
+    parent.log_dict(spec.to_dict(), "sweep.json")
+    concurrency = max_concurrent(spec, first_trial_cfg)
+    log(f"[sweep {spec.name}] parent MLflow run {parent.run_id}; {concurrency} concurrent trial(s); "
+        f"storage {path}")
+
+    # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
+    trainable = tune.with_resources(finetune_trial_driver_fn, {"CPU": 0.01})
+    t0 = time.time()
+    try:
+        if resume:
+            if not tune.Tuner.can_restore(path):
+                raise FileNotFoundError(f"--resume: no sweep state at {path}; start it without --resume")
+            tuner = tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True)
+        else:
+            scheduler = None
+            if spec.scheduler == "asha":
+                scheduler = tune.schedulers.ASHAScheduler(grace_period=1, reduction_factor=2)
+            param_space = {**_param_space(spec), "__spec__": spec.to_dict(),
+                           "__parent_run_id__": parent.run_id}
+            tuner = tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
+                                            num_samples=spec.num_samples,
+                                            max_concurrent_trials=concurrency),
+                run_config=tune.RunConfig(name=spec.name, storage_path=storage,
+                                          failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
+                                          verbose=1),
+            )
+        results = tuner.fit()
+    except BaseException as e:
+        parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+    summary = summarise(spec, parent, results, time.time() - t0)
+    parent.end("FINISHED")
+    return summary
+
+
+def summarise(spec: SweepSpec, parent, results, seconds: float) -> dict[str, Any]:
+    """Best trial per dataset (from the MLflow children) and the failures, into the parent run."""
+    from ..tracking import find_runs
+
+    children = find_runs(spec.tracking_uri, spec.experiment, parent_run_id=parent.run_id)
+    failed = [{"trial": os.path.basename(str(r.path)), "config": {k: v for k, v in (r.config or {}).items()
+                                                                 if not k.startswith("__")},
+               "error": (str(r.error).strip().splitlines() or ["?"])[-1][:300]}
+              for r in results if r.error]
+    best: dict[str, dict[str, Any]] = {}
+    for run in children:
+        dataset = run["tags"].get("dataset", "?")
+        top1 = run["metrics"].get(spec.metric)
+        if run["status"] != "FINISHED" or top1 is None:
+            continue
+        if dataset not in best or (top1 > best[dataset]["top1"]) == (spec.mode == "max"):
+            best[dataset] = {"run_id": run["run_id"], "run_name": run["run_name"], "top1": top1,
+                             "source": run["tags"].get("source", "")}
+    for dataset, b in best.items():
+        parent.log_metrics({f"best/{dataset}/val_top1": b["top1"]}, step=0)
+        parent.set_tags({f"best_trial/{dataset}": b["run_id"]})
+    parent.log_metrics({"sweep/trials": len(results), "sweep/failed": len(failed),
+                        "sweep/seconds": seconds}, step=0)
+    parent.set_tags({"failed_trials": str(len(failed))})
+    parent.log_dict({"best": best, "failed": failed}, "sweep_summary.json")
+    return {"parent_run_id": parent.run_id, "trials": len(results), "failed": failed,
+            "best": best, "seconds": seconds}
