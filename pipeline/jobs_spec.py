@@ -30,7 +30,9 @@ SPEC_KEYS = {
 # vitp subcommands whose first positional argument is a recipe name.
 RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot"}
 # Options of those subcommands that take a value (so the value is not mistaken for the recipe).
-_VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri"}
+_VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri", "--name", "--datasets",
+                  "--space", "--scheduler", "--experiment", "--sweep", "--tag", "--filter",
+                  "--format", "--plot", "--recipe"}
 _SHELL_OPS = {"&&", "||", ";", "|"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -125,6 +127,9 @@ def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
                 continue
             if a.startswith("--set="):
                 overrides.append(a[len("--set="):])
+            elif a == "--recipe" and sub == "compare" and i + 1 < len(args):
+                recipe = args[i + 1]  # `vitp compare --recipe R` reads R's MLflow store
+                i += 1
             elif a in _VALUE_OPTIONS:
                 i += 1
             elif not a.startswith("-") and recipe is None and sub in RECIPE_COMMANDS:
@@ -165,7 +170,10 @@ def _op_tokens(entrypoint: str) -> list[str]:
 
 
 def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Resolve ${VAR} / ${VAR:-default} in env_vars from this shell; expanded values are secrets.
+    """Resolve ${VAR} / ${VAR:-default} in env_vars from this shell.
+
+    A value is secret (never printed, masked in logs) when its key or a variable it came from
+    names a credential (AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD, HF_TOKEN, ...).
 
     Variables that end up empty are dropped, so `${AWS_ACCESS_KEY_ID:-}` falls back to the
     cluster's own credentials (instance role, workload identity) instead of an empty key.
@@ -176,13 +184,13 @@ def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) ->
         if not isinstance(value, (str, int, float, bool)):
             raise ConfigError(f"{spec_path}: runtime_env.env_vars.{key} must be a string, got {type(value).__name__}")
         text = str(value)
-        expanded = False
+        secret_source = False
 
         def sub(m: re.Match) -> str:
-            nonlocal expanded
+            nonlocal secret_source
             name, default = m.group(1), m.group(2)
             if name in environ:
-                expanded = True
+                secret_source = secret_source or is_secret_key(name)
                 return environ[name]
             if default is not None:
                 return default
@@ -196,7 +204,7 @@ def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) ->
         if text == "" and _VAR.search(str(value)):
             continue
         out[str(key)] = text
-        if text and (expanded or is_secret_key(str(key))):
+        if text and (secret_source or is_secret_key(str(key))):
             secrets.append(text)
     return out, secrets
 

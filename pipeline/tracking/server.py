@@ -176,7 +176,15 @@ def start_server(
     URI that the server proxies artifacts to (--serve-artifacts), so clients need no storage
     credentials. port=0 picks a free port. jobs=False turns off MLflow's GenAI job executor
     (8 extra processes that this pipeline never uses; on 2 cores it triples start-up time).
+    auth: basic auth (refuses the old default admin password). A host beyond loopback needs
+    auth unless allow_unauthenticated=True (e.g. behind an authenticating proxy).
     """
+    if host not in _LOOPBACK and auth is None and not allow_unauthenticated:
+        raise TrackingError(
+            f"mlflow server on host {host!r} would be reachable beyond this machine without a "
+            "login: turn on basic auth (vitp mlflow-server --auth, with MLFLOW_AUTH_ADMIN_PASSWORD "
+            "set) or bind --host 127.0.0.1"
+        )
     backend = _normalise_uri(backend_store_uri)
     if backend.startswith("sqlite:"):
         # Create/migrate the schema here, under our file lock: on a fresh DB the server's own

@@ -1,0 +1,52 @@
+"""A real two-node local Ray cluster: the debug pre-training job through `vitp submit`, where its
+Train workers ran, its MLflow run, and a failing job's exit status and error."""
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline import recipes
+from pipeline.tracking import resolve_tracking_uri
+
+from .conftest import vitp
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_debug_pretrain_job_succeeds_spreads_workers_and_logs_to_mlflow(two_node_cluster, tmp_path):
+    work_dir = tmp_path / "work"
+    out = vitp("submit", "jobs/debug_pretrain.yaml", "--follow", "--address", two_node_cluster.address,
+               "--set", f"work_dir={work_dir}")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    job_id = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("submitted "))
+    assert f"job {job_id} SUCCEEDED" in out.stdout
+    assert "done in" in out.stdout  # the driver's own summary came through --follow
+
+    # The run is in the MLflow store the job wrote (SQLite under work_dir), finished, with metrics.
+    cfg = recipes.resolve("debug", [f"work_dir={work_dir}"], check_paths=False)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.info.run_name for r in runs] == [cfg.run_name]
+    assert runs[0].info.status == "FINISHED"
+    assert "train/loss" in runs[0].data.metrics
+
+    # Where the two Train workers ran: one on each node (Ray's state API, by the job's driver id).
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors, list_nodes
+
+    info = JobSubmissionClient(two_node_cluster.address).get_job_info(job_id)
+    workers = list_actors(address=two_node_cluster.address, detail=True, limit=1000,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", info.driver_info.id)])
+    nodes = {n.node_id for n in list_nodes(address=two_node_cluster.address)}
+    assert len(workers) == 2, workers
+    assert {w.node_id for w in workers} == nodes and len(nodes) == 2
+
+
+def test_failing_job_makes_submit_exit_nonzero_with_the_jobs_error(two_node_cluster, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    # Resolves at submission (paths are not checked there) but fails on the cluster: no such corpus.
+    spec.write_text("entrypoint: vitp pretrain debug --set data.source=imagefolder "
+                    f"--set data.path={tmp_path}/no-such-corpus --set work_dir={tmp_path}/w\n")
+    out = vitp("submit", str(spec), "--follow", "--address", two_node_cluster.address)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "FAILED" in out.stderr
+    assert "no-such-corpus" in out.stderr and "does not exist" in out.stderr
