@@ -150,7 +150,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from . import recipes
     from .tracking.compare import compare_rows, format_table
     from .train.trainer import connect_ray, ensure_shards
-    from .tune.sweep import build_spec, run_sweep, trial_config
+    from .tune.sweep import build_spec, dataset_configs, run_sweep
 
     overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
     overrides += [f"tune.scheduler={args.scheduler}"] if args.scheduler else []
@@ -163,8 +163,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)
     connect_ray(base, args.address)
-    for recipe in spec.space.get("recipe", [args.recipe]):  # shards once, before trials race
-        cfg, _ = trial_config(spec, {"recipe": recipe, "source": "scratch"})
+    for cfg in dataset_configs(spec):  # shards once, before trials race for them
         ensure_shards(cfg)
     summary = run_sweep(spec, resume=args.resume)
     print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))

@@ -75,6 +75,20 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: l
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
 
 
+def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
+    """One config per distinct dataset the sweep touches (to prepare shards before trials)."""
+    out, seen = [], set()
+    for recipe in spec.space.get("recipe", [spec.base_recipe]):
+        for source in spec.space.get("data.source", [None]):
+            trial = {"recipe": recipe, **({"data.source": source} if source else {})}
+            cfg, _ = trial_config(spec, trial)
+            key = (cfg.data.source, cfg.data.path, cfg.data.shards, cfg.data.storage_size)
+            if key not in seen:
+                seen.add(key)
+                out.append(cfg)
+    return out
+
+
 def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, str]]:
     """The validated fine-tuning config of one trial, and its lineage tags."""
     from ..config import apply_overrides
@@ -167,6 +181,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
 
     from ..tracking import RunLogger
 
+    # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
+    # knows which trials finished (Tune's default period adapts and can lag by minutes).
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     storage = os.path.join(spec.work_dir, "sweeps")
     path = os.path.join(storage, spec.name)
     if os.path.exists(path) and not resume and tune.Tuner.can_restore(path):

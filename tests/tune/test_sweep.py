@@ -1,0 +1,129 @@
+"""Sweeps: Ray Tune over fine-tuning trials, MLflow parent/child runs on a real server,
+driver kill + --resume, and a failing grid point."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+FAST = ["--set=train.steps=40", "--set=train.eval_every=20", "--set=train.log_every=20"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from pipeline.tracking import start_server
+
+    root = tmp_path_factory.mktemp("mlflow")
+    handle = start_server(f"sqlite:///{root}/mlflow.db", str(root / "artifacts"))
+    yield handle
+    handle.stop()
+
+
+def _vitp(args, env):
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _env(ray_session):
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+
+
+def _children(uri, sweep):
+    from pipeline.tracking import TrackingError
+    from pipeline.tracking.compare import compare_rows
+
+    try:
+        return compare_rows(uri, "vit-pipeline-debug", sweep=sweep)
+    except TrackingError:  # the experiment does not exist until the sweep's first run
+        return []
+
+
+def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
+    from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
+    from pipeline.tracking.runs import get_client
+
+    args = ["sweep", "debug_finetune", "--name", "s1", f"--set=work_dir={tmp_path}",
+            "--tracking-uri", server.uri, "--space", "data.source=digits,synthetic",
+            "--space", "optim.lr=0.03,0.1", *FAST]
+    env = _env(ray_session)
+    first = _vitp(args, env)
+    t0 = time.time()
+    done = []
+    while time.time() - t0 < 600 and first.poll() is None:  # kill after the first trial finishes
+        done = [r for r in _children(server.uri, "s1") if r["status"] == "FINISHED"]
+        if done:
+            break
+        time.sleep(1)
+    assert done, f"no trial finished before the driver exited: {first.communicate()[0][-3000:]}"
+    time.sleep(3)  # let Tune persist the trial's end (TUNE_GLOBAL_CHECKPOINT_S=2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    client = get_client(server.uri)
+    finished_before = {r["run_id"]: client.get_run(r["run_id"]).info.end_time
+                       for r in _children(server.uri, "s1") if r["status"] == "FINISHED"}
+    assert all(r["status"] != "FINISHED" or r["run_id"] in finished_before
+               for r in _children(server.uri, "s1"))
+
+    second = _vitp(args + ["--resume"], env)
+    log, _ = second.communicate(timeout=900)
+    assert second.returncode == 0, log[-4000:]
+
+    rows = _children(server.uri, "s1")
+    assert len(rows) == 4, format_table(rows)  # one child per trial: trials == search space
+    names = [r["run_name"] for r in rows]
+    assert len(set(names)) == 4
+    assert all(r["status"] == "FINISHED" for r in rows)
+    for run_id, end_time in finished_before.items():  # finished trials were not re-run
+        run = client.get_run(run_id)
+        assert run.info.end_time == end_time
+        assert run.data.tags.get("vitp.attempt", "1") == "1"
+    # the parent: one per sweep, best trial per dataset matches the children
+    parents = compare_rows(server.uri, "vit-pipeline-debug", sweep="s1", include_parents=True)
+    (parent,) = [r for r in parents if r["run_name"] == "sweep-s1"]
+    prun = client.get_run(parent["run_id"])
+    assert prun.info.status == "FINISHED"
+    best = best_per_dataset(rows)
+    assert set(best) == {"digits", "synthetic"}
+    for dataset, row in best.items():
+        assert prun.data.tags[f"best_trial/{dataset}"] == row["run_id"]
+        assert prun.data.metrics[f"best/{dataset}/val_top1"] == pytest.approx(row["best_top1"])
+    # vitp compare lists them, best marked per dataset
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "compare", "--tracking-uri", server.uri,
+                          "--sweep", "s1", "--format", "json", "--plot", str(tmp_path / "s1.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    table = json.loads(out.stdout)
+    marked = {r["dataset"]: r["run_id"] for r in table if r["best"]}
+    assert marked == {d: r["run_id"] for d, r in best.items()}
+    assert (tmp_path / "s1.png").stat().st_size > 10_000
+    artifacts = [a.path for a in client.list_artifacts(parent["run_id"], "compare")]
+    assert artifacts == ["compare/s1.png"]
+
+
+def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
+    from pipeline.tracking.runs import get_client
+
+    # model.num_classes=5 on 10-class digits fails inside training; the other point finishes
+    args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={tmp_path}",
+            "--tracking-uri", server.uri, "--space", "optim.lr=0.1", "--space", "model.num_classes=10,5",
+            "--set=tune.trial_retries=0", *FAST]
+    proc = _vitp(args, _env(ray_session))
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    assert "1 trial(s) failed" in log
+    rows = _children(server.uri, "s2")
+    status = sorted(("num_classes5-" in r["run_name"], r["status"]) for r in rows)
+    assert status == [(False, "FINISHED"), (True, "FAILED")]
+    client = get_client(server.uri)
+    exp = client.get_experiment_by_name("vit-pipeline-debug")
+    (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s2'")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["failed_trials"] == "1"
+    assert parent.data.metrics["sweep/failed"] == 1
