@@ -134,7 +134,8 @@ def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "t
     source = export_dir_or_model if isinstance(export_dir_or_model, str) else ray.put(export_dir_or_model)
     ds = build_eval_dataset(cfg, split).map_batches(
         FeatureExtractor, fn_constructor_kwargs={"source": source, "mean": cfg.data.mean, "std": cfg.data.std},
-        batch_size=batch_size, batch_format="numpy", concurrency=concurrency, num_cpus=1)
+        batch_size=batch_size, batch_format="numpy", num_cpus=1,
+        compute=ray.data.ActorPoolStrategy(size=concurrency))
     feats, labels, keys = [], [], []
     for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
         feats.append(b["features"])
