@@ -7,6 +7,7 @@ TORCH_VERSION   ?= 2.13.0
 TORCH_INDEX_URL ?=
 DEEPSPEED_VERSION ?= 0.19.8
 PYTEST_ARGS     ?=
+DEMO_ARGS       ?=
 
 VENV  := .venv
 BIN   := $(VENV)/bin
@@ -36,7 +37,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/vitp config debug
+	$(BIN)/vitp demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -6,6 +6,7 @@ subcommand that needs them, so `vitp config` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from typing import Callable
@@ -186,6 +187,70 @@ def _scalar(text: str):
 
 
 @command
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address)
+    return 0
+
+
+@command
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from . import recipes
+    from .train.trainer import connect_ray, ensure_shards
+    from .tune.fewshot import run_fewshot
+
+    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    cfg = recipes.resolve(args.recipe, overrides)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)
+    for key, value in result.items():
+        if key.startswith("fewshot/"):
+            print(f"{key}: {value:.4f}")
+    if result.get("run_id"):
+        print(f"MLflow run: {result['run_id']}")
+    return 0
+
+
+@command
+def cmd_import(args: argparse.Namespace) -> int:
+    from .model.convert import import_weights
+
+    out = import_weights(args.source, args.out, fmt=args.format, image_size=args.image_size,
+                         num_classes=args.num_classes)
+    print(f"wrote {out} (fine-tune with: vitp finetune RECIPE --from {out})")
+    return 0
+
+
+@command
+def cmd_attention(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from .data.ingest import normalize
+    from .model.attention import (attention_rollout, mean_attention_distance, plot_attention_distance,
+                                  save_rollout_png)
+    from .train.export import load_model
+
+    model = load_model(args.checkpoint)
+    size = model.image_size
+    img = Image.open(args.image).convert("RGB")
+    side = min(img.size)  # resize shorter side + centre crop, as evaluation does
+    left, top = (img.width - side) // 2, (img.height - side) // 2
+    img = img.crop((left, top, left + side, top + side)).resize((size, size), Image.BICUBIC)
+    arr = np.asarray(img, dtype=np.uint8)
+    x = normalize(torch.from_numpy(arr)[None]).contiguous()
+    os.makedirs(args.out, exist_ok=True)
+    roll = attention_rollout(model, x)[0]
+    p1 = save_rollout_png(arr, roll, os.path.join(args.out, "rollout.png"))
+    p2 = plot_attention_distance(mean_attention_distance(model, x), os.path.join(args.out, "attention_distance.png"))
+    print(f"wrote {p1} and {p2}")
+    return 0
+
+
+@command
 def cmd_compare(args: argparse.Namespace) -> int:
     from .tracking.compare import compare_rows, format_table, sweep_parents
     from .tracking.plots import log_plot_to_parent, plot_compare
@@ -280,6 +345,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint dir, export dir (vitp export / vitp import), .safetensors file, or 'scratch'")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("fewshot", help="few-shot linear evaluation (1/5/10/25 shots, 3 seeds) of weights")
+    _add_recipe_args(p)
+    p.add_argument("--from", dest="source", required=True, help="export dir, checkpoint dir or weights file")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite in work_dir)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
+
+    p = sub.add_parser("import", help="convert official .npz / timm / Hugging Face ViT weights to ours")
+    p.add_argument("source", help="a .npz, .safetensors, .pt or .bin file")
+    p.add_argument("--out", required=True, help="export directory to write (model.safetensors + config.json)")
+    p.add_argument("--format", default="auto", choices=["auto", "official", "timm", "hf", "ours"])
+    p.add_argument("--image-size", type=int, help="resolution the weights were trained at (default: from the pos-embed grid)")
+    p.add_argument("--num-classes", type=int, help="override the inferred head size")
+
+    p = sub.add_parser("attention", help="attention rollout PNG and mean attention distance plot")
+    p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
+    p.add_argument("image", help="an image file")
+    p.add_argument("--out", default="attention", help="output directory (default ./attention)")
+
+    p = sub.add_parser("demo", help="the whole pipeline on this machine: corpus -> pre-train -> sweep -> table")
+    p.add_argument("--quick", action="store_true", help="a smaller run (under ~3 minutes on 2 cores)")
+    p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
+    p.add_argument("--work-dir", help="where everything goes (default work/demo or work/demo-quick)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or a local Ray)")
 
     p = sub.add_parser("sweep", help="Ray Tune sweep of fine-tuning runs (lr x datasets x sources)")

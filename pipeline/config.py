@@ -569,6 +569,22 @@ def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfi
     return cfg
 
 
+def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Local relative paths made absolute against the current directory (URIs untouched).
+
+    Ray workers run in their own working directories, so the driver resolves paths once."""
+    import os
+
+    def fix(p: str) -> str:
+        return p if (not p or _is_uri(p) or p == "scratch") else os.path.abspath(p)
+
+    return dataclasses.replace(
+        cfg, work_dir=fix(cfg.work_dir),
+        data=dataclasses.replace(cfg.data, path=fix(cfg.data.path), shards=fix(cfg.data.shards)),
+        train=dataclasses.replace(cfg.train, init_from=fix(cfg.train.init_from)),
+    )
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}} -> {'a.b': 1}: the MLflow params view of the resolved config."""
     out: dict[str, Any] = {}

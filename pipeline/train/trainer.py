@@ -141,6 +141,9 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     """
     from ..tracking import RunLogger, resolve_tracking_uri
 
+    from ..config import absolute_paths
+
+    cfg = absolute_paths(cfg)  # workers do not share the driver's working directory
     t0 = time.time()
     existing = latest_complete_checkpoint(cfg)
     if existing and cfg.train.resume == "never":

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Optional
 
-from ..config import ExperimentConfig, apply_overrides, validate
+from ..config import ExperimentConfig, absolute_paths, apply_overrides, validate
 
 
 def source_info(source: str) -> dict[str, Any]:
@@ -60,4 +60,4 @@ def finetune_config(cfg: ExperimentConfig, source: str, overrides: list[str] | t
         tags["source_run_id"] = info["mlflow_run_id"]
     if src_cfg:
         tags["source_image_size"] = str(src_cfg.get("data", {}).get("image_size", ""))
-    return validate(cfg), tags
+    return absolute_paths(validate(cfg)), tags
