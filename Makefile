@@ -14,7 +14,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install test test-all demo clean
+.PHONY: install test test-e2e test-all demo clean
 
 install: $(STAMP)
 
@@ -30,8 +30,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
 	touch $(STAMP)
 
+# The default suite (~10 min on 2 cores); the multi-minute end-to-end scenarios run in test-e2e.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e" $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -m "e2e and not gpu" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

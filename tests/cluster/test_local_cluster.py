@@ -11,6 +11,7 @@ from .conftest import vitp
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.e2e
 def test_debug_pretrain_job_succeeds_spreads_workers_and_logs_to_mlflow(two_node_cluster, tmp_path):
     work_dir = tmp_path / "work"
     out = vitp("submit", "jobs/debug_pretrain.yaml", "--follow", "--address", two_node_cluster.address,

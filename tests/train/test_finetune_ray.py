@@ -6,6 +6,7 @@ from pipeline.recipes import get_recipe, resolve
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.e2e
 def test_finetune_from_pretrain_checkpoint_at_higher_resolution(tmp_path, ray_session):
     from pipeline.data.commands import run_preprocess
     from pipeline.tracking import resolve_tracking_uri

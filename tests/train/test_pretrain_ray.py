@@ -93,6 +93,7 @@ def _wait_for_checkpoint(cfg, step, timeout=240, alive=lambda: True):
     raise AssertionError(f"no complete checkpoint at {path} after {time.time() - t0:.0f}s")
 
 
+@pytest.mark.e2e
 def test_worker_sigkill_resumes_from_last_checkpoint(tmp_path, shards):
     from pipeline.train.trainer import run_training
 
@@ -131,6 +132,7 @@ def _vitp_pretrain(cfg_args, env):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.e2e
 def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_session):
     import ray
 

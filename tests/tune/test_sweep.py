@@ -43,6 +43,7 @@ def _children(uri, sweep):
         return []
 
 
+@pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
     from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
     from pipeline.tracking.runs import get_client
@@ -107,6 +108,7 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
     assert artifacts == ["compare/s1.png"]
 
 
+@pytest.mark.e2e
 def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
     from pipeline.tracking.runs import get_client
 
