@@ -180,9 +180,44 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     if logger:
         if checkpoint:
             logger.set_tags({"checkpoint": checkpoint})
+            if cfg.model.head == "finetune":
+                _log_rollouts(logger, cfg, checkpoint)
         logger.end("FINISHED")
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)
+
+
+def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4) -> None:
+    """Attention rollouts of the fine-tuned model on a few held-out images, as run artifacts
+    (the paper's Figure 6 view). Best effort: a failure here is reported, not raised."""
+    import tempfile
+
+    try:
+        import numpy as np
+        import torch
+
+        from ..data.ingest import build_eval_dataset, normalize
+        from ..model.attention import attention_rollout, save_rollout_png
+        from .export import consolidate
+
+        from ..model import build_vit
+
+        model = build_vit(cfg.model, cfg.data.image_size)
+        model.load_state_dict(consolidate(checkpoint))
+        model.eval()
+        rows = build_eval_dataset(cfg).take(count)
+        images = np.stack([r["image"] for r in rows])  # (n, S, S, 3) uint8
+        x = normalize(torch.from_numpy(images)).contiguous()
+        with torch.no_grad():
+            rollout = attention_rollout(model, x)  # (n, gh, gw)
+            pred = model(x).argmax(-1).tolist()
+        with tempfile.TemporaryDirectory() as d:
+            for i, r in enumerate(rows):
+                path = os.path.join(d, f"rollout_{i}_label{int(r['label'])}_pred{pred[i]}.png")
+                save_rollout_png(images[i], rollout[i], path)
+                logger.log_artifact(path, "attention")
+    except Exception as e:  # the run itself succeeded; say why the pictures are missing
+        print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
 
 
 def _run_id_of_checkpoints(uri: str, cfg: ExperimentConfig) -> Optional[str]:
