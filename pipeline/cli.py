@@ -89,9 +89,10 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from . import recipes
     from .data.commands import run_synth
+    from .train.trainer import connect_ray
 
     cfg = recipes.resolve(args.recipe, args.overrides)
-    _start_local_ray(cfg, args.address)
+    connect_ray(cfg, args.address)
     run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
     return 0
 
@@ -100,9 +101,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from . import recipes
     from .data.commands import run_preprocess
+    from .train.trainer import connect_ray
 
     cfg = recipes.resolve(args.recipe, args.overrides)
-    _start_local_ray(cfg, args.address)
+    connect_ray(cfg, args.address)
     summary = run_preprocess(cfg, overwrite=args.overwrite, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 
@@ -110,11 +112,11 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 @command
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from . import recipes
-    from .train.trainer import ensure_shards, run_training
+    from .train.trainer import connect_ray, ensure_shards, run_training
 
-    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    overrides = _overrides(args)
     cfg = recipes.resolve(args.recipe, overrides)
-    _start_local_ray(cfg, args.address)
+    connect_ray(cfg, args.address)
     ensure_shards(cfg)
     summary = run_training(cfg, tracking=not args.no_tracking)
     print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, "
@@ -129,12 +131,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 @command
 def cmd_finetune(args: argparse.Namespace) -> int:
     from . import recipes
-    from .train.trainer import ensure_shards, run_training
+    from .train.trainer import connect_ray, ensure_shards, run_training
     from .train.transfer import finetune_config
 
-    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    overrides = _overrides(args)
     cfg, tags = finetune_config(recipes.get_recipe(args.recipe), args.source, overrides)
-    _start_local_ray(cfg, args.address)
+    connect_ray(cfg, args.address)
     ensure_shards(cfg)
     summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
     m = summary.metrics
@@ -153,7 +155,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .train.trainer import connect_ray, ensure_shards
     from .tune.sweep import build_spec, dataset_configs, run_sweep
 
-    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    overrides = _overrides(args)
     overrides += [f"tune.scheduler={args.scheduler}"] if args.scheduler else []
     base = recipes.resolve(args.recipe, overrides, check_paths=False)
     space = {}
@@ -200,7 +202,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from .train.trainer import connect_ray, ensure_shards
     from .tune.fewshot import run_fewshot
 
-    overrides = list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
+    overrides = _overrides(args)
     cfg = recipes.resolve(args.recipe, overrides)
     connect_ray(cfg, args.address)
     ensure_shards(cfg)
@@ -288,10 +290,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_local_ray(cfg, address: str | None) -> None:
-    from .train.trainer import connect_ray
-
-    connect_ray(cfg, address)
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """--set items, plus --tracking-uri as the tracking.uri override."""
+    return list(args.overrides) + ([f"tracking.uri={args.tracking_uri}"] if args.tracking_uri else [])
 
 
 # ------------------------------------------------------------------------ entry point

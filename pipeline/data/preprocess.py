@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from functools import lru_cache
 from typing import Callable, Optional
 

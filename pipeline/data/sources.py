@@ -339,21 +339,11 @@ def list_source(source: str, path: str = "", *, synth_classes: int = 10,
         return digits()
     if not path:
         raise ValueError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
-    if source == "imagefolder":
-        return imagefolder(path)
-    if source == "csv":
-        return csv_list(path)
-    if source == "parquet":
-        return parquet(path)
-    if source == "webdataset":
-        return webdataset(path)
-    if source in ("cifar10", "cifar100"):
-        return cifar(path, source)
-    if source == "pets":
-        return pets(path)
-    if source == "flowers":
-        return flowers(path)
-    if source == "imagenet":
-        return imagenet(path)
+    readers = {"imagefolder": imagefolder, "csv": csv_list, "parquet": parquet,
+               "webdataset": webdataset, "cifar10": lambda p: cifar(p, "cifar10"),
+               "cifar100": lambda p: cifar(p, "cifar100"), "pets": pets, "flowers": flowers,
+               "imagenet": imagenet}
+    if source in readers:
+        return readers[source](path)
     raise ValueError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
                      "csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")

@@ -173,14 +173,12 @@ class ViT(nn.Module):
         nn.init.normal_(self.pos_embed, std=0.02)
         nn.init.zeros_(self.cls_token)
         for blk in self.blocks:
-            for lin in (blk.attn.qkv, blk.attn.proj):
-                # the JAX code initialises q, k, v as three separate D x D kernels
-                if lin is blk.attn.qkv:
-                    for w in lin.weight.chunk(3, dim=0):
-                        nn.init.xavier_uniform_(w)
-                else:
-                    nn.init.xavier_uniform_(lin.weight)
-                nn.init.zeros_(lin.bias)
+            # the JAX code initialises q, k, v as three separate D x D kernels
+            for w in blk.attn.qkv.weight.chunk(3, dim=0):
+                nn.init.xavier_uniform_(w)
+            nn.init.xavier_uniform_(blk.attn.proj.weight)
+            nn.init.zeros_(blk.attn.qkv.bias)
+            nn.init.zeros_(blk.attn.proj.bias)
             for lin in (blk.mlp.fc1, blk.mlp.fc2):
                 nn.init.xavier_uniform_(lin.weight)
                 nn.init.normal_(lin.bias, std=1e-6)

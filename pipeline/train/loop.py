@@ -7,7 +7,6 @@ only through callbacks, so the same loop runs in a Ray Train worker, in a bare
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
 import tempfile

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config import ExperimentConfig, flatten
+from ..config import ExperimentConfig
 from . import checkpoint as ckpt
 
 
@@ -158,7 +158,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     if tracking:
         uri = resolve_tracking_uri(cfg)
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
-                                 run_id=_run_id_of_checkpoints(uri, cfg) if existing else None,
+                                 run_id=_run_id_of_checkpoint(uri, existing) if existing else None,
                                  parent_run_id=parent_run_id,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
@@ -197,10 +197,9 @@ def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4
         import torch
 
         from ..data.ingest import build_eval_dataset, normalize
+        from ..model import build_vit
         from ..model.attention import attention_rollout, save_rollout_png
         from .export import consolidate
-
-        from ..model import build_vit
 
         model = build_vit(cfg.model, cfg.data.image_size)
         model.load_state_dict(consolidate(checkpoint))
@@ -220,10 +219,9 @@ def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4
         print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
 
 
-def _run_id_of_checkpoints(uri: str, cfg: ExperimentConfig) -> Optional[str]:
-    """The MLflow run that wrote this run's checkpoints (so a finished run re-run continues it)."""
-    latest = latest_complete_checkpoint(cfg)
-    run_id = ckpt.read_meta(latest).get("mlflow_run_id") if latest else None
+def _run_id_of_checkpoint(uri: str, checkpoint: str) -> Optional[str]:
+    """The MLflow run that wrote `checkpoint` (so a finished run re-run continues it)."""
+    run_id = ckpt.read_meta(checkpoint).get("mlflow_run_id")
     if not run_id:
         return None
     from ..tracking.runs import get_client

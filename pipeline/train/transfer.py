@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ..config import ExperimentConfig, absolute_paths, apply_overrides, validate
 
@@ -52,8 +52,7 @@ def finetune_config(cfg: ExperimentConfig, source: str, overrides: list[str] | t
     cfg = apply_overrides(cfg, sets + list(overrides))  # user overrides last
     src_name = "scratch" if source == "scratch" else os.path.abspath(source)
     if not cfg.tracking.run_name:
-        tail = "scratch" if source == "scratch" else "from-" + (
-            (src_cfg or {}).get("recipe", "weights") if src_cfg else "weights")
+        tail = "scratch" if source == "scratch" else "from-" + (src_cfg or {}).get("recipe", "weights")
         cfg = apply_overrides(cfg, [f"tracking.run_name={cfg.recipe}-{cfg.model.variant.replace('/', '')}-{cfg.data.source}-{tail}"])
     tags = {"source": src_name, "source_kind": "scratch" if source == "scratch" else "weights"}
     if info["mlflow_run_id"]:

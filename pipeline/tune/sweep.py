@@ -176,7 +176,6 @@ def _param_space(spec: SweepSpec) -> dict[str, Any]:
 
 def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
-    import ray
     from ray import tune
 
     from ..tracking import RunLogger
