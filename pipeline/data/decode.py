@@ -154,13 +154,45 @@ def resize_center_crop(img: np.ndarray, size: int, resample=Image.BICUBIC) -> np
 
 
 def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: int,
-                flip: bool, resample=Image.BILINEAR) -> np.ndarray:
-    """Crop `box` (x0, y0, x1, y1) out of (H, W, 3) and resize to (size, size, 3) in one pass."""
-    im = Image.fromarray(img)
-    out = im.resize((size, size), resample=resample, box=box)
+                flip: bool, resample=Image.BILINEAR, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Crop `box` (x0, y0, x1, y1) out of (H, W, 3) and resize to (size, size, 3) in one pass;
+    written into `out` (a contiguous (size, size, 3) uint8 array) when given.
+
+    Whole-pixel boxes with bilinear resampling (every inception crop, and random crops of
+    images already >= `size`) take torch's uint8 antialiased bilinear kernel: the same
+    triangle filter as Pillow's, about 2x faster on one core with the layout change, and the
+    flip rides on the copy out. It reads only the box, where Pillow also reads pixels just
+    outside it at the edges, so results can differ by a few levels on the border rows.
+    Fractional boxes (upscaled random crops) and other filters go through Pillow.
+    """
+    if out is None:
+        out = np.empty((size, size, 3), dtype=np.uint8)
+    if resample == Image.BILINEAR and all(float(v).is_integer() for v in box):
+        import torch
+
+        x0, y0, x1, y1 = (int(v) for v in box)
+        with warnings.catch_warnings():  # read-only Arrow page buffers: only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(img[y0:y1, x0:x1])  # (h, w, 3) strided view, no copy
+        if src.shape[0] != size or src.shape[1] != size:
+            src = _resize_bilinear_chw(src.permute(2, 0, 1), size).permute(1, 2, 0)
+        torch.from_numpy(out).copy_(src.flip(1) if flip else src)
+        return out
+    im = Image.fromarray(img).resize((size, size), resample=resample, box=box)
     if flip:
-        out = out.transpose(Image.FLIP_LEFT_RIGHT)
-    return np.asarray(out)
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    np.copyto(out, np.asarray(im))
+    return out
+
+
+def _resize_bilinear_chw(img_chw, size: int):
+    """(3, h, w) uint8 tensor -> (3, size, size) uint8, antialiased bilinear, half-pixel centres."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        return F.interpolate(img_chw.unsqueeze(0), size=(size, size), mode="bilinear",
+                             antialias=True, align_corners=False)[0]
 
 
 def inception_crop_box(rng: np.random.Generator, h: int, w: int, scale_min: float,

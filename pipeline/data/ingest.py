@@ -35,11 +35,17 @@ def row_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
 
 
 def augment_image(img: np.ndarray, size: int, mode: str, rng: Optional[np.random.Generator],
-                  scale_min: float = 0.08, hflip: bool = True) -> np.ndarray:
-    """(H, W, 3) uint8 -> (size, size, 3) uint8 by `mode`: inception_crop, random_crop, none."""
+                  scale_min: float = 0.08, hflip: bool = True,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
+    """(H, W, 3) uint8 -> (size, size, 3) uint8 by `mode`: inception_crop, random_crop, none.
+    Written into `out` (contiguous (size, size, 3) uint8) when given."""
     h, w = img.shape[:2]
     if mode == "none" or rng is None:
-        return resize_center_crop(img, size)
+        res = resize_center_crop(img, size)
+        if out is None:
+            return res
+        np.copyto(out, res)
+        return out
     if mode == "inception_crop":
         box = inception_crop_box(rng, h, w, scale_min)
     elif mode == "random_crop":
@@ -47,14 +53,17 @@ def augment_image(img: np.ndarray, size: int, mode: str, rng: Optional[np.random
     else:
         raise ValueError(f"data.augment={mode!r}: use inception_crop, random_crop or none")
     flip = bool(hflip and rng.random() < 0.5)
-    return crop_resize(img, box, size, flip)
+    return crop_resize(img, box, size, flip, out=out)
 
 
 # A read unit is (shard path, first row, stop row): up to UNIT_ROWS consecutive rows of one
 # shard that one Ray task reads, permutes and augments. The epoch shuffle is a seeded
 # permutation of units plus a seeded permutation of rows inside each unit; preprocess wrote
 # rows in hash order, so every unit is already a class-mixed sample. No all-to-all shuffle.
-UNIT_ROWS = 128
+# 256 rows: each Ray task has a fixed cost (scheduling, opening the shard, its output
+# object), and on 2 CPUs 256-row units streamed ~15% more 224 px crops per second than 128
+# (benchmarks/RESULTS.md); a block is 256 x 150 KB = 38 MB at 224 px.
+UNIT_ROWS = 256
 
 
 def plan_units(root: str, split: str, manifest: dict, unit_rows: int = UNIT_ROWS) -> list[tuple]:
@@ -68,15 +77,17 @@ def plan_units(root: str, split: str, manifest: dict, unit_rows: int = UNIT_ROWS
 
 
 def _read_unit(unit: tuple) -> dict:
-    """Rows [start, stop) of a shard -> numpy columns image (object bytes), height, width,
-    label, key. Only the row groups that overlap the range are read."""
+    """Rows [start, stop) of a shard -> numpy columns height, width, label, key, and image:
+    an (n, H, W, 3) uint8 view of the Parquet page buffer when every row is a raw H x W
+    image (what preprocess writes), else an object array of per-row bytes. Only the row
+    groups that overlap the range are read; local files go through Arrow's own reader."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .sources import open_input
+    from .sources import is_uri, open_input
 
     path, a, b = unit
-    with open_input(path) as f:
+    with (open_input(path) if is_uri(path) else pa.OSFile(path)) as f:
         pf = pq.ParquetFile(f)
         md = pf.metadata
         groups, first, row = [], None, 0
@@ -88,7 +99,26 @@ def _read_unit(unit: tuple) -> dict:
             row += n
         t = pf.read_row_groups(groups) if groups else pa.table({})
     t = t.slice(a - (first or 0), b - a)
-    return {n: t.column(n).to_numpy(zero_copy_only=False) for n in t.column_names}
+    out = {n: t.column(n).to_numpy(zero_copy_only=False) for n in t.column_names if n != "image"}
+    if "image" in t.column_names:
+        out["image"] = _image_column(t.column("image"), out.get("height"), out.get("width"))
+    return out
+
+
+def _image_column(col, heights, widths):
+    """A binary column -> (n, H, W, 3) uint8 without copying when every cell is exactly
+    H * W * 3 bytes, else an object array of bytes (JPEG cells, mixed sizes)."""
+    col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    n = len(col)
+    if n and heights is not None and col.null_count == 0:
+        h, w = int(heights[0]), int(widths[0])
+        item = h * w * 3
+        offsets = np.frombuffer(col.buffers()[1], dtype=np.int32, count=n + 1, offset=col.offset * 4)
+        if h > 0 and w > 0 and (heights == h).all() and (widths == w).all() and \
+                (np.diff(offsets) == item).all():
+            data = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=n * item, offset=int(offsets[0]))
+            return data.reshape(n, h, w, 3)
+    return col.to_numpy(zero_copy_only=False)
 
 
 def epoch_order(num_units: int, seed: int, epoch: int) -> np.ndarray:
@@ -139,10 +169,11 @@ def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: b
                                        _key_int(str(keys[0])), 7]).permutation(n)
     out = np.empty((n, size, size, 3), dtype=np.uint8)
     for j, i in enumerate(order):
-        img = decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]),
-                            storage_format)
+        cell = rows["image"][i]
+        img = cell if isinstance(cell, np.ndarray) and cell.ndim == 3 else decode_stored(
+            cell, int(rows["height"][i]), int(rows["width"][i]), storage_format)
         rng = row_rng(seed, epoch, str(keys[i])) if mode != "none" else None
-        out[j] = augment_image(img, size, mode, rng, scale_min, hflip)
+        augment_image(img, size, mode, rng, scale_min, hflip, out=out[j])
     return {"image": out, "label": np.asarray(rows["label"], dtype=np.int64)[order],
             "epoch": np.full(n, epoch, dtype=np.int64), "key": np.asarray(keys, dtype=object)[order]}
 
@@ -184,7 +215,27 @@ def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = N
     num_epochs covers train.steps x parallel.global_batch rows. Pass it as
     TorchTrainer(datasets={"train": ds}); each worker reads `ray.train.get_dataset_shard`.
     """
-    return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows)
+    ds = _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows)
+    return stream_context(ds)
+
+
+def stream_context(ds):
+    """Ray Data settings for a single-operator CPU stream (this module's training stream).
+
+    Ray Data's defaults are made for multi-operator plans (read -> map -> GPU actors): each
+    operator gets a reserved share of CPUs and object store, and a producer waits while more
+    than ~2 of its blocks sit unconsumed. Our stream is one fused read+augment operator that
+    Train pulls from, so those rules only idle CPU slots: on 2 CPUs the reader ran one task
+    at a time (~1,050 img/s of 224 px crops) where both slots give ~1,900 img/s. Turning the
+    per-operator reservation and the downstream-capacity rule off leaves Ray Data's global
+    limit (a quarter of the object store) as the bound on blocks in flight. Set on the
+    dataset's own context, so it follows the dataset into Train's streaming split and
+    nothing else in the process changes.
+    """
+    ctx = ds.context
+    ctx.op_resource_reservation_enabled = False
+    ctx.downstream_capacity_backpressure_ratio = None
+    return ds
 
 
 def build_eval_dataset(cfg, split: str = "val", unit_rows: int = UNIT_ROWS):
@@ -217,11 +268,14 @@ def normalize(images_uint8_bhwc, mean: Sequence[float] = (0.5, 0.5, 0.5),
 
 def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
                         mean: Sequence[float] = (0.5, 0.5, 0.5), std: Sequence[float] = (0.5, 0.5, 0.5),
-                        drop_last: bool = True, prefetch_batches: int = 2) -> Iterator[tuple]:
+                        drop_last: bool = True, prefetch_batches: int = 2,
+                        raw: bool = False) -> Iterator[tuple]:
     """Yield (images (B, 3, S, S) `dtype` normalised on `device`, labels (B,) int64 on `device`).
 
     `data_iterator`: a Ray DataIterator (ray.train.get_dataset_shard("train")) or a Dataset.
     Only uint8 crosses to the device (4x fewer bytes than float32); pinned for CUDA copies.
+    raw=True yields the (B, S, S, 3) uint8 images as they arrived, for a step that normalises
+    inside its own compiled graph.
     """
     import torch
 
@@ -237,4 +291,4 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
             imgs, labels = imgs.pin_memory(), labels.pin_memory()
         imgs = imgs.to(dev, non_blocking=True)
         labels = labels.to(dev, non_blocking=True)
-        yield normalize(imgs, mean, std, dtype), labels
+        yield (imgs if raw else normalize(imgs, mean, std, dtype)), labels

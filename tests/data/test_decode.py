@@ -98,3 +98,25 @@ def test_resize_center_crop_and_boxes():
     box = random_crop_box(rng, 8, 8, 16)  # smaller than the crop: upscaled, whole image
     assert box == (0.0, 0.0, 8.0, 8.0)
     assert crop_resize(img, (0, 0, 12, 8), 16, flip=True).shape == (16, 16, 3)
+
+
+def test_crop_resize_matches_pillow_and_flips():
+    """The torch uint8 antialiased path (whole-pixel boxes) computes Pillow's bilinear resize:
+    on a smooth image every pixel agrees within 1 level, for down- and upscaling crops, and
+    flip is the mirror image; `out` receives the result in place."""
+    y, x = np.mgrid[0:96, 0:120].astype(np.float64)
+    img = np.stack([x * 2.1, y * 2.6, (x + y) * 1.1], -1).clip(0, 255).astype(np.uint8)
+    for box in [(0, 0, 120, 96), (10, 4, 90, 80), (30, 20, 50, 44), (5, 9, 101, 57)]:
+        ref = np.asarray(Image.fromarray(img).resize((64, 64), Image.BILINEAR, box=box)).astype(int)
+        got = crop_resize(img, box, 64, flip=False)
+        assert got.shape == (64, 64, 3) and got.dtype == np.uint8 and got.flags["C_CONTIGUOUS"]
+        assert np.abs(got.astype(int) - ref).max() <= 1, box
+        out = np.zeros((64, 64, 3), np.uint8)
+        assert crop_resize(img, box, 64, flip=True, out=out) is out
+        assert (out == got[:, ::-1]).all()
+    # a crop already at the output size is copied as is
+    assert (crop_resize(img, (7, 3, 71, 67), 64, flip=False) == img[3:67, 7:71]).all()
+    # fractional boxes go through Pillow unchanged
+    box = (0.5, 1.25, 60.5, 61.25)
+    ref = np.asarray(Image.fromarray(img).resize((32, 32), Image.BILINEAR, box=box))
+    assert (crop_resize(img, box, 32, flip=False) == ref).all()

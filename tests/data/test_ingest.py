@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pipeline.data.commands import run_preprocess
-from pipeline.data.ingest import (build_eval_dataset, build_train_dataset, iter_device_batches,
-                                  normalize)
+from pipeline.data.ingest import (_read_unit, augment_rows, build_eval_dataset,
+                                  build_train_dataset, iter_device_batches, normalize, plan_units)
+from pipeline.data.shards import read_manifest
 
 from .conftest import make_cfg
 
@@ -110,6 +111,42 @@ def test_eval_dataset_and_device_batches(shards):
     out = normalize(u8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
     assert out.shape == (1, 3, 1, 1) and torch.allclose(out.flatten(), torch.tensor([-1.0, 1.0, -0.6]))
     assert normalize(u8, (0, 0, 0), (1, 1, 1), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_unit_read_is_a_view_of_the_pages_and_matches_row_decode(shards):
+    """uint8 shards come back as one (n, S, S, 3) array over the Parquet buffer, row for row
+    the bytes preprocess wrote; JPEG-like cells (objects) take the per-row path, same output."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.ingest import shards_dir
+
+    cfg, _ = shards
+    root = shards_dir(cfg)
+    units = plan_units(root, "train", read_manifest(root), unit_rows=16)
+    path, a, b = units[1]
+    rows = _read_unit(units[1])
+    assert rows["image"].shape == (b - a, 24, 24, 3) and rows["image"].dtype == np.uint8
+    t = pq.read_table(path).slice(a, b - a)
+    for i, cell in enumerate(t.column("image").to_pylist()):
+        assert rows["image"][i].tobytes() == cell
+    assert list(rows["key"]) == t.column("key").to_pylist()
+    as_objects = dict(rows, image=np.array([im.tobytes() for im in rows["image"]], dtype=object))
+    kw = dict(size=16, mode="inception_crop", scale_min=0.35, hflip=True, seed=3, epoch=2,
+              storage_format="uint8", shuffle_rows=True)
+    x, y = augment_rows(rows, **kw), augment_rows(as_objects, **kw)
+    assert (x["image"] == y["image"]).all() and list(x["key"]) == list(y["key"])
+
+
+def test_train_stream_context_is_its_own(shards):
+    """The stream's Ray Data settings ride on the dataset, not on the process's DataContext."""
+    from ray.data import DataContext
+
+    cfg, _ = shards
+    ds = build_train_dataset(cfg, num_epochs=1)
+    assert ds.context.op_resource_reservation_enabled is False
+    assert ds.context.downstream_capacity_backpressure_ratio is None
+    assert DataContext.get_current().op_resource_reservation_enabled is True
+    assert build_eval_dataset(cfg).context.op_resource_reservation_enabled is True
 
 
 def _record_keys_per_worker(config):
