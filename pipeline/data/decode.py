@@ -190,9 +190,12 @@ def _resize_bilinear_chw(img_chw, size: int):
     import torch
     import torch.nn.functional as F
 
+    # channels-last with an unambiguous batch stride: the kernel then writes channels-last
+    # too, and the caller's (S, S, 3) view of the result is a plain copy, not a transpose
+    x = img_chw.unsqueeze(0).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
-        return F.interpolate(img_chw.unsqueeze(0), size=(size, size), mode="bilinear",
-                             antialias=True, align_corners=False)[0]
+        return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True,
+                             align_corners=False)[0]
 
 
 def inception_crop_box(rng: np.random.Generator, h: int, w: int, scale_min: float,
