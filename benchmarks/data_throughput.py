@@ -97,6 +97,8 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2, help="epochs per pass (per round and path)")
+    ap.add_argument("--consumer-threads", type=int, default=1,
+                    help="torch threads of the consuming process (normalisation), both paths")
     ap.add_argument("--workdir", default="")
     args = ap.parse_args()
 
@@ -134,6 +136,10 @@ def main():
 
     import torch
 
+    # The consuming process (the training loop's stand-in) runs torch on one thread in both
+    # paths: the --cpus cores belong to the data workers, and OpenMP threads spin-waiting on
+    # cores the workers are using cost more than they give.
+    torch.set_num_threads(args.consumer_threads)
     dl = torch.utils.data.DataLoader(JpegFolder(files, labels, args.size, 0.08), batch_size=args.batch,
                                      shuffle=True, num_workers=args.cpus, persistent_workers=True,
                                      drop_last=True, prefetch_factor=4)

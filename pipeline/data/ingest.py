@@ -61,7 +61,7 @@ def augment_image(img: np.ndarray, size: int, mode: str, rng: Optional[np.random
 # permutation of units plus a seeded permutation of rows inside each unit; preprocess wrote
 # rows in hash order, so every unit is already a class-mixed sample. No all-to-all shuffle.
 # 256 rows: each Ray task has a fixed cost (scheduling, opening the shard, its output
-# object), and on 2 CPUs 256-row units streamed ~15% more 224 px crops per second than 128
+# object), and on 2 CPUs 256-row units streamed 2-7% more 224 px crops per second than 128
 # (benchmarks/RESULTS.md); a block is 256 x 150 KB = 38 MB at 224 px.
 UNIT_ROWS = 256
 
@@ -225,8 +225,9 @@ def stream_context(ds):
     Ray Data's defaults are made for multi-operator plans (read -> map -> GPU actors): each
     operator gets a reserved share of CPUs and object store, and a producer waits while more
     than ~2 of its blocks sit unconsumed. Our stream is one fused read+augment operator that
-    Train pulls from, so those rules only idle CPU slots: on 2 CPUs the reader ran one task
-    at a time (~1,050 img/s of 224 px crops) where both slots give ~1,900 img/s. Turning the
+    Train pulls from, so those rules only idle CPU slots: on 2 CPUs the reader ran mostly
+    one task at a time, and these settings stream ~1.6x more 224 px crops per second
+    (ablation in benchmarks/RESULTS.md). Turning the
     per-operator reservation and the downstream-capacity rule off leaves Ray Data's global
     limit (a quarter of the object store) as the bound on blocks in flight. Set on the
     dataset's own context, so it follows the dataset into Train's streaming split and

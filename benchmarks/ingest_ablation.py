@@ -1,0 +1,78 @@
+"""Ablation of the training stream: unit size x Ray Data settings, uint8 consumer.
+
+Reads the uint8 shards that `data_throughput.py --workdir DIR` left in DIR/shards-uint8 and
+streams 2 epochs per pass through `build_train_dataset`, once with the stream's own settings
+(`stream_context`) and once with `ds.context` reset to Ray Data's defaults; interleaved rounds,
+medians reported.
+
+Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --workdir /tmp/vbench
+      .venv/bin/python benchmarks/ingest_ablation.py --workdir /tmp/vbench --cpus 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="the --workdir of a data_throughput.py run")
+    ap.add_argument("--cpus", type=int, default=os.cpu_count())
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--units", default="128,256")
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+
+    import ray
+    import torch
+    from ray.data import DataContext
+
+    from pipeline.data.ingest import build_train_dataset, iter_device_batches
+    from pipeline.data.shards import read_manifest
+    from pipeline.recipes import debug
+
+    shards = os.path.join(args.workdir, "shards-uint8")
+    manifest = read_manifest(shards)  # a clear error if data_throughput.py has not run there
+    torch.set_num_threads(1)
+    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    DataContext.get_current().enable_progress_bars = False
+    base = debug()
+    cfg = dataclasses.replace(base, work_dir=args.workdir, data=dataclasses.replace(
+        base.data, source="imagefolder", shards=shards, image_size=args.size,
+        num_classes=manifest["num_classes"],
+        val_fraction=0.0, crop_scale_min=0.08, storage_format="uint8"))
+
+    def run(unit: int, tuned: bool, epoch: int) -> float:
+        ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=2, unit_rows=unit)
+        if not tuned:
+            d = DataContext.get_current()
+            ds.context.op_resource_reservation_enabled = d.op_resource_reservation_enabled
+            ds.context.downstream_capacity_backpressure_ratio = d.downstream_capacity_backpressure_ratio
+        t0, n = time.time(), 0
+        for _, y in iter_device_batches(ds, args.batch, "cpu", raw=True):
+            n += len(y)
+        return n / (time.time() - t0)
+
+    units = [int(u) for u in args.units.split(",")]
+    run(units[-1], True, 0)  # warm-up: worker processes
+    res: dict = {}
+    for r in range(args.rounds):
+        for unit in units:
+            for tuned in (False, True):
+                res.setdefault((unit, tuned), []).append(run(unit, tuned, 1 + 2 * r))
+        print(f"round {r} done", flush=True)
+    ray.shutdown()
+    print("\n| unit rows | Ray Data settings | images/s (median) | rounds |")
+    print("|---:|---|---:|---|")
+    for (unit, tuned), rates in res.items():
+        print(f"| {unit} | {'`stream_context`' if tuned else 'Ray Data defaults'} | "
+              f"{np.median(rates):.0f} | {' '.join(f'{x:.0f}' for x in rates)} |")
+
+
+if __name__ == "__main__":
+    main()
