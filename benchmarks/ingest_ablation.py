@@ -1,9 +1,11 @@
-"""Ablation of the training stream: unit size x Ray Data settings, uint8 consumer.
+"""Ablation of the training stream's task sizing, uint8 consumer.
 
 Reads the uint8 shards that `data_throughput.py --workdir DIR` left in DIR/shards-uint8 and
-streams 2 epochs per pass through `build_train_dataset`, once with the stream's own settings
-(`stream_context`) and once with `ds.context` reset to Ray Data's defaults; interleaved rounds,
-medians reported.
+streams --epochs epochs per pass through `build_train_dataset` with one unit per Ray task and
+with TASK_ROWS rows per task, for each unit size; plus, for reference, one-unit tasks with Ray
+Data's per-operator reservation and downstream-capacity rule turned off (faster, but then
+nothing bounds the blocks a slow consumer leaves in the object store, so the pipeline does not
+ship it). Interleaved rounds, medians reported.
 
 Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --workdir /tmp/vbench
       .venv/bin/python benchmarks/ingest_ablation.py --workdir /tmp/vbench --cpus 2
@@ -26,12 +28,14 @@ def main():
     ap.add_argument("--units", default="128,256")
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=4)
     args = ap.parse_args()
 
     import ray
     import torch
     from ray.data import DataContext
 
+    import pipeline.data.ingest as ingest
     from pipeline.data.ingest import build_train_dataset, iter_device_batches
     from pipeline.data.shards import read_manifest
     from pipeline.recipes import debug
@@ -47,31 +51,36 @@ def main():
         num_classes=manifest["num_classes"],
         val_fraction=0.0, crop_scale_min=0.08, storage_format="uint8"))
 
-    def run(unit: int, tuned: bool, epoch: int) -> float:
-        ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=2, unit_rows=unit)
-        if not tuned:
-            d = DataContext.get_current()
-            ds.context.op_resource_reservation_enabled = d.op_resource_reservation_enabled
-            ds.context.downstream_capacity_backpressure_ratio = d.downstream_capacity_backpressure_ratio
+    task_rows = ingest.TASK_ROWS
+
+    def run(unit: int, variant: str, epoch: int) -> float:
+        ingest.TASK_ROWS = unit if variant != "TASK_ROWS" else task_rows
+        ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=args.epochs, unit_rows=unit)
+        if variant == "no reservation":
+            ds.context.op_resource_reservation_enabled = False
+            ds.context.downstream_capacity_backpressure_ratio = None
         t0, n = time.time(), 0
         for _, y in iter_device_batches(ds, args.batch, "cpu", raw=True):
             n += len(y)
         return n / (time.time() - t0)
 
     units = [int(u) for u in args.units.split(",")]
-    run(units[-1], True, 0)  # warm-up: worker processes
+    variants = ["1 unit", "TASK_ROWS", "no reservation"]
+    run(units[-1], "TASK_ROWS", 0)  # warm-up: worker processes
     res: dict = {}
     for r in range(args.rounds):
         for unit in units:
-            for tuned in (False, True):
-                res.setdefault((unit, tuned), []).append(run(unit, tuned, 1 + 2 * r))
+            for v in variants:
+                res.setdefault((unit, v), []).append(run(unit, v, 1 + args.epochs * r))
         print(f"round {r} done", flush=True)
     ray.shutdown()
-    print("\n| unit rows | Ray Data settings | images/s (median) | rounds |")
-    print("|---:|---|---:|---|")
-    for (unit, tuned), rates in res.items():
-        print(f"| {unit} | {'`stream_context`' if tuned else 'Ray Data defaults'} | "
-              f"{np.median(rates):.0f} | {' '.join(f'{x:.0f}' for x in rates)} |")
+    print(f"\n| unit rows | rows per task | Ray Data settings | images/s (median) | rounds |")
+    print("|---:|---:|---|---:|---|")
+    for (unit, v), rates in res.items():
+        rows = task_rows if v == "TASK_ROWS" else unit
+        settings = "reservation + downstream rule off" if v == "no reservation" else "defaults"
+        print(f"| {unit} | {rows} | {settings} | {np.median(rates):.0f} | "
+              f"{' '.join(f'{x:.0f}' for x in rates)} |")
 
 
 if __name__ == "__main__":

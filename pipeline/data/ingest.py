@@ -202,9 +202,27 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
                         size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
                         storage_format=manifest["storage"]["format"])
-    # one range block per slot up to 20k slots, so units spread over all CPU workers
-    return ray.data.range(total, override_num_blocks=min(total, 20_000)).map_batches(
+    return ray.data.range(total, override_num_blocks=num_read_tasks(total, unit_rows)).map_batches(
         reader, batch_size=None, batch_format="numpy")
+
+
+# Rows one Ray task reads and augments: it yields them unit by unit (one block per unit), so
+# memory per task stays one unit. Ray Data's scheduler leaves CPU slots idle between tasks
+# (each new task waits for a scheduling round and a budget update), so short tasks waste
+# cores: on 2 CPUs, 8 units of 256 rows per task streamed ~1.35x more 224 px crops per second
+# than one unit per task (benchmarks/RESULTS.md).
+TASK_ROWS = 2048
+
+
+def num_read_tasks(total_slots: int, unit_rows: int) -> int:
+    """Ray tasks for a stream of `total_slots` units: about TASK_ROWS rows each, but at least
+    two per cluster CPU while there are slots for them, and at most 20,000."""
+    import ray
+
+    per_task = max(1, TASK_ROWS // max(unit_rows, 1))
+    tasks = -(-total_slots // per_task)
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
+    return max(1, min(total_slots, 20_000, max(tasks, 2 * cpus)))
 
 
 def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = None,
@@ -215,28 +233,7 @@ def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = N
     num_epochs covers train.steps x parallel.global_batch rows. Pass it as
     TorchTrainer(datasets={"train": ds}); each worker reads `ray.train.get_dataset_shard`.
     """
-    ds = _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows)
-    return stream_context(ds)
-
-
-def stream_context(ds):
-    """Ray Data settings for a single-operator CPU stream (this module's training stream).
-
-    Ray Data's defaults are made for multi-operator plans (read -> map -> GPU actors): each
-    operator gets a reserved share of CPUs and object store, and a producer waits while more
-    than ~2 of its blocks sit unconsumed. Our stream is one fused read+augment operator that
-    Train pulls from, so those rules only idle CPU slots: on 2 CPUs the reader ran mostly
-    one task at a time, and these settings stream ~1.6x more 224 px crops per second
-    (ablation in benchmarks/RESULTS.md). Turning the
-    per-operator reservation and the downstream-capacity rule off leaves Ray Data's global
-    limit (a quarter of the object store) as the bound on blocks in flight. Set on the
-    dataset's own context, so it follows the dataset into Train's streaming split and
-    nothing else in the process changes.
-    """
-    ctx = ds.context
-    ctx.op_resource_reservation_enabled = False
-    ctx.downstream_capacity_backpressure_ratio = None
-    return ds
+    return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows)
 
 
 def build_eval_dataset(cfg, split: str = "val", unit_rows: int = UNIT_ROWS):

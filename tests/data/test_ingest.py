@@ -137,16 +137,18 @@ def test_unit_read_is_a_view_of_the_pages_and_matches_row_decode(shards):
     assert (x["image"] == y["image"]).all() and list(x["key"]) == list(y["key"])
 
 
-def test_train_stream_context_is_its_own(shards):
-    """The stream's Ray Data settings ride on the dataset, not on the process's DataContext."""
-    from ray.data import DataContext
+def test_read_tasks_sized_for_cpus_and_rows(ray_session):
+    """About TASK_ROWS rows per Ray task, at least two tasks per CPU when there are units for
+    them, never more tasks than units."""
+    import ray
 
-    cfg, _ = shards
-    ds = build_train_dataset(cfg, num_epochs=1)
-    assert ds.context.op_resource_reservation_enabled is False
-    assert ds.context.downstream_capacity_backpressure_ratio is None
-    assert DataContext.get_current().op_resource_reservation_enabled is True
-    assert build_eval_dataset(cfg).context.op_resource_reservation_enabled is True
+    from pipeline.data.ingest import TASK_ROWS, num_read_tasks
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    assert num_read_tasks(10_000, 256) == -(-10_000 // (TASK_ROWS // 256))
+    assert num_read_tasks(3 * cpus, 256) == 2 * cpus  # few units: spread over the CPUs
+    assert num_read_tasks(1, 256) == 1 and num_read_tasks(5, 16) == 5
+    assert num_read_tasks(10 ** 7, 16) == 20_000
 
 
 def _record_keys_per_worker(config):
