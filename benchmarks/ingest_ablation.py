@@ -29,6 +29,9 @@ def main():
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--memory-check", action="store_true",
+                    help="instead: peak object-store use under a slow consumer (0.2 s per batch) "
+                         "with the defaults vs reservation off, on a 2 GiB object store")
     args = ap.parse_args()
 
     import ray
@@ -43,7 +46,8 @@ def main():
     shards = os.path.join(args.workdir, "shards-uint8")
     manifest = read_manifest(shards)  # a clear error if data_throughput.py has not run there
     torch.set_num_threads(1)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+             object_store_memory=2 * 1024 ** 3 if args.memory_check else None)
     DataContext.get_current().enable_progress_bars = False
     base = debug()
     cfg = dataclasses.replace(base, work_dir=args.workdir, data=dataclasses.replace(
@@ -64,6 +68,11 @@ def main():
             n += len(y)
         return n / (time.time() - t0)
 
+    if args.memory_check:
+        for v in ("TASK_ROWS", "no reservation"):
+            print(f"{v}: peak object store {slow_consumer_peak_mib(build_train_dataset, cfg, v):.0f} MiB "
+                  "of 2048", flush=True)
+        return
     units = [int(u) for u in args.units.split(",")]
     variants = ["1 unit", "TASK_ROWS", "no reservation"]
     run(units[-1], "TASK_ROWS", 0)  # warm-up: worker processes
@@ -81,6 +90,37 @@ def main():
         settings = "reservation + downstream rule off" if v == "no reservation" else "defaults"
         print(f"| {unit} | {rows} | {settings} | {np.median(rates):.0f} | "
               f"{' '.join(f'{x:.0f}' for x in rates)} |")
+
+
+def slow_consumer_peak_mib(build, cfg, variant: str, rows: int = 2500) -> float:
+    """Stream 6 epochs, take a 64-row batch every 0.2 s (~320 img/s, slower than the readers)
+    until `rows` are consumed; return the peak plasma use seen by a 0.5 s poller."""
+    import re
+    import threading
+
+    from ray._private.internal_api import memory_summary
+
+    ds = build(cfg, start_epoch=0, num_epochs=6)
+    if variant == "no reservation":
+        ds.context.op_resource_reservation_enabled = False
+        ds.context.downstream_capacity_backpressure_ratio = None
+    peak, stop = [0.0], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+            peak[0] = max(peak[0], float(m.group(1)) if m else 0.0)
+            time.sleep(0.5)
+
+    threading.Thread(target=poll, daemon=True).start()
+    n = 0
+    for b in ds.iter_batches(batch_size=64, batch_format="numpy"):
+        n += len(b["label"])
+        time.sleep(0.2)
+        if n >= rows:
+            break
+    stop.set()
+    return peak[0]
 
 
 if __name__ == "__main__":
