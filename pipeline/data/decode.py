@@ -160,8 +160,8 @@ def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: i
 
     Whole-pixel boxes with bilinear resampling (every inception crop, and random crops of
     images already >= `size`) take torch's uint8 antialiased bilinear kernel: the same
-    triangle filter as Pillow's, about 2x faster on one core with the layout change, and the
-    flip rides on the copy out. It reads only the box, where Pillow also reads pixels just
+    triangle filter as Pillow's, about 4x faster on one core (0.13 vs 0.53 ms for a 224 px
+    crop), channels-last in and out, and the flip rides on the copy out. It reads only the box, where Pillow also reads pixels just
     outside it at the edges, so results can differ by a few levels on the border rows.
     Fractional boxes (upscaled random crops) and other filters go through Pillow.
     """

@@ -60,9 +60,9 @@ def augment_image(img: np.ndarray, size: int, mode: str, rng: Optional[np.random
 # shard that one Ray task reads, permutes and augments. The epoch shuffle is a seeded
 # permutation of units plus a seeded permutation of rows inside each unit; preprocess wrote
 # rows in hash order, so every unit is already a class-mixed sample. No all-to-all shuffle.
-# 256 rows: each Ray task has a fixed cost (scheduling, opening the shard, its output
-# object), and on 2 CPUs 256-row units streamed 2-7% more 224 px crops per second than 128
-# (benchmarks/RESULTS.md); a block is 256 x 150 KB = 38 MB at 224 px.
+# A unit is also one output block: 256 x 150 KB = 38 MB at 224 px. Ray tasks read several
+# units (TASK_ROWS below); with 2048-row tasks, 128- and 256-row units streamed at the same
+# rate on 2 CPUs (benchmarks/RESULTS.md).
 UNIT_ROWS = 256
 
 
@@ -108,9 +108,11 @@ def _read_unit(unit: tuple) -> dict:
 def _image_column(col, heights, widths):
     """A binary column -> (n, H, W, 3) uint8 without copying when every cell is exactly
     H * W * 3 bytes, else an object array of bytes (JPEG cells, mixed sizes)."""
+    import pyarrow as pa
+
     col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     n = len(col)
-    if n and heights is not None and col.null_count == 0:
+    if n and heights is not None and col.null_count == 0 and pa.types.is_binary(col.type):
         h, w = int(heights[0]), int(widths[0])
         item = h * w * 3
         offsets = np.frombuffer(col.buffers()[1], dtype=np.int32, count=n + 1, offset=col.offset * 4)
