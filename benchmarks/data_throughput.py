@@ -1,7 +1,7 @@
 """Data throughput on this machine's cores, in one run over the same JPEG corpus:
 
   (a) preprocess: JPEG corpus -> uint8 Parquet shards (Ray Data, `vitp preprocess` code path)
-  (b) ingest: shards -> random-resized crop + flip on Ray Data workers -> normalised batches
+  (b) ingest: shards -> random-resized crop + flip on Ray Data workers -> uint8 batches
       (uint8 shards, and JPEG-q95 shards for comparison)
   (c) baseline: torch DataLoader, Pillow decode of the JPEGs + the same augmentation function
 
@@ -9,8 +9,10 @@ Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --ro
 Every path gets the same number of CPUs (Ray num_cpus = DataLoader workers = --cpus), and each
 pass reads --epochs epochs the way training does: one Ray Data stream over all of them, one
 DataLoader with persistent workers. The default of 8 epochs amortises the ~2 s at the start of
-each Ray Data execution during which it runs one task at a time, as a training run does. Batches are normalised to float in the consuming process
-in both paths (on a GPU node that step runs on the device).
+each Ray Data execution during which it runs one task at a time, as a training run does.
+Two consumers, the same for both paths: "uint8" takes the uint8 batches as delivered (a GPU
+step normalises them on the device); "float" also normalises them to float32 in the consuming
+process, on the same CPUs.
 """
 from __future__ import annotations
 

@@ -76,11 +76,12 @@ def plan_units(root: str, split: str, manifest: dict, unit_rows: int = UNIT_ROWS
     return units
 
 
-def _read_unit(unit: tuple) -> dict:
+def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
     """Rows [start, stop) of a shard -> numpy columns height, width, label, key, and image:
-    an (n, H, W, 3) uint8 view of the Parquet page buffer when every row is a raw H x W
-    image (what preprocess writes), else an object array of per-row bytes. Only the row
-    groups that overlap the range are read; local files go through Arrow's own reader."""
+    for uint8 shards an (n, H, W, 3) view of the Parquet page buffer when every row is a raw
+    H x W image (what preprocess writes), else an object array of per-row bytes (JPEG shards,
+    mixed sizes). Only the row groups that overlap the range are read; local files go through
+    Arrow's own reader."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -101,7 +102,9 @@ def _read_unit(unit: tuple) -> dict:
     t = t.slice(a - (first or 0), b - a)
     out = {n: t.column(n).to_numpy(zero_copy_only=False) for n in t.column_names if n != "image"}
     if "image" in t.column_names:
-        out["image"] = _image_column(t.column("image"), out.get("height"), out.get("width"))
+        col = t.column("image")
+        out["image"] = (_image_column(col, out.get("height"), out.get("width"))
+                        if storage_format == "uint8" else col.to_numpy(zero_copy_only=False))
     return out
 
 
@@ -155,7 +158,7 @@ class UnitReader:
     def __call__(self, batch: dict):
         for k in batch["id"]:
             epoch, unit = self.unit_of(int(k))
-            yield augment_rows(_read_unit(unit), seed=self.seed, epoch=epoch,
+            yield augment_rows(_read_unit(unit, self.kw["storage_format"]), seed=self.seed, epoch=epoch,
                                shuffle_rows=self.shuffle, **self.kw)
 
 
@@ -172,7 +175,7 @@ def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: b
     out = np.empty((n, size, size, 3), dtype=np.uint8)
     for j, i in enumerate(order):
         cell = rows["image"][i]
-        img = cell if isinstance(cell, np.ndarray) and cell.ndim == 3 else decode_stored(
+        img = cell if storage_format == "uint8" and isinstance(cell, np.ndarray) and cell.ndim == 3 else decode_stored(
             cell, int(rows["height"][i]), int(rows["width"][i]), storage_format)
         rng = row_rng(seed, epoch, str(keys[i])) if mode != "none" else None
         augment_image(img, size, mode, rng, scale_min, hflip, out=out[j])
@@ -258,7 +261,8 @@ def normalize(images_uint8_bhwc, mean: Sequence[float] = (0.5, 0.5, 0.5),
     import torch
 
     dtype = dtype or torch.float32
-    if images_uint8_bhwc.device.type == "cpu" and dtype == torch.float32:
+    if (images_uint8_bhwc.device.type == "cpu" and images_uint8_bhwc.dtype == torch.uint8
+            and dtype == torch.float32):
         # numpy's uint8 -> float32 cast is ~3x faster than torch's CPU kernel (0.06 vs 0.2
         # ms per 224 px image on one core); the result is the same
         x = torch.from_numpy(images_uint8_bhwc.numpy().astype(np.float32))
@@ -282,7 +286,8 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
     `data_iterator`: a Ray DataIterator (ray.train.get_dataset_shard("train")) or a Dataset.
     Only uint8 crosses to the device (4x fewer bytes than float32); pinned for CUDA copies.
     raw=True yields the (B, S, S, 3) uint8 images as they arrived, for a step that normalises
-    inside its own compiled graph.
+    inside its own compiled graph; on CPU they can share Ray's read-only object-store memory,
+    so treat them as read-only (normalise out of place).
     """
     import torch
 
