@@ -251,8 +251,9 @@ def encode_jpeg(img: np.ndarray, quality: int) -> bytes:
     return buf.getvalue()
 
 
-def decode_stored(image: bytes, height: int, width: int, storage_format: str) -> np.ndarray:
-    """A shard row's `image` cell -> (height, width, 3) uint8."""
+def decode_stored(image, height: int, width: int, storage_format: str) -> np.ndarray:
+    """A shard row's `image` cell -> (height, width, 3) uint8. A uint8 cell may be bytes or
+    already an array (ingest's view of the page buffer); either way no pixel is copied."""
     if storage_format == "jpeg":
         return np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
     return np.frombuffer(image, dtype=np.uint8).reshape(height, width, 3)

@@ -174,9 +174,8 @@ def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: b
                                        _key_int(str(keys[0])), 7]).permutation(n)
     out = np.empty((n, size, size, 3), dtype=np.uint8)
     for j, i in enumerate(order):
-        cell = rows["image"][i]
-        img = cell if storage_format == "uint8" and isinstance(cell, np.ndarray) and cell.ndim == 3 else decode_stored(
-            cell, int(rows["height"][i]), int(rows["width"][i]), storage_format)
+        img = decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]),
+                            storage_format)
         rng = row_rng(seed, epoch, str(keys[i])) if mode != "none" else None
         augment_image(img, size, mode, rng, scale_min, hflip, out=out[j])
     return {"image": out, "label": np.asarray(rows["label"], dtype=np.int64)[order],
