@@ -40,12 +40,22 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _files_under(root: str) -> dict[str, int]:
+def _files_under(root: str, skip_dirs: tuple[str, ...] = ()) -> dict[str, int]:
+    """Relative path -> size of every file under `root`, leaving out the top-level `skip_dirs`.
+
+    Ranks can share one directory, so a file may vanish between listing and stat (another
+    rank's marker being renamed from its .tmp name): such files are left out, not an error.
+    """
     out = {}
-    for dirpath, _, files in os.walk(root):
+    for dirpath, dirnames, files in os.walk(root):
+        if dirpath == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_dirs]
         for f in files:
             path = os.path.join(dirpath, f)
-            out[os.path.relpath(path, root)] = os.path.getsize(path)
+            try:
+                out[os.path.relpath(path, root)] = os.path.getsize(path)
+            except FileNotFoundError:
+                continue
     return out
 
 
@@ -58,7 +68,7 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     """
     rank, world = _rank_world()
     os.makedirs(directory, exist_ok=True)
-    before = set(_files_under(directory))
+    before = set(_files_under(directory, skip_dirs=("complete",)))
     engine.save_checkpoint(directory, tag=TAG, client_state={"train_state": asdict(state)},
                            save_latest=False)
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
@@ -74,8 +84,9 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
         _write_json(os.path.join(directory, "meta.json"), meta)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written
-    files = {k: v for k, v in _files_under(directory).items()
-             if k not in before and not k.startswith("complete/")}
+    # Markers are left out: other ranks may be writing theirs into a shared directory now.
+    files = {k: v for k, v in _files_under(directory, skip_dirs=("complete",)).items()
+             if k not in before}
     _write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
                 {"rank": rank, "world_size": world, "step": state.step, "files": files})
     return directory

@@ -122,3 +122,31 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     assert ckpt.verify(str(d)) == (True, "complete")
     with pytest.raises(RuntimeError, match="refusing to restore"):
         ckpt.load(None, str(tmp_path / "nothing"))
+
+
+def test_marker_listing_survives_ranks_writing_markers(tmp_path):
+    """Ranks sharing a directory: one rank lists its files while another renames its marker
+    from .tmp into place. The listing must neither fail on the vanished .tmp nor list markers."""
+    import threading
+
+    d = tmp_path / "ck"
+    (d / "state").mkdir(parents=True)
+    (d / "state" / "w.pt").write_bytes(b"0" * 7)
+    stop = threading.Event()
+
+    def other_rank():
+        i = 0
+        while not stop.is_set():
+            ckpt._write_json(str(d / "complete" / f"rank_{i % 4:05d}.json"), {"files": {}})
+            i += 1
+
+    t = threading.Thread(target=other_rank)
+    t.start()
+    try:
+        for _ in range(3000):
+            assert ckpt._files_under(str(d), skip_dirs=("complete",)) == {"state/w.pt": 7}
+            listed = ckpt._files_under(str(d))  # markers included: still no error on a vanished .tmp
+            assert listed["state/w.pt"] == 7
+    finally:
+        stop.set()
+        t.join()
