@@ -123,8 +123,11 @@ start_cluster() {
     echo "cluster/local.sh: token authentication is off (pass --auth to turn it on)" >&2
   fi
   : > "$state_dir/pids"
+  # Every raylet here would hand out worker ports from the same default range (10002-19999);
+  # 0/0 lets the OS pick each worker's port, so nodes on one machine never collide.
+  local worker_ports=(--min-worker-port 0 --max-worker-port 0)
   local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-                --dashboard-agent-listen-port "$(free_port)" --block)
+                --dashboard-agent-listen-port "$(free_port)" "${worker_ports[@]}" --block)
   setsid "$BIN/ray" start --head --port "$port" --dashboard-host 127.0.0.1 \
     --dashboard-port "$dash_port" --include-dashboard true \
     --ray-client-server-port "$(free_port)" --temp-dir "$state_dir/tmp" "${common[@]}" \
@@ -137,7 +140,7 @@ start_cluster() {
   fi
   for i in $(seq 1 "$workers"); do
     common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-            --dashboard-agent-listen-port "$(free_port)" --block)
+            --dashboard-agent-listen-port "$(free_port)" "${worker_ports[@]}" --block)
     setsid "$BIN/ray" start --address "127.0.0.1:$port" "${common[@]}" \
       > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null &
     echo $! >> "$state_dir/pids"

@@ -89,6 +89,8 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
              if k not in before}
     _write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
                 {"rank": rank, "world_size": world, "step": state.step, "files": files})
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every marker is written: a shared directory is complete
     return directory
 
 
@@ -107,15 +109,20 @@ def verify(directory: str) -> tuple[bool, str]:
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.exists(meta_path):
         return False, f"{directory}: no meta.json (rank 0 never finished saving)"
-    with open(meta_path) as f:
-        meta = json.load(f)
-    world = meta["world_size"]
+    try:
+        with open(meta_path) as f:
+            world = json.load(f)["world_size"]
+    except (OSError, ValueError, KeyError) as e:  # storage copies files in place: may be mid-copy
+        return False, f"{directory}: meta.json is unreadable ({e}); still being written?"
     for r in range(world):
         marker = os.path.join(directory, "complete", f"rank_{r:05d}.json")
         if not os.path.exists(marker):
             return False, f"{directory}: rank {r} of {world} has no completion marker"
-        with open(marker) as f:
-            listed = json.load(f)["files"]
+        try:
+            with open(marker) as f:
+                listed = json.load(f)["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return False, f"{directory}: marker of rank {r} is unreadable ({e}); still being written?"
         for rel, size in listed.items():
             path = os.path.join(directory, rel)
             if not os.path.exists(path) or os.path.getsize(path) != size:

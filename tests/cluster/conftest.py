@@ -1,8 +1,10 @@
 """Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,10 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SH = ROOT / "cluster" / "local.sh"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1 (all held open until every one is chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def vitp(*args, env=None, timeout=600):
@@ -28,8 +36,9 @@ def vitp(*args, env=None, timeout=600):
 
 class LocalCluster:
     def __init__(self, tmp: Path, workers: int, num_cpus: int, auth: bool):
-        self.port, self.dash_port = free_port(), free_port()
-        self.state_dir = Path(f"/tmp/vitp-test-{self.port}")  # short: Ray's socket paths are length-limited
+        self.port, self.dash_port = free_ports(2)
+        # fresh and short (Ray's socket paths are length-limited), never a stale run's directory
+        self.state_dir = Path(tempfile.mkdtemp(prefix="vitp-t", dir="/tmp"))
         self.address = f"http://127.0.0.1:{self.dash_port}"
         cmd = [str(LOCAL_SH), "start", "--workers", str(workers), "--num-cpus", str(num_cpus),
                "--port", str(self.port), "--dashboard-port", str(self.dash_port),
@@ -45,6 +54,8 @@ class LocalCluster:
     def stop(self):
         subprocess.run([str(LOCAL_SH), "stop", "--state-dir", str(self.state_dir)],
                        capture_output=True, text=True, timeout=120)
+        if not (self.state_dir / "pids").exists():  # stopped: the logs and Ray's temp dir can go
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

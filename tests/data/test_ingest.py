@@ -69,8 +69,11 @@ def test_multi_epoch_stream_covers_each_epoch(shards):
     seen = split_keys(build_train_dataset(cfg, num_epochs=3))
     assert len(seen[0]) == len(seen[1])
     per_epoch = Counter(e for w in seen for b in w for (e, _) in b)
-    assert per_epoch[0] == per_epoch[1] == res["train"]  # only the stream's tail is cut
-    assert res["train"] - WORLD * BATCH < per_epoch[2] <= res["train"]
+    n = res["train"]
+    # blocks arrive in completion order, so the cut (< one global batch at the stream's end)
+    # can fall in any epoch; nothing else is lost
+    assert set(per_epoch) == {0, 1, 2} and all(c <= n for c in per_epoch.values())
+    assert 3 * n - WORLD * BATCH < sum(per_epoch.values()) <= 3 * n
     pairs = [p for w in seen for b in w for p in b]
     assert len(pairs) == len(set(pairs))
     # default length covers train.steps x global_batch rows
@@ -104,7 +107,11 @@ def test_eval_dataset_and_device_batches(shards):
     ds = build_eval_dataset(cfg)
     batches = list(iter_device_batches(ds, 8, "cpu", drop_last=False))
     assert sum(len(y) for _, y in batches) == res["val"]
-    x, y = batches[0]
+    # Ray formats batches on several threads: unless preserve_order is set, the one short
+    # batch can come anywhere in the stream
+    sizes = sorted((len(y) for _, y in batches), reverse=True)
+    assert sizes[:-1] == [8] * (len(sizes) - 1) and 0 < sizes[-1] <= 8
+    x, y = max(batches, key=lambda b: len(b[1]))
     assert x.shape == (8, 3, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert -1.0 <= x.min() and x.max() <= 1.0
     u8 = torch.tensor([[[[0, 255, 51]]]], dtype=torch.uint8)  # (1, 1, 1, 3)

@@ -120,6 +120,13 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     (d / "state").mkdir()
     (d / "state" / "x.pt").write_bytes(b"0" * 10)
     assert ckpt.verify(str(d)) == (True, "complete")
+    # storage copies files in place: a half-copied marker or meta reads as incomplete, not a crash
+    (d / "complete" / "rank_00001.json").write_text('{"files": {"state/x.pt"')
+    ok, reason = ckpt.verify(str(d))
+    assert not ok and "marker of rank 1 is unreadable" in reason
+    (d / "meta.json").write_text('{"world_si')
+    ok, reason = ckpt.verify(str(d))
+    assert not ok and "meta.json is unreadable" in reason
     with pytest.raises(RuntimeError, match="refusing to restore"):
         ckpt.load(None, str(tmp_path / "nothing"))
 

@@ -154,6 +154,7 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
     random_model = build_vit(mcfg, 32).eval()
     train_rows = build_eval_dataset(dataclasses.replace(digits_cfg, data=dataclasses.replace(
         digits_cfg.data, image_size=32)), "train").take_all()
+    train_rows.sort(key=lambda r: r["key"])  # rows arrive in task-completion order
     imgs = np.stack([r["image"] for r in train_rows])  # (n, 32, 32, 3) uint8
     labels = np.array([r["label"] for r in train_rows])
     trained = train_on(build_vit(mcfg, 32), imgs, labels, steps=150)
@@ -175,7 +176,9 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
                          extra={"step": 150, "mlflow_run_id": "abc123"})
     out = run_fewshot(digits_cfg, export, tracking=True)
     for k in (1, 5, 10, 25):
-        assert out[f"fewshot/{k}shot_top1"] == pytest.approx(table["pretrained"][k], abs=1e-9)
+        # same model and data; batches may be composed differently, which can move a float32
+        # feature in its last bits and, rarely, one prediction
+        assert out[f"fewshot/{k}shot_top1"] == pytest.approx(table["pretrained"][k], abs=1 / len(vy))
     runs = find_runs(resolve_tracking_uri(digits_cfg), digits_cfg.tracking.experiment,
                      f"attributes.run_name = 'fewshot-fewshot_test-pico8-synthetic-digits'")
     assert [r["run_id"] for r in runs] == [out["run_id"]]

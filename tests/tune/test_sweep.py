@@ -43,6 +43,20 @@ def _children(uri, sweep):
         return []
 
 
+def _terminated_trials(sweep_dir) -> int:
+    """How many trials the newest saved Tune sweep state marks TERMINATED (0 if none saved)."""
+    import json
+
+    states = sorted(sweep_dir.glob("experiment_state-*.json"))
+    if not states:
+        return 0
+    try:
+        trials = json.loads(states[-1].read_text())["trial_data"]
+    except (OSError, ValueError, KeyError):  # being written
+        return 0
+    return sum(json.loads(state)["status"] == "TERMINATED" for state, _ in trials)
+
+
 @pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
     from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
@@ -61,7 +75,12 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
             break
         time.sleep(1)
     assert done, f"no trial finished before the driver exited: {first.communicate()[0][-3000:]}"
-    time.sleep(3)  # let Tune persist the trial's end (TUNE_GLOBAL_CHECKPOINT_S=2)
+    # kill only once Tune's saved sweep state records the finished trial(s) as terminated
+    # (saved every TUNE_GLOBAL_CHECKPOINT_S=2 s; slower while other trials start on a busy host)
+    t0 = time.time()
+    while _terminated_trials(tmp_path / "sweeps" / "s1") < len(done) and time.time() - t0 < 180:
+        time.sleep(0.5)
+    assert _terminated_trials(tmp_path / "sweeps" / "s1") >= len(done), "sweep state never saved"
     first.send_signal(signal.SIGKILL)
     first.wait()
     client = get_client(server.uri)
