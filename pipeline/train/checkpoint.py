@@ -34,8 +34,12 @@ class TrainState:
     best_metric: float | None = None
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
@@ -82,14 +86,14 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
                 "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict,
                 "mlflow_run_id": mlflow_run_id}
         _write_json(os.path.join(directory, "meta.json"), meta)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written
     # Markers are left out: other ranks may be writing theirs into a shared directory now.
     files = {k: v for k, v in _files_under(directory, skip_dirs=("complete",)).items()
              if k not in before}
     _write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
                 {"rank": rank, "world_size": world, "step": state.step, "files": files})
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         torch.distributed.barrier()  # every marker is written: a shared directory is complete
     return directory
 
