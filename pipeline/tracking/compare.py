@@ -223,15 +223,23 @@ def _sort_key(row: dict[str, Any]):
     return (row.get("dataset") or "~", best is None, -(best or 0.0), row.get("run_name") or "")
 
 
-def best_per_dataset(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{dataset: the row with the highest best_top1}; rows without a dataset or val/top1 are skipped.
+def best_per_dataset(rows: Iterable[dict[str, Any]], key: str = "best_top1",
+                     mode: str = "max") -> dict[str, dict[str, Any]]:
+    """{dataset: the row with the best `key`}: highest for mode "max", lowest for "min".
 
-    Ties go to the run whose name sorts first, so the answer does not depend on row order.
+    Only finished runs compete: rows whose status is not FINISHED (failed, killed, still running) and
+    rows without a dataset or a value for `key` are skipped. Ties go to the run whose name (then id)
+    sorts first, so the answer does not depend on row order. A sweep's parent run records its best
+    trials with this same rule, so `vitp compare` and the parent always agree.
     """
+    if mode not in ("max", "min"):
+        raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+    sign = -1.0 if mode == "max" else 1.0
+    scored = [r for r in rows if r.get("dataset") and r.get(key) is not None
+              and r.get("status", "FINISHED") == "FINISHED"]
     best: dict[str, dict[str, Any]] = {}
-    for row in sorted(rows, key=_sort_key):
-        if row.get("dataset") and row.get("best_top1") is not None and row["dataset"] not in best:
-            best[row["dataset"]] = row
+    for row in sorted(scored, key=lambda r: (sign * r[key], r.get("run_name") or "", r.get("run_id") or "")):
+        best.setdefault(row["dataset"], row)
     return best
 
 

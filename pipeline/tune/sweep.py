@@ -234,26 +234,36 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     return summary
 
 
+def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: str = "val/top1",
+                mode: str = "max") -> dict[str, dict[str, Any]]:
+    """{dataset: {run_id, run_name, top1, source}}: the best FINISHED child of a sweep parent per dataset.
+
+    A trial's score is the best value of `metric` over its history (max or min by `mode`), the same
+    rule as the "best top-1" column of `vitp compare`; ties go to the run name that sorts first.
+    """
+    from ..tracking.compare import best_per_dataset, find_runs
+
+    rows = []
+    for run in find_runs(tracking_uri, experiment, parent_run_id=parent_run_id, history=[metric]):
+        values = [v for _, v in run["history"][metric]]
+        if run["status"] == "FINISHED" and values:
+            rows.append({"dataset": run["tags"].get("dataset", "?"), "run_id": run["run_id"],
+                         "run_name": run["run_name"], "source": run["tags"].get("source", ""),
+                         "top1": max(values) if mode == "max" else min(values)})
+    return {dataset: {k: row[k] for k in ("run_id", "run_name", "top1", "source")}
+            for dataset, row in best_per_dataset(rows, key="top1", mode=mode).items()}
+
+
 def summarise(spec: SweepSpec, parent, results, seconds: float) -> dict[str, Any]:
     """Best trial per dataset (from the MLflow children) and the failures, into the parent run."""
-    from ..tracking import find_runs
-
-    children = find_runs(spec.tracking_uri, spec.experiment, parent_run_id=parent.run_id)
     failed = [{"trial": os.path.basename(str(r.path)), "config": {k: v for k, v in (r.config or {}).items()
                                                                  if not k.startswith("__")},
                "error": (str(r.error).strip().splitlines() or ["?"])[-1][:300]}
               for r in results if r.error]
-    best: dict[str, dict[str, Any]] = {}
-    for run in children:
-        dataset = run["tags"].get("dataset", "?")
-        top1 = run["metrics"].get(spec.metric)
-        if run["status"] != "FINISHED" or top1 is None:
-            continue
-        if dataset not in best or (top1 > best[dataset]["top1"]) == (spec.mode == "max"):
-            best[dataset] = {"run_id": run["run_id"], "run_name": run["run_name"], "top1": top1,
-                             "source": run["tags"].get("source", "")}
+    best = best_trials(spec.tracking_uri, spec.experiment, parent.run_id, spec.metric, spec.mode)
+    name = spec.metric.replace("/", "_")
     for dataset, b in best.items():
-        parent.log_metrics({f"best/{dataset}/val_top1": b["top1"]}, step=0)
+        parent.log_metrics({f"best/{dataset}/{name}": b["top1"]}, step=0)
         parent.set_tags({f"best_trial/{dataset}": b["run_id"]})
     parent.log_metrics({"sweep/trials": len(results), "sweep/failed": len(failed),
                         "sweep/seconds": seconds}, step=0)

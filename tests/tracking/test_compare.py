@@ -16,6 +16,7 @@ from pipeline.tracking.compare import (
     sweep_parents,
 )
 from pipeline.tracking.plots import log_plot_to_parent, plot_compare
+from pipeline.tune.sweep import best_trials
 
 CKPT = "/work/ckpt/pretrain-pico8-synthetic/checkpoint_000003"
 
@@ -102,11 +103,13 @@ def test_sweep_table_lists_trials_and_the_best_trial_per_dataset(store):
     assert pre["wall_time_s"] is not None and 0 <= pre["wall_time_s"] < 120
     assert by_name["t-dig-scr"]["source"] == "scratch" and by_name["t-c10-pre"]["status"] == "FAILED"
 
-    # The best trial per dataset is the one the sweep parent recorded (by peak, not final, top-1).
-    parent_tags = MlflowClient(uri).get_run(ids["s1"]).data.tags
+    # The best trial per dataset is by peak, not final, top-1; the FAILED trial is not a candidate.
     best = best_per_dataset(rows)
-    assert {d: r["run_id"] for d, r in best.items()} == {
-        "digits": parent_tags["best_trial/digits"], "cifar10": parent_tags["best_trial/cifar10"]}
+    assert {d: r["run_id"] for d, r in best.items()} == {"digits": ids["t-dig-pre"], "cifar10": ids["t-c10-scr"]}
+    # The rule a sweep uses to record its best trials on the parent gives the same answer.
+    recorded = best_trials(uri, exp, ids["s1"])
+    assert {d: b["run_id"] for d, b in recorded.items()} == {d: r["run_id"] for d, r in best.items()}
+    assert recorded["digits"]["top1"] == pytest.approx(0.95)
     assert sweep_parents(rows) == [ids["s1"]]
 
     # Text: sorted by dataset then best top-1 descending; exactly the winners carry the `*`.
@@ -119,6 +122,28 @@ def test_sweep_table_lists_trials_and_the_best_trial_per_dataset(store):
     assert starred == ["t-c10-scr", "t-dig-pre"]
     assert "0.9500" in body[2] and "0.8500" in body[2] and "FAILED" in body[1]
     assert "5-shot" not in lines[0]  # no trial logged few-shot numbers: no empty columns
+
+
+def test_ties_and_min_mode_agree_between_the_sweep_parent_and_compare(sqlite_uri):
+    """Equal peaks go to the run name that sorts first, whatever order the runs were made in; for a
+    "min" metric the lowest value over the history wins. compare and the sweep's rule agree."""
+    exp = f"ties-{uuid.uuid4().hex[:8]}"
+    with RunLogger.start(sqlite_uri, exp, "sweep-tie", tags={"sweep": "tie"}) as parent:
+        # made newest-last: "t-b" is returned first by a newest-first search; both peak at 0.9
+        for name, top1 in [("t-c", [0.95]), ("t-a", [0.5, 0.9]), ("t-b", [0.9, 0.8])]:
+            child = RunLogger.start(sqlite_uri, exp, name, parent_run_id=parent.run_id, resume_by_name=False,
+                                    tags={"sweep": "tie", "dataset": "digits"})
+            for i, v in enumerate(top1):
+                child.log_metrics({"val/top1": v, "val/loss": 1.0 - v + 0.01 * (name == "t-b")}, step=i)
+            child.end("FAILED" if name == "t-c" else "FINISHED")
+    rows = compare_rows(sqlite_uri, exp, sweep="tie")
+    for order in (rows, rows[::-1]):
+        assert best_per_dataset(order)["digits"]["run_name"] == "t-a"
+    assert best_trials(sqlite_uri, exp, parent.run_id)["digits"]["run_name"] == "t-a"
+    low = best_trials(sqlite_uri, exp, parent.run_id, metric="val/loss", mode="min")["digits"]
+    assert low["run_name"] == "t-a" and low["top1"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="mode"):
+        best_per_dataset(rows, mode="best")
 
 
 def test_filters_by_experiment_sweep_tag_and_filter_string(store):
