@@ -7,6 +7,7 @@ quarantine reasons. Must not know about Ray, shards or models: every function is
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from typing import Optional
 
@@ -40,6 +41,31 @@ class DecodeError(Exception):
         self.reason = reason
 
 
+# Pillow warns above Image.MAX_IMAGE_PIXELS and raises above twice that. Our own limit is checked
+# from the header in open_checked, so the warning only repeats it: importing this module silences it.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+_LIFT_LOCK = threading.Lock()
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Image.open, with Pillow's own limit lifted only when ours is above it.
+
+    Pillow's limit is a process-wide setting, so lifting it is done under a lock (decode threads of
+    one process never restore each other's value) and only for a caller that raised max_pixels
+    above 2x Image.MAX_IMAGE_PIXELS; with the default limit Pillow's check never fires first.
+    """
+    pil_limit = Image.MAX_IMAGE_PIXELS
+    if pil_limit is None or max_pixels <= 2 * pil_limit:
+        return Image.open(io.BytesIO(data))
+    with _LIFT_LOCK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            return Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
 def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
                  draft_size: Optional[int] = None) -> Image.Image:
     """Open `data`, check the header's pixel count BEFORE decoding, then decode.
@@ -49,21 +75,16 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
     """
     if len(data) == 0:
         raise DecodeError("empty", "zero-byte file")
-    with warnings.catch_warnings():
-        # Pillow warns above MAX_IMAGE_PIXELS and raises above 2x; our own check is below.
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        saved = Image.MAX_IMAGE_PIXELS
-        Image.MAX_IMAGE_PIXELS = None
-        try:
-            im = Image.open(io.BytesIO(data))
-        except UnidentifiedImageError:
-            raise DecodeError("not_an_image", "not an image Pillow can identify") from None
-        except Exception as e:  # noqa: BLE001 - any other header failure is a corrupt file
-            if "truncated" in str(e).lower():  # the file ends inside the header
-                raise DecodeError("truncated", f"truncated header ({e})") from None
-            raise DecodeError("corrupt", f"header unreadable: {e}") from None
-        finally:
-            Image.MAX_IMAGE_PIXELS = saved
+    try:
+        im = _open(data, max_pixels)
+    except UnidentifiedImageError:
+        raise DecodeError("not_an_image", "not an image Pillow can identify") from None
+    except Image.DecompressionBombError as e:  # above 2x Pillow's limit, which is above ours
+        raise DecodeError("too_large", f"{e} (limit {max_pixels}; raise max_pixels if genuine)") from None
+    except Exception as e:  # noqa: BLE001 - any other header failure is a corrupt file
+        if "truncated" in str(e).lower():  # the file ends inside the header
+            raise DecodeError("truncated", f"truncated header ({e})") from None
+        raise DecodeError("corrupt", f"header unreadable: {e}") from None
     w, h = im.size
     if w * h > max_pixels:
         raise DecodeError("too_large", f"{w}x{h} = {w * h} pixels > limit {max_pixels} "
@@ -75,6 +96,8 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
         im.draft(None, (draft_size, draft_size))
     try:
         im.load()
+    except Image.DecompressionBombError as e:  # some formats (GIF frames) check again on load
+        raise DecodeError("too_large", f"{e} (limit {max_pixels})") from None
     except OSError as e:
         msg = str(e)
         if any(t in msg.lower() for t in ("truncated", "broken data stream", "ended prematurely")):

@@ -82,6 +82,47 @@ def test_truncated_jpeg_and_pixel_limit_before_decode():
     assert e.value.reason == "too_large" and "300x300" in str(e.value)
 
 
+def test_pillow_limit_lifted_only_above_it_and_restored_across_threads():
+    """Our limit, not Pillow's process-wide one, decides; lifting Pillow's (for a max_pixels above
+    it) is undone exactly, even with many decode threads in one process."""
+    import sys
+    import threading
+
+    from PIL import Image
+
+    pil = Image.MAX_IMAGE_PIXELS
+    huge = fake_png_header(20_000, 10_000)  # 2e8 pixels: above 2x Pillow's default limit
+    with pytest.raises(DecodeError) as e:
+        decode_image(huge)
+    assert e.value.reason == "too_large"
+    with pytest.raises(DecodeError) as e:  # allowed by our limit: gets past the header, then the
+        decode_image(huge, max_pixels=10**9)  # 16-byte IDAT cannot fill 20000x10000
+    assert e.value.reason in ("truncated", "corrupt")
+    assert Image.MAX_IMAGE_PIXELS == pil
+
+    small = enc(Image.new("RGB", (8, 8)), "PNG")
+    errors = []
+
+    def work(i):
+        try:
+            for j in range(200):
+                decode_image(small, max_pixels=10**12 if (i + j) % 2 else 10**4)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so unguarded save/restore would interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and Image.MAX_IMAGE_PIXELS == pil
+
+
 def test_resize_center_crop_and_boxes():
     img = np.arange(8 * 12 * 3, dtype=np.uint8).reshape(8, 12, 3)
     assert resize_center_crop(img, 8).shape == (8, 8, 3)
