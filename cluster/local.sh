@@ -77,7 +77,8 @@ stop_cluster() {
 }
 
 wait_nodes() {
-  # Ready = the dashboard's job API answers and the GCS reports every node alive.
+  # Ready = the GCS reports every node alive. (The head's job agent can come up a few seconds
+  # later; `vitp submit` retries while the cluster answers "No available agent".)
   local want="$1" deadline=$((SECONDS + timeout))
   while [ $SECONDS -lt $deadline ]; do
     if "$PYTHON" - "$port" "$want" <<'EOF' 2>/dev/null

@@ -90,7 +90,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"  {line}")
     try:
         client = _client(address)
-        job_id = client.submit_job(**spec.kwargs)
+        job_id = submit_when_agent_ready(client, spec.kwargs)
     except ClusterError as e:
         print(f"vitp submit: {e}", file=sys.stderr)
         return EXIT_CLUSTER
@@ -106,6 +106,30 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.follow:
         asyncio.run(_stream_logs(client, job_id, spec.mask))
     return _wait_and_report(client, job_id, spec.mask)
+
+
+# The head's job agent starts beside its raylet, after the dashboard answers: a submit right after
+# `ray start` can be refused with this (Ray waits only ~10 s for the agent before refusing).
+_NO_AGENT = "No available agent"
+
+
+def submit_when_agent_ready(client, kwargs: dict, wait_s: float = 90.0, poll_s: float = 3.0,
+                            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> str:
+    """client.submit_job(**kwargs), retried while the cluster says its job agent is not up yet.
+
+    Only that refusal is retried (nothing was submitted); any other error is raised at once.
+    """
+    t0 = time.monotonic()
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            waited = time.monotonic() - t0
+            if _NO_AGENT not in str(e) or waited + poll_s > wait_s:
+                raise
+            log(f"the cluster's job agent is not up yet (a node that just started?); "
+                f"retrying ({waited:.0f}s of {wait_s:.0f}s)")
+            time.sleep(poll_s)
 
 
 async def _stream_logs(client, job_id: str, mask: Callable[[str], str]) -> None:

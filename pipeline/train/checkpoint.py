@@ -64,8 +64,11 @@ def _files_under(root: str, skip_dirs: tuple[str, ...] = ()) -> dict[str, int]:
 
 
 def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
-         mlflow_run_id: str | None = None) -> str:
+         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None) -> str:
     """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local).
+
+    `metrics` (the step's logged metrics, e.g. val/top1) go into meta.json: a finished run that is
+    started again reports them without training (`trainer.run_training`).
 
     DeepSpeed's save is collective. The marker is written last, after this rank's files are
     flushed, so a rank killed mid-save leaves no marker and the checkpoint stays incomplete.
@@ -84,7 +87,7 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     if rank == 0:
         meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
                 "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict,
-                "mlflow_run_id": mlflow_run_id}
+                "mlflow_run_id": mlflow_run_id, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
         _write_json(os.path.join(directory, "meta.json"), meta)
     if _distributed():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written

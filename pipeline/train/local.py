@@ -30,11 +30,28 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
         raise
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` spawned processes; returns their results."""
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600,
+           port_retries: int = 2) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` spawned processes; returns their results.
+
+    The rendezvous port is picked free but bound only once rank 0 sets up its store, seconds
+    later; if another process took it meanwhile ("address already in use"), the launch is
+    retried on a new port up to `port_retries` times.
+    """
+    for attempt in range(port_retries + 1):
+        try:
+            return _launch_once(fn, world_size, args, timeout, _free_port())
+        except RuntimeError as e:
+            if attempt == port_retries or "address already in use" not in str(e).lower():
+                raise
+            print(f"rendezvous port taken before rank 0 bound it; retrying on another ({e!s:.200})",
+                  flush=True)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, port: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
              for r in range(world_size)]
     for p in procs:

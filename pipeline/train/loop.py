@@ -250,7 +250,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
         local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-")
         try:
             ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
-                      mlflow_run_id=(config.get("mlflow") or {}).get("run_id"))
+                      mlflow_run_id=(config.get("mlflow") or {}).get("run_id"), metrics=metrics)
             ray.train.report({"step": step, **metrics},
                              checkpoint=ray.train.Checkpoint.from_directory(local),
                              checkpoint_dir_name=f"checkpoint_{step:08d}")

@@ -91,6 +91,7 @@ class TrainSummary:
     checkpoint: Optional[str]
     metrics: dict[str, Any]
     seconds: float
+    already_finished: bool = False  # the run's final checkpoint existed: nothing was trained
 
 
 def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] = None,
@@ -151,6 +152,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
             "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
         )
+    if existing and ckpt.read_meta(existing)["step"] >= cfg.train.steps:
+        return _already_finished(cfg, existing, tracking, t0)
     if existing:
         print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
     logger = None
@@ -185,6 +188,32 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         logger.end("FINISHED")
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)
+
+
+def _already_finished(cfg: ExperimentConfig, checkpoint: str, tracking: bool, t0: float) -> TrainSummary:
+    """The run's final checkpoint is in storage (e.g. a sweep driver killed after a trial's last
+    checkpoint, before Tune recorded the trial as done): report it instead of training again.
+
+    Its MLflow run is left as it is when already FINISHED (end time and attempt unchanged); one
+    still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED.
+    """
+    meta = ckpt.read_meta(checkpoint)
+    print(f"[{cfg.run_name}] already finished: {checkpoint} is step {meta['step']} of "
+          f"{cfg.train.steps}; nothing to train (raise train.steps to continue it, or choose a new "
+          "--set tracking.run_name=... to train again)", flush=True)
+    run_id = None
+    if tracking:
+        from ..tracking import RunLogger, resolve_tracking_uri
+        from ..tracking.runs import get_client
+
+        uri = resolve_tracking_uri(cfg)
+        run_id = _run_id_of_checkpoint(uri, checkpoint)
+        if run_id and get_client(uri).get_run(run_id).info.status != "FINISHED":
+            logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=run_id)
+            logger.set_tags({"checkpoint": checkpoint})
+            logger.end("FINISHED")
+    metrics = {"step": meta["step"], **meta.get("metrics", {})}
+    return TrainSummary(cfg.run_name, run_id, checkpoint, metrics, time.time() - t0, already_finished=True)
 
 
 def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4) -> None:

@@ -147,6 +147,8 @@ def finetune_trial_driver_fn(trial: dict[str, Any]) -> None:
             "dataset": cfg.data.source}
     summary = run_training(cfg, extra_tags=tags, parent_run_id=trial["__parent_run_id__"],
                            callbacks=[TuneReportCallback()])
+    if summary.already_finished:  # a resumed sweep: this trial's training had finished before
+        ray.tune.report(summary.metrics)
     if summary.metrics.get(spec.metric) is None:
         raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.metric}")
 

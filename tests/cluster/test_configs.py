@@ -197,3 +197,36 @@ def test_working_dir_over_rays_upload_limit_is_refused_with_the_fix(tmp_path):
     p.write_text(f"entrypoint: vitp pretrain debug\nruntime_env:\n  working_dir: {wd}\n  excludes: [data/]\n")
     notes = check_upload_size(load_spec(str(p)))
     assert notes and "0.0 MiB" in notes[0]
+
+
+class _AgentStartingCluster:
+    """A jobs endpoint whose head agent is not up for the first `refusals` calls: it answers as
+    Ray's job head does then (JobSubmissionClient raises RuntimeError with the HTTP text)."""
+
+    def __init__(self, refusals, error="No available agent to submit job, please try again later."):
+        self.refusals, self.error, self.calls = refusals, error, []
+
+    def submit_job(self, **kwargs):
+        self.calls.append(kwargs)
+        if len(self.calls) <= self.refusals:
+            raise RuntimeError(f"Request failed with status code 500: {self.error}.")
+        return f"raysubmit_{len(self.calls)}"
+
+
+def test_submit_retries_only_while_the_job_agent_is_starting():
+    from pipeline.submit import submit_when_agent_ready
+
+    lines = []
+    cluster = _AgentStartingCluster(refusals=2)
+    assert submit_when_agent_ready(cluster, {"entrypoint": "echo"}, poll_s=0.01, log=lines.append) == "raysubmit_3"
+    assert len(cluster.calls) == 3 and all(c == {"entrypoint": "echo"} for c in cluster.calls)
+    assert len(lines) == 2 and "job agent is not up yet" in lines[0]
+    # never up: gives up after wait_s with the cluster's own message
+    never = _AgentStartingCluster(refusals=10**6)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        submit_when_agent_ready(never, {}, wait_s=0.05, poll_s=0.01, log=lines.append)
+    # any other refusal is not retried: a resubmit could run the job twice
+    other = _AgentStartingCluster(refusals=1, error="runtime_env working_dir too large")
+    with pytest.raises(RuntimeError, match="too large"):
+        submit_when_agent_ready(other, {}, poll_s=0.01, log=lines.append)
+    assert len(other.calls) == 1

@@ -157,3 +157,13 @@ def test_marker_listing_survives_ranks_writing_markers(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_launch_retries_when_the_rendezvous_port_was_taken(tmp_path, capfd):
+    assert launch(workers.port_taken_on_first_try, 2, str(tmp_path)) == [3.0, 3.0]
+    assert "rendezvous port taken" in capfd.readouterr().out
+    # without retries the collision is the caller's error, naming the cause
+    for f in tmp_path.iterdir():
+        f.unlink()
+    with pytest.raises(RuntimeError, match="(?i)address already in use"):
+        launch(workers.port_taken_on_first_try, 2, str(tmp_path), port_retries=0)

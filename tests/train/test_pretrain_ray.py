@@ -56,6 +56,8 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
     for key in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/mfu", "perf/mem_gb"):
         assert len(_history(cfg, summary.mlflow_run_id, key)) == 8, key
     assert summary.metrics["val/count"] > 0
+    if stage == 0:  # the same run started again: its final checkpoint is reported, nothing trains
+        _rerun_of_finished_run_trains_nothing(cfg, summary)
     if stage == 3:  # the consolidated export loads into plain pipeline.model
         import torch
 
@@ -64,6 +66,29 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
         model = load_model(export(summary.checkpoint, str(tmp_path / "export")))
         out = model(torch.zeros(2, 3, 32, 32))
         assert out.shape == (2, 10) and torch.isfinite(out).all() and out.abs().sum() > 0
+
+
+def _rerun_of_finished_run_trains_nothing(cfg, summary):
+    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import get_client
+    from pipeline.train.trainer import run_training
+
+    client = get_client(resolve_tracking_uri(cfg))
+    before = client.get_run(summary.mlflow_run_id)
+    for status in ("FINISHED", "KILLED"):  # KILLED: the driver died before ending the run
+        if status == "KILLED":
+            client.set_terminated(summary.mlflow_run_id, status="KILLED")
+        again = run_training(cfg)
+        assert again.already_finished and again.mlflow_run_id == summary.mlflow_run_id
+        assert os.path.realpath(again.checkpoint) == os.path.realpath(summary.checkpoint)
+        for key in ("step", "val/top1", "val/loss", "train/loss"):
+            assert again.metrics[key] == pytest.approx(summary.metrics[key]), key
+        after = client.get_run(summary.mlflow_run_id)
+        assert after.info.status == "FINISHED"
+        assert len(_history(cfg, summary.mlflow_run_id, "train/loss")) == 8  # no step trained again
+        if status == "FINISHED":  # left untouched
+            assert after.info.end_time == before.info.end_time
+            assert after.data.tags["vitp.attempt"] == before.data.tags["vitp.attempt"]
 
 
 def _worker_pids():
@@ -80,17 +105,35 @@ def _worker_pids():
     return out
 
 
-def _wait_for_checkpoint(cfg, step, timeout=240, alive=lambda: True):
+def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
+    """The first complete mid-run checkpoint (step < train.steps) in storage.
+
+    Any one will do: with keep_checkpoints=2 Ray deletes the oldest as soon as a third is
+    registered, so waiting for one particular step could miss it on a busy host.
+    """
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.trainer import storage_path
 
-    path = os.path.join(storage_path(cfg), cfg.run_name, f"checkpoint_{step:08d}")
+    run_dir = os.path.join(storage_path(cfg), cfg.run_name)
     t0 = time.time()
     while time.time() - t0 < timeout and alive():
-        if os.path.isdir(path) and ckpt.verify(path)[0]:
-            return path
+        names = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []
+        for name in names:
+            path = os.path.join(run_dir, name)
+            if name.startswith("checkpoint_") and ckpt.verify(path)[0]:
+                if ckpt.read_meta(path)["step"] >= cfg.train.steps:
+                    raise AssertionError(f"the run finished before a mid-run checkpoint was seen: {names}")
+                return path
         time.sleep(0.2)
-    raise AssertionError(f"no complete checkpoint at {path} after {time.time() - t0:.0f}s")
+    raise AssertionError(f"no complete checkpoint under {run_dir} after {time.time() - t0:.0f}s")
+
+
+def _wait_workers_gone(timeout=120):
+    """Train workers of a killed driver die asynchronously: wait until none is left."""
+    t0 = time.time()
+    while _worker_pids() and time.time() - t0 < timeout:
+        time.sleep(0.5)
+    assert not _worker_pids(), "Train workers of the killed driver are still alive"
 
 
 @pytest.mark.e2e
@@ -110,7 +153,7 @@ def test_worker_sigkill_resumes_from_last_checkpoint(tmp_path, shards):
     t = threading.Thread(target=drive)
     t.start()
     try:
-        _wait_for_checkpoint(cfg, 20, alive=t.is_alive)
+        _wait_for_checkpoint(cfg, alive=t.is_alive)
     except AssertionError:
         raise AssertionError(f"run ended before its first checkpoint: {out}") from None
     pids = _worker_pids()
@@ -127,9 +170,15 @@ def test_worker_sigkill_resumes_from_last_checkpoint(tmp_path, shards):
         assert steps == list(range(5, 101, 5)), f"{key}: {steps}"
 
 
-def _vitp_pretrain(cfg_args, env):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "pretrain", "debug", *cfg_args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _vitp_pretrain(cfg_args, env, log_path=None):
+    """`vitp pretrain debug`; output to `log_path` (a file nobody has to drain) or a pipe."""
+    out = open(log_path, "w") if log_path else subprocess.PIPE
+    try:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "pretrain", "debug", *cfg_args],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    finally:
+        if log_path:
+            out.close()
 
 
 @pytest.mark.e2e
@@ -144,10 +193,14 @@ def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_
     cfg = _cfg(tmp_path, shards, "train.steps=100", "train.checkpoint_every=20")
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1"}
 
-    first = _vitp_pretrain(args, env)
-    _wait_for_checkpoint(cfg, 20, alive=lambda: first.poll() is None)
+    first = _vitp_pretrain(args, env, log_path=tmp_path / "first.log")
+    try:
+        _wait_for_checkpoint(cfg, alive=lambda: first.poll() is None)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{(tmp_path / 'first.log').read_text()[-3000:]}") from None
     first.send_signal(signal.SIGKILL)  # the driver dies; its Train controller goes with it
     first.wait()
+    _wait_workers_gone()  # else the old rank 0 could still log a step beside the new one
 
     second = _vitp_pretrain(args, env)
     log, _ = second.communicate(timeout=600)

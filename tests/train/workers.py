@@ -114,3 +114,26 @@ def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
     second = run_loop(part_cfg, engine, stream, state, LoopHooks(), rank, world)
     return {"full": full_curve, "resumed": first + [h["train/loss"] for h in second.history],
             "step": restored_step, "lr_after": engine.get_lr()[0]}
+
+
+def port_taken_on_first_try(rank, world, marker_dir):
+    """First launch: another socket holds the rendezvous port when rank 0 binds its store (a real
+    EADDRINUSE from gloo's TCPStore); rank 1 sits that attempt out. Then a real all-reduce."""
+    import socket
+
+    import torch.distributed as dist
+
+    marker = os.path.join(marker_dir, f"rank{rank}")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        if rank == 1:
+            return None
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            squatter.listen()
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()

@@ -23,9 +23,16 @@ def server(tmp_path_factory):
     handle.stop()
 
 
-def _vitp(args, env):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _vitp(args, env, log_path=None):
+    """`vitp ...`; output to `log_path` (a file nobody has to drain: Tune's loop runs in this
+    driver and would block on a full pipe) or to a pipe read by communicate()."""
+    out = open(log_path, "w") if log_path else subprocess.PIPE
+    try:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    finally:
+        if log_path:
+            out.close()
 
 
 def _env(ray_session):
@@ -66,7 +73,8 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
             "--tracking-uri", server.uri, "--space", "data.source=digits,synthetic",
             "--space", "optim.lr=0.03,0.1", *FAST]
     env = _env(ray_session)
-    first = _vitp(args, env)
+    first_log = tmp_path / "first.log"
+    first = _vitp(args, env, log_path=first_log)
     t0 = time.time()
     done = []
     while time.time() - t0 < 600 and first.poll() is None:  # kill after the first trial finishes
@@ -74,13 +82,14 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
         if done:
             break
         time.sleep(1)
-    assert done, f"no trial finished before the driver exited: {first.communicate()[0][-3000:]}"
+    assert done, f"no trial finished before the driver exited: {first_log.read_text()[-3000:]}"
     # kill only once Tune's saved sweep state records the finished trial(s) as terminated
     # (saved every TUNE_GLOBAL_CHECKPOINT_S=2 s; slower while other trials start on a busy host)
     t0 = time.time()
     while _terminated_trials(tmp_path / "sweeps" / "s1") < len(done) and time.time() - t0 < 180:
         time.sleep(0.5)
-    assert _terminated_trials(tmp_path / "sweeps" / "s1") >= len(done), "sweep state never saved"
+    assert _terminated_trials(tmp_path / "sweeps" / "s1") >= len(done), (
+        f"sweep state never saved: {first_log.read_text()[-3000:]}")
     first.send_signal(signal.SIGKILL)
     first.wait()
     client = get_client(server.uri)
