@@ -176,6 +176,17 @@ def _param_space(spec: SweepSpec) -> dict[str, Any]:
     return out
 
 
+def _parent_run_id(spec: SweepSpec) -> Optional[str]:
+    """The newest parent run of sweep `spec.name` in its experiment, or None."""
+    from ..tracking.compare import find_runs
+    from ..tracking.runs import _quote
+
+    runs = find_runs(spec.tracking_uri, spec.experiment,
+                     f"attributes.run_name = {_quote('sweep-' + spec.name)} and tags.sweep = {_quote(spec.name)}")
+    runs = [r for r in runs if not r["parent_run_id"]]
+    return runs[0]["run_id"] if runs else None
+
+
 def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
     from ray import tune
@@ -191,7 +202,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
     first_trial_cfg, _ = trial_config(spec, {k: v[0] for k, v in spec.space.items()})
+    # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
+                             run_id=_parent_run_id(spec) if resume else None,
                              tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe})
     parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
                        "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,

@@ -157,3 +157,52 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["failed_trials"] == "1"
     assert parent.data.metrics["sweep/failed"] == 1
+
+
+def _mark_trials_pending(sweep_dir) -> int:
+    """Rewrite the newest saved sweep state as if the driver died before Tune recorded its
+    trials as done (their training and MLflow runs had finished). Returns how many changed."""
+    import json
+
+    path = sorted(sweep_dir.glob("experiment_state-*.json"))[-1]
+    state = json.loads(path.read_text())
+    changed = 0
+    for pair in state["trial_data"]:
+        trial = json.loads(pair[0])
+        changed += trial["status"] == "TERMINATED"
+        trial["status"] = "PENDING"
+        pair[0] = json.dumps(trial)
+    path.write_text(json.dumps(state))
+    return changed
+
+
+@pytest.mark.e2e
+def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path, server, ray_session):
+    from pipeline.tracking.runs import get_client
+
+    args = ["sweep", "debug_finetune", "--name", "s3", f"--set=work_dir={tmp_path}",
+            "--tracking-uri", server.uri, "--space", "optim.lr=0.1", *FAST]
+    env = _env(ray_session)
+    proc = _vitp(args, env)
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    (row,) = _children(server.uri, "s3")
+    client = get_client(server.uri)
+    before = client.get_run(row["run_id"])
+    losses = len(client.get_metric_history(row["run_id"], "train/loss"))
+
+    assert _mark_trials_pending(tmp_path / "sweeps" / "s3") == 1
+    proc = _vitp(args + ["--resume"], env)
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    assert "already finished" in log, log[-4000:]
+    (again,) = _children(server.uri, "s3")
+    after = client.get_run(row["run_id"])
+    assert again["run_id"] == row["run_id"] and after.info.status == "FINISHED"
+    assert after.info.end_time == before.info.end_time  # the run was left as it was
+    assert after.data.tags.get("vitp.attempt", "1") == before.data.tags.get("vitp.attempt", "1")
+    assert len(client.get_metric_history(row["run_id"], "train/loss")) == losses  # nothing retrained
+    exp = client.get_experiment_by_name("vit-pipeline-debug")
+    (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s3'")
+    assert parent.data.tags["best_trial/digits"] == row["run_id"]
+    assert parent.data.metrics["best/digits/val_top1"] == pytest.approx(row["best_top1"])
