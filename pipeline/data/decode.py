@@ -48,18 +48,20 @@ _LIFT_LOCK = threading.Lock()
 
 
 def _open(data: bytes, max_pixels: int) -> Image.Image:
-    """Image.open, with Pillow's own limit lifted only when ours is above it.
+    """Image.open, with Pillow's own limit raised only when ours is above it.
 
-    Pillow's limit is a process-wide setting, so lifting it is done under a lock (decode threads of
-    one process never restore each other's value) and only for a caller that raised max_pixels
-    above 2x Image.MAX_IMAGE_PIXELS; with the default limit Pillow's check never fires first.
+    Pillow's limit is a process-wide setting read by every thread's Image.open, so it is only ever
+    raised to another number (never None: Pillow's own check would then fail with a TypeError in a
+    thread that read it mid-swap), under a lock (lifting threads never restore each other's value),
+    and only for a caller whose max_pixels is above 2x Image.MAX_IMAGE_PIXELS; with the default
+    limit Pillow's check never fires before ours and the setting is not touched.
     """
     pil_limit = Image.MAX_IMAGE_PIXELS
     if pil_limit is None or max_pixels <= 2 * pil_limit:
         return Image.open(io.BytesIO(data))
     with _LIFT_LOCK:
         saved = Image.MAX_IMAGE_PIXELS
-        Image.MAX_IMAGE_PIXELS = None
+        Image.MAX_IMAGE_PIXELS = max(max_pixels, saved or 0)  # Pillow raises above 2x this
         try:
             return Image.open(io.BytesIO(data))
         finally:

@@ -277,11 +277,13 @@ def summarise(spec: SweepSpec, parent, results, seconds: float) -> dict[str, Any
               for r in results if r.error]
     best = best_trials(spec.tracking_uri, spec.experiment, parent.run_id, spec.metric, spec.mode)
     name = spec.metric.replace("/", "_")
+    # a resumed sweep's parent may hold an earlier summary: log after it, so the newest is latest
+    step = parent.last_step + 1
     for dataset, b in best.items():
-        parent.log_metrics({f"best/{dataset}/{name}": b["top1"]}, step=0)
+        parent.log_metrics({f"best/{dataset}/{name}": b["top1"]}, step=step)
         parent.set_tags({f"best_trial/{dataset}": b["run_id"]})
     parent.log_metrics({"sweep/trials": len(results), "sweep/failed": len(failed),
-                        "sweep/seconds": seconds}, step=0)
+                        "sweep/seconds": seconds}, step=step)
     parent.set_tags({"failed_trials": str(len(failed))})
     parent.log_dict({"best": best, "failed": failed}, "sweep_summary.json")
     return {"parent_run_id": parent.run_id, "trials": len(results), "failed": failed,

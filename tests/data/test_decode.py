@@ -84,7 +84,8 @@ def test_truncated_jpeg_and_pixel_limit_before_decode():
 
 def test_pillow_limit_lifted_only_above_it_and_restored_across_threads():
     """Our limit, not Pillow's process-wide one, decides; lifting Pillow's (for a max_pixels above
-    it) is undone exactly, even with many decode threads in one process."""
+    it) is undone exactly, even with many decode threads in one process; a thread opening an image
+    never sees the setting mid-swap (lifting it to None made Pillow's own check raise TypeError)."""
     import sys
     import threading
 
@@ -105,7 +106,7 @@ def test_pillow_limit_lifted_only_above_it_and_restored_across_threads():
 
     def work(i):
         try:
-            for j in range(200):
+            for j in range(600):
                 decode_image(small, max_pixels=10**12 if (i + j) % 2 else 10**4)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)

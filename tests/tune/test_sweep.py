@@ -206,3 +206,5 @@ def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path
     (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s3'")
     assert parent.data.tags["best_trial/digits"] == row["run_id"]
     assert parent.data.metrics["best/digits/val_top1"] == pytest.approx(row["best_top1"])
+    # the resumed sweep summarised again, after (not hidden behind) the first summary's step
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "sweep/seconds")) == [0, 1]
