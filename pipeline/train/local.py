@@ -38,15 +38,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     later; if another process took it meanwhile ("address already in use"), the launch is
     retried on a new port up to `port_retries` times.
     """
-    for attempt in range(port_retries + 1):
+    retries = 0
+    while True:
         try:
             return _launch_once(fn, world_size, args, timeout, _free_port())
         except RuntimeError as e:
-            if attempt == port_retries or "address already in use" not in str(e).lower():
+            if retries == port_retries or "address already in use" not in str(e).lower():
                 raise
+            retries += 1
             print(f"rendezvous port taken before rank 0 bound it; retrying on another ({e!s:.200})",
                   flush=True)
-    raise AssertionError("unreachable")
 
 
 def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, port: int) -> list[Any]:

@@ -152,16 +152,18 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
             "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
         )
-    if existing and ckpt.read_meta(existing)["step"] >= cfg.train.steps:
-        return _already_finished(cfg, existing, tracking, t0)
+    meta = ckpt.read_meta(existing) if existing else None
+    if meta and meta["step"] >= cfg.train.steps:
+        return _already_finished(cfg, existing, meta, tracking, t0)
     if existing:
         print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
     logger = None
     mlflow_info = None
     if tracking:
         uri = resolve_tracking_uri(cfg)
+        run = _mlflow_run_of(uri, meta) if meta else None
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
-                                 run_id=_run_id_of_checkpoint(uri, existing) if existing else None,
+                                 run_id=run.info.run_id if run else None,
                                  parent_run_id=parent_run_id,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
@@ -190,25 +192,25 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                         time.time() - t0)
 
 
-def _already_finished(cfg: ExperimentConfig, checkpoint: str, tracking: bool, t0: float) -> TrainSummary:
+def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, Any], tracking: bool,
+                      t0: float) -> TrainSummary:
     """The run's final checkpoint is in storage (e.g. a sweep driver killed after a trial's last
     checkpoint, before Tune recorded the trial as done): report it instead of training again.
 
     Its MLflow run is left as it is when already FINISHED (end time and attempt unchanged); one
     still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED.
     """
-    meta = ckpt.read_meta(checkpoint)
     print(f"[{cfg.run_name}] already finished: {checkpoint} is step {meta['step']} of "
           f"{cfg.train.steps}; nothing to train (raise train.steps to continue it, or choose a new "
           "--set tracking.run_name=... to train again)", flush=True)
     run_id = None
     if tracking:
         from ..tracking import RunLogger, resolve_tracking_uri
-        from ..tracking.runs import get_client
 
         uri = resolve_tracking_uri(cfg)
-        run_id = _run_id_of_checkpoint(uri, checkpoint)
-        if run_id and get_client(uri).get_run(run_id).info.status != "FINISHED":
+        run = _mlflow_run_of(uri, meta)
+        run_id = run.info.run_id if run else None
+        if run and run.info.status != "FINISHED":
             logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=run_id)
             logger.set_tags({"checkpoint": checkpoint})
             logger.end("FINISHED")
@@ -248,18 +250,17 @@ def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4
         print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
 
 
-def _run_id_of_checkpoint(uri: str, checkpoint: str) -> Optional[str]:
-    """The MLflow run that wrote `checkpoint` (so a finished run re-run continues it)."""
-    run_id = ckpt.read_meta(checkpoint).get("mlflow_run_id")
+def _mlflow_run_of(uri: str, meta: dict[str, Any]):
+    """The MLflow run that wrote the checkpoint with this `meta` (so a re-run continues it), or None."""
+    run_id = meta.get("mlflow_run_id")
     if not run_id:
         return None
     from ..tracking.runs import get_client
 
     try:
-        get_client(uri).get_run(run_id)
+        return get_client(uri).get_run(run_id)
     except Exception:  # a different store: start or resume by name instead
         return None
-    return run_id
 
 
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:

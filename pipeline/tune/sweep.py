@@ -178,11 +178,11 @@ def _param_space(spec: SweepSpec) -> dict[str, Any]:
 
 def _parent_run_id(spec: SweepSpec) -> Optional[str]:
     """The newest parent run of sweep `spec.name` in its experiment, or None."""
-    from ..tracking.compare import find_runs
+    from ..tracking.compare import _tag_filters, find_runs
     from ..tracking.runs import _quote
 
-    runs = find_runs(spec.tracking_uri, spec.experiment,
-                     f"attributes.run_name = {_quote('sweep-' + spec.name)} and tags.sweep = {_quote(spec.name)}")
+    filters = [f"attributes.run_name = {_quote('sweep-' + spec.name)}", *_tag_filters(spec.name, None)]
+    runs = find_runs(spec.tracking_uri, spec.experiment, " and ".join(filters))
     runs = [r for r in runs if not r["parent_run_id"]]
     return runs[0]["run_id"] if runs else None
 
@@ -259,9 +259,10 @@ def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: 
     from ..tracking.compare import best_per_dataset, find_runs
 
     rows = []
-    for run in find_runs(tracking_uri, experiment, parent_run_id=parent_run_id, history=[metric]):
+    for run in find_runs(tracking_uri, experiment, "attributes.status = 'FINISHED'",
+                         parent_run_id=parent_run_id, history=[metric]):
         values = [v for _, v in run["history"][metric]]
-        if run["status"] == "FINISHED" and values:
+        if values:
             rows.append({"dataset": run["tags"].get("dataset", "?"), "run_id": run["run_id"],
                          "run_name": run["run_name"], "source": run["tags"].get("source", ""),
                          "top1": max(values) if mode == "max" else min(values)})
