@@ -6,6 +6,8 @@
   (c) baseline: torch DataLoader, Pillow decode of the JPEGs + the same augmentation function
 
 Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --rounds 3
+The table is printed and appended, with this command line, the date and the machine, to
+benchmarks/RESULTS.md (`--results PATH` elsewhere, `--no-results` to only print).
 Every path gets the same number of CPUs (Ray num_cpus = DataLoader workers = --cpus), and each
 pass reads --epochs epochs the way training does: one Ray Data stream over all of them, one
 DataLoader with persistent workers. The default of 8 epochs amortises the ~2 s at the start of
@@ -25,6 +27,8 @@ import time
 
 import numpy as np
 from PIL import Image
+
+from record import add_results_args, append_result  # benchmarks/record.py, beside this script
 
 
 def make_corpus(root: str, n: int, classes: int, seed: int = 0) -> None:
@@ -103,13 +107,14 @@ def main():
     ap.add_argument("--consumer-threads", type=int, default=1,
                     help="torch threads of the consuming process (normalisation), both paths")
     ap.add_argument("--workdir", default="")
+    add_results_args(ap)
     args = ap.parse_args()
 
     import ray
     from ray.data import DataContext
 
     from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import debug
+    from pipeline.recipes import get_recipe
 
     work = args.workdir or tempfile.mkdtemp(prefix="vitp-bench-")
     corpus = os.path.join(work, "corpus")
@@ -122,7 +127,7 @@ def main():
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     DataContext.get_current().enable_progress_bars = False
-    base = debug()
+    base = get_recipe("debug")
     data = dataclasses.replace(base.data, source="imagefolder", path=corpus,
                                storage_size=args.storage, image_size=args.size,
                                num_classes=args.classes, val_fraction=0.0, shard_mb=64,
@@ -170,18 +175,22 @@ def main():
     ray.shutdown()
 
     size_mb = sum(os.path.getsize(f) for f in files) / 1e6
-    print(f"\n{args.images} JPEGs ({size_mb:.0f} MB), storage {args.storage}px, train crop "
-          f"{args.size}px, batch {args.batch}, {args.cpus} CPUs, {args.rounds} interleaved rounds of "
-          f"{args.epochs} epochs, load average at end {os.getloadavg()[0]:.1f}\n")
-    print("| path | batches | images/s (median) | images/s per core | vs DataLoader | rounds |")
-    print("|---|---|---:|---:|---:|---|")
+    setup = (f"{args.images} JPEGs ({size_mb:.0f} MB), storage {args.storage}px, train crop "
+             f"{args.size}px, batch {args.batch}, {args.cpus} CPUs, {args.rounds} interleaved rounds of "
+             f"{args.epochs} epochs")
+    lines = ["| path | batches | images/s (median) | images/s per core | vs DataLoader | rounds |",
+             "|---|---|---:|---:|---:|---|"]
     for name, rate in results.items():
-        print(f"| {name} | - | {rate[0]:.0f} | {rate[0] / args.cpus:.0f} | - | {rate[0]:.0f} |")
+        lines.append(f"| {name} | - | {rate[0]:.0f} | {rate[0] / args.cpus:.0f} | - | {rate[0]:.0f} |")
     for (name, consumer), rs in rates.items():
         med = float(np.median(rs))
         ref = float(np.median(rates[("(c) DataLoader, Pillow decode + same aug", consumer)]))
-        print(f"| {name} | {consumer} | {med:.0f} | {med / args.cpus:.0f} | {med / ref:.2f}x | "
-              f"{' '.join(f'{x:.0f}' for x in rs)} |")
+        lines.append(f"| {name} | {consumer} | {med:.0f} | {med / args.cpus:.0f} | {med / ref:.2f}x | "
+                     f"{' '.join(f'{x:.0f}' for x in rs)} |")
+    table = "\n".join(lines)
+    print(f"\n{setup}, load average at end {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    append_result(args.results, "Data throughput (`benchmarks/data_throughput.py`)", table, notes=setup + ".")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

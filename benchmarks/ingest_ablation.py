@@ -9,6 +9,8 @@ ship it). Interleaved rounds, medians reported.
 
 Run:  .venv/bin/python benchmarks/data_throughput.py --images 2000 --cpus 2 --workdir /tmp/vbench
       .venv/bin/python benchmarks/ingest_ablation.py --workdir /tmp/vbench --cpus 2
+The table is printed and appended, with this command line, the date and the machine, to
+benchmarks/RESULTS.md (`--results PATH` elsewhere, `--no-results` to only print).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import os
 import time
 
 import numpy as np
+
+from record import add_results_args, append_result  # benchmarks/record.py, beside this script
 
 
 def main():
@@ -33,6 +37,7 @@ def main():
                     help="instead: peak object-store use under a slow consumer (0.2 s per batch) "
                          "on a 2 GiB object store, for one setting (run each in its own process: "
                          "an abandoned stream keeps producing until its executor shuts down)")
+    add_results_args(ap)
     args = ap.parse_args()
 
     import ray
@@ -42,7 +47,7 @@ def main():
     import pipeline.data.ingest as ingest
     from pipeline.data.ingest import build_train_dataset, iter_device_batches
     from pipeline.data.shards import read_manifest
-    from pipeline.recipes import debug
+    from pipeline.recipes import get_recipe
 
     shards = os.path.join(args.workdir, "shards-uint8")
     manifest = read_manifest(shards)  # a clear error if data_throughput.py has not run there
@@ -50,7 +55,7 @@ def main():
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
              object_store_memory=2 * 1024 ** 3 if args.memory_check else None)
     DataContext.get_current().enable_progress_bars = False
-    base = debug()
+    base = get_recipe("debug")
     cfg = dataclasses.replace(base, work_dir=args.workdir, data=dataclasses.replace(
         base.data, source="imagefolder", shards=shards, image_size=args.size,
         num_classes=manifest["num_classes"],
@@ -69,10 +74,13 @@ def main():
             n += len(y)
         return n / (time.time() - t0)
 
+    title = "Ingest task sizing (`benchmarks/ingest_ablation.py`)"
     if args.memory_check:
         v = "no reservation" if args.memory_check == "no-reservation" else "TASK_ROWS"
-        print(f"{args.memory_check}: peak object store "
-              f"{slow_consumer_peak_mib(build_train_dataset, cfg, v):.0f} MiB of 2048", flush=True)
+        line = (f"{args.memory_check}: peak object store "
+                f"{slow_consumer_peak_mib(build_train_dataset, cfg, v):.0f} MiB of 2048")
+        print(line, flush=True)
+        append_result(args.results, title + ", memory check", line)
         return
     units = [int(u) for u in args.units.split(",")]
     variants = ["1 unit", "TASK_ROWS", "no reservation"]
@@ -84,13 +92,20 @@ def main():
                 res.setdefault((unit, v), []).append(run(unit, v, 1 + args.epochs * r))
         print(f"round {r} done", flush=True)
     ray.shutdown()
-    print(f"\n| unit rows | rows per task | Ray Data settings | images/s (median) | rounds |")
-    print("|---:|---:|---|---:|---|")
+    lines = ["| unit rows | rows per task | Ray Data settings | images/s (median) | rounds |",
+             "|---:|---:|---|---:|---|"]
     for (unit, v), rates in res.items():
         rows = task_rows if v == "TASK_ROWS" else unit
         settings = "reservation + downstream rule off" if v == "no reservation" else "defaults"
-        print(f"| {unit} | {rows} | {settings} | {np.median(rates):.0f} | "
-              f"{' '.join(f'{x:.0f}' for x in rates)} |")
+        lines.append(f"| {unit} | {rows} | {settings} | {np.median(rates):.0f} | "
+                     f"{' '.join(f'{x:.0f}' for x in rates)} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    n_train = manifest.get("counts", {}).get("train", "?")
+    append_result(args.results, title, table,
+                  notes=f"Shards {shards} ({n_train} training images), {args.cpus} CPUs, crop "
+                        f"{args.size}px, batch {args.batch}, {args.rounds} interleaved rounds of "
+                        f"{args.epochs} epochs, uint8 consumer.")
 
 
 def slow_consumer_peak_mib(build, cfg, variant: str, rows: int = 2500) -> float:

@@ -29,6 +29,9 @@ MFU = images/s x training FLOPs per image (3 x the analytic forward, `training_f
 Peak: `--peak-tflops` (default 989, H100/H200 dense bf16, on CUDA). On CPU there is no
 datasheet number, so without `--peak-tflops` the script measures one: the best of a few
 square `torch.mm` calls in the benchmark dtype on all threads, and says so in its output.
+
+The markdown table is printed and appended, with this command line, the date and the machine,
+to benchmarks/RESULTS.md (`--results PATH` elsewhere, `--no-results` to only print).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
+
+from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
 
 # ---------------------------------------------------------------------------------- helpers
 
@@ -91,25 +96,25 @@ def resolve_peak(args) -> tuple[float, str]:
 
 
 def bench_config(args):
-    """Our ExperimentConfig for a world-of-one benchmark of `args`."""
-    from pipeline.config import apply_overrides
-    from pipeline.recipes import debug
+    """Our ExperimentConfig for a world-of-one benchmark of `args` (typed fields)."""
+    from pipeline.config import set_values
+    from pipeline.recipes import get_recipe
 
-    return apply_overrides(debug(), [
-        f"model.variant={args.variant}", f"data.image_size={args.image_size}",
-        f"model.num_classes={args.num_classes}", f"model.head={args.head}",
-        "model.dropout=0.0", f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
-        "parallel.num_workers=1", f"parallel.use_gpu={str(args.device == 'cuda').lower()}",
-        f"parallel.global_batch={args.batch}", f"parallel.micro_batch={args.batch}",
-        "parallel.grad_accum=1", f"parallel.zero_stage={args.zero}",
-        f"parallel.precision={args.precision}", "optim.warmup_steps=0", "optim.schedule=constant",
-        f"train.steps={10**9}", "tracking.run_name=bench-train-step",
-    ])
+    return set_values(get_recipe("debug"), {
+        "model.variant": args.variant, "data.image_size": args.image_size,
+        "model.num_classes": args.num_classes, "model.head": args.head,
+        "model.dropout": 0.0, "model.grad_checkpointing": bool(args.grad_checkpointing),
+        "parallel.num_workers": 1, "parallel.use_gpu": args.device == "cuda",
+        "parallel.global_batch": args.batch, "parallel.micro_batch": args.batch,
+        "parallel.grad_accum": 1, "parallel.zero_stage": args.zero,
+        "parallel.precision": args.precision, "optim.warmup_steps": 0, "optim.schedule": "constant",
+        "train.steps": 10**9, "tracking.run_name": "bench-train-step",
+    })
 
 
 def flops_per_image(args, head: str | None = None) -> float:
-    from pipeline.config import decode_variant
-    from pipeline.model import training_flops
+    from pipeline.model.flops import training_flops
+    from pipeline.model.variants import decode_variant
 
     head = head or args.head
     rep = decode_variant(args.variant).width if head == "pretrain" else None
@@ -272,7 +277,7 @@ def hf_vit(args, device: torch.device, dtype: torch.dtype):
     """`transformers.ViTForImageClassification` with our ViT's shape (linear head, no pooler)."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    from pipeline.config import decode_variant
+    from pipeline.model.variants import decode_variant
 
     s = decode_variant(args.variant)
     hf_cfg = ViTConfig(hidden_size=s.width, num_hidden_layers=s.depth, num_attention_heads=s.heads,
@@ -295,7 +300,7 @@ def run_compare_hf(args) -> dict[str, Any]:
     import transformers
 
     from pipeline.data.ingest import normalize
-    from pipeline.model import ViT
+    from pipeline.model.vit import ViT
     from pipeline.train.loop import seed_everything
 
     device, dtype = torch.device(args.device), _dtype(args.precision)
@@ -361,7 +366,8 @@ def _child(args, mode_flags: list[str], peak_tflops: float | None) -> dict[str, 
                "--image-size", str(args.image_size), "--batch", str(args.batch), "--precision",
                args.precision, "--zero", str(args.zero), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--windows", str(args.windows), "--device", args.device,
-               "--num-classes", str(args.num_classes), "--head", args.head, "--json", out]
+               "--num-classes", str(args.num_classes), "--head", args.head, "--json", out,
+               "--no-results"]  # the parent records the whole table once
         if peak_tflops is not None:
             cmd += ["--peak-tflops", repr(peak_tflops)]
         if args.grad_checkpointing:
@@ -409,6 +415,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 # ------------------------------------------------------------------------------------- main
 
+TITLE = "Training step (`benchmarks/train_step.py`)"
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -434,6 +442,7 @@ def parse_args(argv=None):
     p.add_argument("--all", action="store_true", help="engine, ray and compare-hf; markdown table")
     p.add_argument("--json", default=None, help="write the result(s) here")
     p.add_argument("--verbose", action="store_true", help="show DeepSpeed/Ray logs")
+    add_results_args(p)
     args = p.parse_args(argv)
     if args.precision is None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
@@ -456,9 +465,12 @@ def main(argv=None) -> int:
                    _child(args, ["--mode", "ray"], peak / 1e12),
                    _child(args, ["--mode", "engine"], peak / 1e12),
                    _child(args, ["--compare-hf"], peak / 1e12)]
+        table = markdown_table(results)
         print(f"peak for MFU: {source}")
-        print(markdown_table(results))
+        print(table)
         out: dict[str, Any] = {"results": results, "peak_source": source, "peak_tflops": peak / 1e12}
+        append_result(args.results, TITLE, table, device=results[0]["device_name"],
+                      notes=f"Peak for MFU: {source}.")
     elif args.compare_hf:
         res = run_compare_hf(args)
         print(f"ours {res['ours_images_per_sec']:.2f} img/s, transformers {res['hf_images_per_sec']:.2f} img/s "
@@ -466,6 +478,7 @@ def main(argv=None) -> int:
               f"(median of per-round ratios; ratio of medians {res['ratio_of_medians']:.3f}, "
               f"of best windows {res['ratio_of_bests']:.3f}; per CPU-second {res['ratio_cpu_time']:.3f})")
         out = res
+        append_result(args.results, TITLE, markdown_table([res]), device=res["device_name"])
     else:
         peak, source = resolve_peak(args)
         res = run_engine_step(args, peak, source) if args.mode == "engine" else run_ray(args, peak, source)
@@ -475,6 +488,8 @@ def main(argv=None) -> int:
               f"{res['achieved_tflops']:.3f} TFLOP/s, MFU {res['mfu']:.1%} of {res['peak_tflops']:.3f} TFLOP/s "
               f"[{res['peak_source']}]")
         out = res
+        append_result(args.results, TITLE, markdown_table([res]), device=res["device_name"],
+                      notes=f"Peak for MFU: {res['peak_source']}.")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -1,16 +1,17 @@
-"""Named recipes: Python functions returning an ExperimentConfig, each derived from `debug()`.
-
-A recipe's docstring says the command that runs it, the hardware, and what to expect.
-Numbers come from the paper / official code (see PAPER.md); where we chose, the docstring says so.
-Must not import torch or ray.
+"""Named recipes: Python functions returning an ExperimentConfig, each docstring giving the command
+that runs it, the hardware, and what to expect (numbers from the paper / official code, see
+PAPER.md; where we chose, the docstring says so). Production recipes are written out in full;
+debug and demo recipes shrink one, never the other way round. Must not import torch or ray.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
+from dataclasses import replace
 from typing import Callable
 
-from .config import ConfigError, ExperimentConfig, absolute_paths, apply_overrides, validate
+from .config import (ConfigError, DataConfig, ExperimentConfig, ModelConfig, OptimConfig,
+                     ParallelConfig, TrackingConfig, TrainConfig, TuneConfig, apply_overrides,
+                     validate)
 
 # Dataset facts used by the presets: (classes, training images).
 IMAGENET21K = (21_843, 14_197_122)
@@ -28,129 +29,31 @@ def _epochs_to_steps(epochs: float, images: int, batch: int) -> int:
     return int(math.ceil(epochs * images / batch))
 
 
-def _with(cfg: ExperimentConfig, recipe: str, **sections: dict) -> ExperimentConfig:
-    """Copy cfg, renaming the recipe and replacing fields section by section."""
-    out = dataclasses.replace(cfg, recipe=recipe)
-    for section, fields in sections.items():
-        if section == "work_dir":
-            out = dataclasses.replace(out, work_dir=fields)
-            continue
-        out = dataclasses.replace(out, **{section: dataclasses.replace(getattr(out, section), **fields)})
-    return out
-
-
-# ------------------------------------------------------------------------------- debug
-
-
-def debug() -> ExperimentConfig:
-    """Tiny end-to-end pre-training: every code path in seconds.
-
-    Run:      vitp pretrain debug
-    Hardware: 2 CPU cores, no GPU (2 Ray Train workers, gloo, DeepSpeed ZeRO-2, fp32).
-    Expect:   a 2-layer width-64 ViT ("pico/8", 32x32 px) on a 10-class synthetic fractal corpus;
-              loss falls from ln(10) = 2.30 within 60 steps; ~1 min including Ray start-up.
-    """
-    cfg = ExperimentConfig(recipe="debug", work_dir="work/debug")
-    return _with(
-        cfg,
-        "debug",
-        data=dict(
-            source="synthetic", image_size=32, storage_size=40, num_classes=10,
-            synth_classes=10, synth_images_per_class=64, val_fraction=0.1,
-            shard_mb=4, crop_scale_min=0.35,
-        ),
-        model=dict(variant="pico/8", num_classes=10, head="pretrain"),
-        optim=dict(name="adamw", lr=1e-3, weight_decay=0.1, warmup_steps=5, schedule="linear"),
-        parallel=dict(
-            num_workers=2, use_gpu=False, cpus_per_worker=1.0, gpus_per_worker=0.0,
-            global_batch=32, micro_batch=16, grad_accum=1, zero_stage=2, precision="fp32",
-        ),
-        train=dict(
-            steps=60, log_every=5, eval_every=20, checkpoint_every=20, keep_checkpoints=2,
-            max_failures=1, device_peak_tflops=1.0,
-        ),
-        tracking=dict(experiment="vit-pipeline-debug"),
-    )
-
-
-def debug_finetune() -> ExperimentConfig:
-    """Tiny fine-tuning on scikit-learn's bundled digits at a higher resolution than `debug`.
-
-    Run:      vitp finetune debug_finetune --from work/debug/export   (or --from scratch)
-    Hardware: 2 CPU cores, no GPU.
-    Expect:   digits (8x8 greyscale, upscaled) at 48 px, position embedding resampled from
-              the 32 px pre-training grid (4x4 -> 6x6); logits exactly 0 at step 0; top-1 ~0.8-0.9
-              after 200 steps (chance 0.1), ~1 min including Ray start-up.
-    """
-    base = debug()
-    return _with(
-        base,
-        "debug_finetune",
-        data=dict(source="digits", image_size=48, storage_size=48, num_classes=10,
-                  val_fraction=0.2, augment="random_crop"),
-        model=dict(head="finetune", num_classes=10),
-        optim=dict(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.0, grad_clip=1.0,
-                   warmup_steps=10, schedule="cosine"),
-        parallel=dict(zero_stage=0),
-        train=dict(steps=200, log_every=20, eval_every=100, checkpoint_every=0),
-        tune=dict(space={"optim.lr": [0.03, 0.1]}, search="grid"),
-    )
-
-
-def demo() -> ExperimentConfig:
-    """The `make demo` pre-training: a pico/8 ViT on 20 fractal classes with ZeRO-2.
-
-    Run:      vitp demo   (or: vitp pretrain demo)
-    Hardware: 2 CPU cores, no GPU (2 Ray Train workers, gloo, DeepSpeed ZeRO-2, fp32).
-    Expect:   20 classes x 150 fractals at 32 px, 400 steps of batch 64: loss from ln(20) = 3.0
-              to ~2; a few minutes on 2 cores.
-    """
-    return _with(
-        debug(), "demo", work_dir="work/demo",
-        data=dict(synth_classes=20, synth_images_per_class=150, num_classes=20, val_fraction=0.1),
-        model=dict(num_classes=20),
-        optim=dict(lr=2e-3, warmup_steps=20),
-        parallel=dict(global_batch=64, micro_batch=32, grad_accum=1, zero_stage=2),
-        train=dict(steps=400, log_every=20, eval_every=100, checkpoint_every=100),
-        tracking=dict(experiment="vit-pipeline-demo"),
-    )
-
-
-def demo_finetune() -> ExperimentConfig:
-    """The `make demo` transfer: digits at 48 px from the demo pre-training or from scratch.
-
-    Run:      vitp demo   (or: vitp sweep demo_finetune --from work/demo/export --from scratch)
-    Hardware: 2 CPU cores, no GPU.
-    Expect:   the paper's SGD transfer recipe over lr {0.03, 0.1}; top-1 0.7-0.9 after 200 steps.
-    """
-    return _with(debug_finetune(), "demo_finetune", work_dir="work/demo",
-                 tracking=dict(experiment="vit-pipeline-demo"))
-
-
 # ------------------------------------------------------------------------- pre-training
 
 
 def _pretrain_i21k(variant: str, recipe: str, workers: int, micro: int, zero: int,
                    lr: float) -> ExperimentConfig:
+    """ImageNet-21k pre-training, 90 epochs at 224 (paper Table 3 / official code)."""
     classes, images = IMAGENET21K
     batch = 4096
-    accum = batch // (micro * workers)
-    return _with(
-        debug(),
-        recipe,
+    return ExperimentConfig(
+        recipe=recipe,
         work_dir=f"work/{recipe}",
-        data=dict(source="parquet", path="", image_size=224, storage_size=256,
-                  num_classes=classes, val_fraction=0.02, shard_mb=256, crop_scale_min=0.08),
-        model=dict(variant=variant, num_classes=classes, head="pretrain", dropout=0.1),
-        optim=dict(name="adamw", lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.03,
-                   grad_clip=1.0, warmup_steps=10_000, schedule="linear"),
-        parallel=dict(num_workers=workers, use_gpu=True, cpus_per_worker=8.0, gpus_per_worker=1.0,
-                      global_batch=batch, micro_batch=micro, grad_accum=accum,
-                      zero_stage=zero, precision="bf16"),
-        train=dict(steps=_epochs_to_steps(90, images, batch), log_every=50, eval_every=5000,
-                   checkpoint_every=2000, keep_checkpoints=3, max_failures=3,
-                   device_peak_tflops=989.0),
-        tracking=dict(experiment="vit-pipeline"),
+        data=DataConfig(source="parquet", path="", image_size=224, storage_size=256,
+                        num_classes=classes, val_fraction=0.02, shard_mb=256,
+                        augment="inception_crop", crop_scale_min=0.08),
+        model=ModelConfig(variant=variant, num_classes=classes, head="pretrain", dropout=0.1),
+        optim=OptimConfig(name="adamw", lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.03,
+                          grad_clip=1.0, warmup_steps=10_000, schedule="linear"),
+        parallel=ParallelConfig(num_workers=workers, use_gpu=True, cpus_per_worker=8.0,
+                                gpus_per_worker=1.0, global_batch=batch, micro_batch=micro,
+                                grad_accum=batch // (micro * workers), zero_stage=zero,
+                                precision="bf16"),
+        train=TrainConfig(steps=_epochs_to_steps(90, images, batch), log_every=50, eval_every=5000,
+                          checkpoint_every=2000, keep_checkpoints=3, max_failures=3,
+                          device_peak_tflops=989.0),
+        tracking=TrackingConfig(experiment="vit-pipeline"),
     )
 
 
@@ -192,22 +95,26 @@ def h14_i21k() -> ExperimentConfig:
 
 
 def _finetune(dataset: str, recipe: str, steps: int, warmup: int) -> ExperimentConfig:
-    classes, _ = DOWNSTREAM.get(dataset, (1000, 0))
-    source = "imagefolder" if dataset == "imagefolder" else dataset
-    return _with(
-        b16_i21k(),
-        recipe,
+    """Fine-tuning of a B/16 at 384 (official code: SGD momentum 0.9, no weight decay, cosine,
+    global-norm clip 1, batch 512), sweeping the learning rate over the paper's grid."""
+    classes, _ = DOWNSTREAM.get(dataset, (1000, 0))  # imagefolder: the user sets num_classes
+    return ExperimentConfig(
+        recipe=recipe,
         work_dir=f"work/{recipe}",
-        data=dict(source=source, path="", image_size=384, storage_size=416, num_classes=classes,
-                  val_fraction=0.02, augment="inception_crop", crop_scale_min=0.08),
-        model=dict(head="finetune", num_classes=classes, dropout=0.0),
-        optim=dict(name="sgd", lr=0.003, momentum=0.9, weight_decay=0.0, grad_clip=1.0,
-                   warmup_steps=warmup, schedule="cosine"),
-        parallel=dict(num_workers=8, global_batch=512, micro_batch=64, grad_accum=1,
-                      zero_stage=1, precision="bf16"),
-        train=dict(steps=steps, log_every=50, eval_every=max(steps // 10, 50),
-                   checkpoint_every=max(steps // 5, 100), keep_checkpoints=1),
-        tune=dict(space={"optim.lr": [0.001, 0.003, 0.01, 0.03]}, search="grid"),
+        data=DataConfig(source=dataset, path="", image_size=384, storage_size=416,
+                        num_classes=classes, val_fraction=0.02, shard_mb=256,
+                        augment="inception_crop", crop_scale_min=0.08),
+        model=ModelConfig(variant="B/16", num_classes=classes, head="finetune", dropout=0.0),
+        optim=OptimConfig(name="sgd", lr=0.003, momentum=0.9, weight_decay=0.0, grad_clip=1.0,
+                          warmup_steps=warmup, schedule="cosine"),
+        parallel=ParallelConfig(num_workers=8, use_gpu=True, cpus_per_worker=8.0,
+                                gpus_per_worker=1.0, global_batch=512, micro_batch=64,
+                                grad_accum=1, zero_stage=1, precision="bf16"),
+        train=TrainConfig(steps=steps, log_every=50, eval_every=max(steps // 10, 50),
+                          checkpoint_every=max(steps // 5, 100), keep_checkpoints=1,
+                          max_failures=3, device_peak_tflops=989.0),
+        tune=TuneConfig(space={"optim.lr": [0.001, 0.003, 0.01, 0.03]}, search="grid"),
+        tracking=TrackingConfig(experiment="vit-pipeline"),
     )
 
 
@@ -273,6 +180,105 @@ def finetune_imagefolder() -> ExperimentConfig:
     return _finetune("imagefolder", "finetune_imagefolder", steps=2_500, warmup=200)
 
 
+# ------------------------------------------------------------------------- debug, demo
+
+
+def _shrink(cfg: ExperimentConfig, recipe: str) -> ExperimentConfig:
+    """A production recipe cut down to run in about a minute on 2 CPU cores: a 2-layer ViT
+    ("pico/8") on 10 classes at 32 px, 2 Ray Train workers (gloo, fp32), 60 steps with 5 of
+    warm-up, small shards. The data source and the rest of the optimizer stay the production
+    recipe's."""
+    return replace(
+        cfg,
+        recipe=recipe,
+        work_dir="work/debug",
+        data=replace(cfg.data, path="", image_size=32, storage_size=40, num_classes=10,
+                     val_fraction=0.1, shard_mb=4, crop_scale_min=0.35,
+                     synth_classes=10, synth_images_per_class=64),
+        model=replace(cfg.model, variant="pico/8", num_classes=10, dropout=0.0),
+        optim=replace(cfg.optim, warmup_steps=5),
+        parallel=replace(cfg.parallel, num_workers=2, use_gpu=False, cpus_per_worker=1.0,
+                         gpus_per_worker=0.0, global_batch=32, micro_batch=16, grad_accum=1,
+                         precision="fp32"),
+        train=replace(cfg.train, steps=60, log_every=5, eval_every=20, checkpoint_every=20,
+                      keep_checkpoints=2, max_failures=1, device_peak_tflops=1.0),
+        tracking=replace(cfg.tracking, experiment="vit-pipeline-debug"),
+    )
+
+
+def debug() -> ExperimentConfig:
+    """Tiny end-to-end pre-training: every code path in seconds (b16_i21k, shrunk).
+
+    Run:      vitp pretrain debug
+    Hardware: 2 CPU cores, no GPU (2 Ray Train workers, gloo, DeepSpeed ZeRO-2, fp32).
+    Expect:   a 2-layer width-64 ViT ("pico/8", 32x32 px) on a 10-class synthetic fractal corpus;
+              loss falls from ln(10) = 2.30 within 60 steps; ~1 min including Ray start-up.
+    """
+    cfg = _shrink(b16_i21k(), "debug")
+    return replace(
+        cfg,
+        data=replace(cfg.data, source="synthetic"),
+        optim=replace(cfg.optim, weight_decay=0.1),
+        parallel=replace(cfg.parallel, zero_stage=2),
+    )
+
+
+def debug_finetune() -> ExperimentConfig:
+    """Tiny fine-tuning on scikit-learn's bundled digits at a higher resolution than `debug`
+    (finetune_cifar10, shrunk).
+
+    Run:      vitp finetune debug_finetune --from work/debug/export   (or --from scratch)
+    Hardware: 2 CPU cores, no GPU.
+    Expect:   digits (8x8 greyscale, upscaled) at 48 px, position embedding resampled from
+              the 32 px pre-training grid (4x4 -> 6x6); logits exactly 0 at step 0; top-1 ~0.8-0.9
+              after 200 steps (chance 0.1), ~1 min including Ray start-up.
+    """
+    cfg = _shrink(finetune_cifar10(), "debug_finetune")
+    return replace(
+        cfg,
+        data=replace(cfg.data, source="digits", image_size=48, storage_size=48, val_fraction=0.2,
+                     augment="random_crop"),
+        optim=replace(cfg.optim, lr=0.1, warmup_steps=10),
+        parallel=replace(cfg.parallel, zero_stage=0),
+        train=replace(cfg.train, steps=200, log_every=20, eval_every=100, checkpoint_every=0),
+        tune=replace(cfg.tune, space={"optim.lr": [0.03, 0.1]}),
+    )
+
+
+def demo() -> ExperimentConfig:
+    """The `make demo` pre-training: a pico/8 ViT on 20 fractal classes with ZeRO-2.
+
+    Run:      vitp demo   (or: vitp pretrain demo)
+    Hardware: 2 CPU cores, no GPU (2 Ray Train workers, gloo, DeepSpeed ZeRO-2, fp32).
+    Expect:   20 classes x 150 fractals at 32 px, 400 steps of batch 64: loss from ln(20) = 3.0
+              to ~2; a few minutes on 2 cores.
+    """
+    cfg = debug()
+    return replace(
+        cfg,
+        recipe="demo",
+        work_dir="work/demo",
+        data=replace(cfg.data, synth_classes=20, synth_images_per_class=150, num_classes=20),
+        model=replace(cfg.model, num_classes=20),
+        optim=replace(cfg.optim, lr=2e-3, warmup_steps=20),
+        parallel=replace(cfg.parallel, global_batch=64, micro_batch=32),
+        train=replace(cfg.train, steps=400, log_every=20, eval_every=100, checkpoint_every=100),
+        tracking=replace(cfg.tracking, experiment="vit-pipeline-demo"),
+    )
+
+
+def demo_finetune() -> ExperimentConfig:
+    """The `make demo` transfer: digits at 48 px from the demo pre-training or from scratch.
+
+    Run:      vitp demo   (or: vitp sweep demo_finetune --from work/demo/export --from scratch)
+    Hardware: 2 CPU cores, no GPU.
+    Expect:   the paper's SGD transfer recipe over lr {0.03, 0.1}; top-1 0.7-0.9 after 200 steps.
+    """
+    cfg = debug_finetune()
+    return replace(cfg, recipe="demo_finetune", work_dir="work/demo",
+                   tracking=replace(cfg.tracking, experiment="vit-pipeline-demo"))
+
+
 RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
     f.__name__: f
     for f in (
@@ -289,7 +295,11 @@ def get_recipe(name: str) -> ExperimentConfig:
     return RECIPES[name]()
 
 
+def with_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Recipe + `--set` overrides, NOT validated (for callers that change it further first)."""
+    return apply_overrides(get_recipe(name), list(overrides))
+
+
 def resolve(name: str, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = True) -> ExperimentConfig:
-    """Recipe + `--set` overrides, validated: what every command starts from."""
-    cfg = apply_overrides(get_recipe(name), list(overrides))
-    return absolute_paths(validate(cfg, check_paths=check_paths))
+    """Recipe + `--set` overrides, validated, local paths absolute: what every command starts from."""
+    return validate(with_overrides(name, overrides), check_paths=check_paths)

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.config import ExperimentConfig, validate
-from pipeline.recipes import RECIPES, get_recipe, resolve
+from pipeline.recipes import RECIPES, get_recipe, resolve, with_overrides
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -51,3 +51,8 @@ def test_unknown_recipe_lists_names():
 def test_resolve_applies_overrides():
     cfg = resolve("debug", ["parallel.zero_stage=3"])
     assert cfg.parallel.zero_stage == 3
+
+
+def test_with_overrides_does_not_validate():
+    cfg = with_overrides("debug", ["parallel.zero_stage=5", "work_dir=relative"])
+    assert cfg.parallel.zero_stage == 5 and cfg.work_dir == "relative"

@@ -1,34 +1,34 @@
-"""What `vitp synth` and `vitp preprocess` call: config in, files out, a summary dict back.
+"""What `vitp synth` / `vitp preprocess` call, and `ensure_shards` before training: config in,
+files out, a summary dict back.
 
-Owns mapping the config onto the source listing, the synthetic renderer and the shard
-writer, and the progress/summary lines. Must not parse CLI arguments or touch models.
+Owns mapping the config onto the source listing, the synthetic renderer and the shard writer,
+and the progress/summary lines. Must not parse CLI arguments or touch models.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Callable, Optional
 
+from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
 from .preprocess import preprocess
 from .sources import list_source
+from .synth import generate_corpus
 
 
 def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
               log: Callable[[str], None] = print) -> dict:
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
     into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.train.seed."""
-    from .synth import generate_corpus
-
     d = cfg.data
     out = out_dir or os.path.join(cfg.work_dir, "synth")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
                               "or choose another output directory")
     if overwrite and os.path.isdir(out):
-        import shutil
-
         shutil.rmtree(out)
     t0 = time.time()
     res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
@@ -64,3 +64,21 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
         num_classes=d.num_classes or len(listing.classes),
         overwrite=overwrite, max_pixels=max_pixels, synth_seed=cfg.train.seed,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
+
+
+def ensure_shards(cfg, log: Callable[[str], None] = print) -> str:
+    """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
+    (synthetic fractals, scikit-learn's digits), are made now."""
+    root = shards_dir(cfg)
+    try:
+        sh.read_manifest(root)
+        return root
+    except FileNotFoundError:
+        if cfg.data.source not in ("synthetic", "digits"):
+            raise FileNotFoundError(
+                f"no shards at {root} for data.source={cfg.data.source!r}: run "
+                f"`vitp preprocess {cfg.recipe}` first (or set data.shards to existing shards)"
+            ) from None
+    log(f"[{cfg.run_name}] no shards at {root}: preprocessing the bundled {cfg.data.source} corpus")
+    run_preprocess(cfg, overwrite=False, log=log)
+    return root

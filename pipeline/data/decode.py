@@ -195,7 +195,7 @@ def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: i
     if out is None:
         out = np.empty((size, size, 3), dtype=np.uint8)
     if resample == Image.BILINEAR and all(float(v).is_integer() for v in box):
-        import torch
+        import torch  # lazy: torch (only this fast path needs it; preprocess workers never do)
 
         if min(img.strides) < 0:  # torch takes no negative strides (e.g. a flipped view)
             img = np.ascontiguousarray(img)
@@ -216,7 +216,7 @@ def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: i
 
 def _resize_bilinear_chw(img_chw, size: int):
     """(3, h, w) uint8 tensor -> (3, size, size) uint8, antialiased bilinear, half-pixel centres."""
-    import torch
+    import torch  # lazy: torch (see crop_resize)
     import torch.nn.functional as F
 
     # channels-last with an unambiguous batch stride: the kernel then writes channels-last

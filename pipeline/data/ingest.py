@@ -1,9 +1,8 @@
 """Training and eval ingest: Parquet shards -> Ray Data (shuffle, augment on CPU workers) -> device.
 
-Owns the epoch stream (deterministic shuffle and augmentation from (seed, epoch, key)), the
-eval transform, and the last hop: uint8 batches to the device, normalised there. Splitting
-across Train workers is Ray Train's `streaming_split(world, equal=True)`, so every worker gets
-the same number of batches. Must not know about models.
+Owns the epoch stream (deterministic shuffle and augmentation from (seed, epoch, key)), the eval
+transform, and the last hop: uint8 batches to the device, normalised there. Ray Train's
+`streaming_split(world, equal=True)` gives every worker the same batches. Must not know models.
 """
 from __future__ import annotations
 
@@ -13,16 +12,23 @@ import warnings
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from ..storage import is_uri, join, open_input
 from . import shards as sh
 from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop_box,
                      resize_center_crop)
-from .sources import join
 
 
 def shards_dir(cfg) -> str:
     """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>."""
     return cfg.data.shards or join(cfg.work_dir, "shards", cfg.data.source)
+
+
+def train_rows_per_epoch(cfg) -> int:
+    """Training images per epoch, from the shards' manifest."""
+    return int(sh.read_manifest(shards_dir(cfg))["counts"]["train"])
 
 
 def _key_int(key: str) -> int:
@@ -82,11 +88,6 @@ def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
     H x W image (what preprocess writes), else an object array of per-row bytes (JPEG shards,
     mixed sizes). Only the row groups that overlap the range are read; local files go through
     Arrow's own reader."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from .sources import is_uri, open_input
-
     path, a, b = unit
     with (open_input(path) if is_uri(path) else pa.OSFile(path)) as f:
         pf = pq.ParquetFile(f)
@@ -111,8 +112,6 @@ def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
 def _image_column(col, heights, widths):
     """A binary column -> (n, H, W, 3) uint8 without copying when every cell is exactly
     H * W * 3 bytes, else an object array of bytes (JPEG cells, mixed sizes)."""
-    import pyarrow as pa
-
     col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     n = len(col)
     if n and heights is not None and col.null_count == 0 and pa.types.is_binary(col.type):
@@ -189,7 +188,7 @@ def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
 
 def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
             unit_rows: int):
-    import ray
+    import ray  # lazy: ray (shards_dir / normalize are used without it)
 
     d = cfg.data
     root = shards_dir(cfg)
@@ -222,7 +221,7 @@ TASK_ROWS = 2048
 def num_read_tasks(total_slots: int, unit_rows: int) -> int:
     """Ray tasks for a stream of `total_slots` units: about TASK_ROWS rows each, but at least
     two per cluster CPU while there are slots for them, and at most 20,000."""
-    import ray
+    import ray  # lazy: ray (shards_dir / normalize are used without it)
 
     per_task = max(1, TASK_ROWS // max(unit_rows, 1))
     tasks = -(-total_slots // per_task)
@@ -257,7 +256,7 @@ def normalize(images_uint8_bhwc, mean: Sequence[float] = (0.5, 0.5, 0.5),
     channels-last, which conv2d (the patch embedding) reads as fast as contiguous NCHW; call
     .contiguous() if you need NCHW.
     """
-    import torch
+    import torch  # lazy: torch (vitp preprocess imports this module and needs none)
 
     dtype = dtype or torch.float32
     if (images_uint8_bhwc.device.type == "cpu" and images_uint8_bhwc.dtype == torch.uint8
@@ -288,7 +287,7 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
     inside its own compiled graph; on CPU they can share Ray's read-only object-store memory,
     so treat them as read-only (normalise out of place).
     """
-    import torch
+    import torch  # lazy: torch (vitp preprocess imports this module and needs none)
 
     dev = torch.device(device)
     dtype = dtype or torch.float32

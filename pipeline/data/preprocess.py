@@ -18,6 +18,7 @@ import pyarrow as pa
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image, encode_jpeg, resize_center_crop
 from .sources import Listing, read_bytes
+from .synth import class_system, render
 
 OUT_SCHEMA = pa.schema([
     ("key", pa.string()), ("label", pa.int64()), ("split", pa.string()),
@@ -40,8 +41,6 @@ def assign_split(key: str, official: str, val_fraction: float) -> str:
 
 @lru_cache(maxsize=4096)
 def _system(seed: int, cls: int):
-    from .synth import class_system
-
     return class_system(seed, cls)
 
 
@@ -55,8 +54,6 @@ def _one(row: dict, size: int, storage_format: str, jpeg_quality: int, max_pixel
         return b"", "bad_label", f"label {row['label']} outside 0..{num_classes - 1}"
     try:
         if row["synth"] >= 0:
-            from .synth import render
-
             cls = row["label"]
             img = render(synth_seed, cls, row["synth"], size, _system(synth_seed, cls))
         elif row["shape"]:
@@ -112,7 +109,7 @@ def preprocess(listing: Listing, out_dir: str, *, size: int, storage_format: str
                max_pixels: int = DEFAULT_MAX_PIXELS, synth_seed: int = 0, rows_per_task: int = 128,
                manifest_extra: Optional[dict] = None, log: Callable[[str], None] = print) -> dict:
     """Run the whole preprocess and return the summary (also the manifest's `counts`)."""
-    import ray
+    import ray  # lazy: ray (the per-row functions are used without it)
 
     t0 = time.time()
     fs, base = sh.prepare_output(out_dir, overwrite)

@@ -1,11 +1,8 @@
-"""The on-disk shard format: Parquet shards per split, classes.json, quarantine.parquet, manifest.json.
+"""The on-disk shard format: D/{train,val}/part-NNNNN.parquet, classes.json, quarantine.parquet
+(path, reason, detail, key) and manifest.json, written last (without it readers refuse D).
 
-Owns writing (target shard size, row groups sized for streaming, checksums, write-to-temp then
-rename) and reading the manifest back. manifest.json is written last: a directory without it
-is an unfinished run and readers refuse it. Must not decode images or know about Ray.
-
-Layout under D:  train/part-00000.parquet ...  val/part-00000.parquet ...  classes.json
-                 quarantine.parquet (path, reason, detail, key)  manifest.json
+Owns writing (shard size, row groups sized for streaming, checksums, write-to-temp then rename)
+and reading the manifest back. Must not decode images or know about Ray.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .sources import filesystem, join
+from ..storage import filesystem, join
 
 SHARD_SCHEMA = pa.schema([
     ("image", pa.binary()),   # uint8: H*W*3 raw bytes (row-major HWC); jpeg: the JPEG file

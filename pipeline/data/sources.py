@@ -1,9 +1,8 @@
 """Input corpora -> a flat list of items (key, label, where the bytes are) plus the class names.
 
-Owns the layout of every supported source (ImageFolder, CSV list, Parquet, WebDataset tar,
-CIFAR-10/100 batches, scikit-learn digits, Oxford Pets, Flowers-102, ImageNet, synthetic) and
-file access through pyarrow file systems (local paths, s3://, gs://). Listing runs on the
-driver and reads no pixels except for in-memory sources; must not decode images.
+Owns the layout of every source (ImageFolder, CSV, Parquet, WebDataset, CIFAR-10/100, digits,
+Pets, Flowers-102, ImageNet, synthetic), read through pipeline.storage (local, s3://, gs://).
+Listing runs on the driver and reads no pixels except in-memory sources; must not decode images.
 """
 from __future__ import annotations
 
@@ -17,6 +16,10 @@ from typing import Optional
 
 import numpy as np
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ..storage import filesystem, is_uri, join, open_input
+from .synth import class_name
 
 # An item is one input: a dict with exactly these keys (the columns of the preprocess dataset).
 #   key    file identity, stable across runs (relative path, "data_batch_1/123", ...)
@@ -50,43 +53,6 @@ class Listing:
 
 
 # ------------------------------------------------------------------------ file systems
-
-
-def is_uri(path: str) -> bool:
-    return "://" in path
-
-
-def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow FileSystem, path inside it) for a local path or an s3:// gs:// file:// URI."""
-    if is_uri(path):
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
-
-
-def join(base: str, *parts: str) -> str:
-    """Join path parts for local paths and URIs alike ('/'-separated)."""
-    out = base.rstrip("/")
-    for p in parts:
-        out = f"{out}/{p.strip('/')}" if p else out
-    return out
-
-
-_FS_CACHE: dict[str, tuple[pafs.FileSystem, str]] = {}
-
-
-def open_input(path: str):
-    """A seekable binary file for a local path or URI (one FS client cached per process)."""
-    if not is_uri(path):
-        return open(path, "rb")
-    scheme = path.split("://", 1)[0]
-    cache_key = "/".join(path.split("/", 3)[:3])  # scheme://bucket
-    if cache_key not in _FS_CACHE:  # one S3/GCS client per worker process, not per file
-        _FS_CACHE[cache_key] = pafs.FileSystem.from_uri(path)
-    fs = _FS_CACHE[cache_key][0]
-    inner = path.split("://", 1)[1]  # s3://bucket/key -> bucket/key; file:///a -> /a
-    if scheme == "file" and not inner.startswith("/"):
-        inner = "/" + inner
-    return fs.open_input_file(inner)
 
 
 def read_bytes(path: str, offset: int = -1, length: int = -1) -> bytes:
@@ -180,8 +146,6 @@ def csv_list(csv_path: str) -> Listing:
 def parquet(root: str) -> Listing:
     """Existing Parquet files (columns: image bytes, label; optional key/path). Rows are read
     on the driver: fine up to a few million small images; shard beyond that."""
-    import pyarrow.parquet as pq
-
     files = [(rel, p) for rel, p in list_files(root) if rel.endswith(".parquet")] \
         if not root.endswith(".parquet") else [(os.path.basename(root), root)]
     raw: list[tuple[str, object, bytes]] = []
@@ -265,7 +229,7 @@ def cifar(root: str, which: str) -> Listing:
 
 def digits() -> Listing:
     """scikit-learn's bundled digits: 1,797 8x8 greyscale images, 0..16 scaled to 0..255."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: scikit-learn, only this source needs it
 
     d = load_digits()
     imgs = np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)  # (N, 8, 8)
@@ -295,7 +259,7 @@ def pets(root: str) -> Listing:
 def flowers(root: str) -> Listing:
     """Oxford Flowers-102: jpg/image_XXXXX.jpg, imagelabels.mat (labels 1..102), setid.mat.
     trnid + valid -> train (2,040 images, as the paper fine-tunes), tstid -> val."""
-    from scipy.io import loadmat
+    from scipy.io import loadmat  # lazy: scipy, only this source needs it
 
     labels = loadmat(io.BytesIO(read_bytes(join(root, "imagelabels.mat"))))["labels"].ravel()
     setid = loadmat(io.BytesIO(read_bytes(join(root, "setid.mat"))))
@@ -318,8 +282,6 @@ def imagenet(root: str) -> Listing:
 
 def synthetic(num_classes: int, images_per_class: int, seed: int) -> Listing:
     """The fractal corpus, rendered by the preprocess workers (no files in between)."""
-    from .synth import class_name
-
     items = [item(f"{class_name(c)}/{i:06d}", c, synth=i)
              for c in range(num_classes) for i in range(images_per_class)]
     return Listing(items, [class_name(c) for c in range(num_classes)],

@@ -1,9 +1,8 @@
 """The synthetic pre-training corpus: fractals from random iterated function systems (IFS).
 
-As in FractalDB ("Pre-training without Natural Images", Kataoka et al.): one IFS per class
-(2-4 contractive affine maps, chosen with probability ~ |det|), rendered by the chaos game;
-each image perturbs the maps slightly and varies colour, background and point count.
-Everything is a pure function of (seed, class, index). Must not know about shards or models.
+As in FractalDB (Kataoka et al.): one IFS per class (2-4 contractive affine maps, chosen with
+probability ~ |det|), rendered by the chaos game; each image perturbs the maps and varies colour,
+background and point count. A pure function of (seed, class, index); knows no shards or models.
 """
 from __future__ import annotations
 
@@ -144,7 +143,7 @@ def generate_corpus(num_classes: int, images_per_class: int, image_size: int, se
     (a shared file system on a cluster); the `synthetic` source renders straight into shards
     for object stores.
     """
-    import ray
+    import ray  # lazy: ray (render / class_system run without it, in preprocess workers)
 
     rows = [{"cls": c, "index": i} for c in range(num_classes) for i in range(images_per_class)]
     os.makedirs(out_dir, exist_ok=True)

@@ -1,12 +1,4 @@
-"""The ViT family: model, variants, analytic FLOPs, position-embedding resampling.
-
-Plain torch: nothing here knows about Ray or DeepSpeed.
+"""The ViT family: variants.py (shapes, no torch), vit.py (the model), flops.py (analytic FLOPs),
+attention.py, convert.py. Import the submodule you need: this file imports nothing, so that
+`pipeline.model.variants` (read by config validation) does not pull in torch.
 """
-from ..config import PAPER_VARIANTS, VARIANTS, ViTSpec, decode_variant
-from .flops import forward_flops, mfu, param_count, training_flops
-from .vit import ViT, adapt_state_dict, build_vit, resample_pos_embed
-
-__all__ = [
-    "PAPER_VARIANTS", "VARIANTS", "ViTSpec", "decode_variant", "forward_flops", "mfu",
-    "param_count", "training_flops", "ViT", "adapt_state_dict", "build_vit", "resample_pos_embed",
-]

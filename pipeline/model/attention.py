@@ -10,7 +10,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 
+from ..data.ingest import normalize
 from .vit import ViT
 
 
@@ -94,7 +96,7 @@ def _as_numpy(x) -> np.ndarray:
 
 def _need_matplotlib():
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  # lazy: matplotlib is optional (the demo extra)
     except ImportError:
         raise ImportError("attention pictures need matplotlib: pip install 'vit-pipeline[demo]' "
                           "(or pip install matplotlib)") from None
@@ -107,8 +109,7 @@ def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -
     The heat map is upsampled bilinearly to the image and scaled to its own maximum.
     """
     _need_matplotlib()
-    from matplotlib import colormaps
-    from PIL import Image
+    from matplotlib import colormaps  # lazy: optional dependency (see _need_matplotlib)
 
     img = _as_numpy(image_uint8_hwc)
     if img.ndim == 2:
@@ -131,10 +132,33 @@ def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -
     return path
 
 
+def write_rollout_pngs(model: ViT, images_uint8, labels: Sequence[int], out_dir: str) -> list[str]:
+    """Rollout PNGs of a batch: images (n, S, S, 3) uint8 at the model's resolution, their labels.
+
+    Writes out_dir/rollout_{i}_label{label}_pred{prediction}.png per image (save_rollout_png) and
+    returns the paths. The model input is the images normalised with the default mean/std (0.5).
+    """
+    images = _as_numpy(images_uint8)
+    x = normalize(torch.from_numpy(np.ascontiguousarray(images))).contiguous()  # (n, 3, S, S)
+    with torch.no_grad():
+        rollout = attention_rollout(model, x)  # (n, gh, gw)
+        was_training = model.training
+        model.eval()
+        try:
+            pred = model(x).argmax(-1).tolist()
+        finally:
+            model.train(was_training)
+    paths = []
+    for i, label in enumerate(labels):
+        path = os.path.join(out_dir, f"rollout_{i}_label{int(label)}_pred{pred[i]}.png")
+        paths.append(save_rollout_png(images[i], rollout[i], path))
+    return paths
+
+
 def plot_attention_distance(dist, path: str, title: str = "") -> str:
     """Scatter of mean attention distance (pixels) against layer, one dot per head (paper Fig. 7)."""
     _need_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency
     from matplotlib.figure import Figure
 
     d = _as_numpy(dist)

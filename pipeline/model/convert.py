@@ -1,8 +1,8 @@
 """Weights from elsewhere: official ViT `.npz`, timm and Hugging Face state dicts <-> our naming.
 
-Owns the key maps and tensor re-layouts, inferring the variant from tensor shapes, and writing an
-export dir (model.safetensors + config.json) that `pipeline.train.export.load_model` reads.
-Must not know about Ray or DeepSpeed, and never downloads anything: sources are local files.
+Owns the key maps and tensor re-layouts and inferring the variant from tensor shapes; our export
+format itself is read and written by `weights.py`. Must not know about Ray or DeepSpeed, and never
+downloads anything: sources are local files.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
-from ..config import VARIANTS, ExperimentConfig
+from ..config import ExperimentConfig
+from ..errors import InputError
+from .variants import VARIANTS
 from .vit import build_vit, resample_pos_embed
-
-# The export-dir layout of pipeline.train.export (model/ must not import train/).
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
+from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_weights, write_export
 
 StateDict = dict[str, torch.Tensor]
 
@@ -41,7 +41,7 @@ def _t(a: Any) -> torch.Tensor:
 def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> dict[str, Any]:
     """Shape facts of a state dict in our naming: depth, width, mlp_dim, heads, patch, grid,
     image_size, head ("pretrain" if pre-logits are present), representation_size, num_classes
-    (None when there is no head), and `variant` ("B/16") from pipeline.config.VARIANTS.
+    (None when there is no head), and `variant` ("B/16") from pipeline.model.variants.VARIANTS.
 
     Heads are not visible in a fused qkv weight, so they come from `heads` (the official
     layout and HF configs carry them) or from the variant table row that matches the shapes.
@@ -66,7 +66,7 @@ def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> d
     if not matches:
         raise ValueError(
             f"weights have depth {depth}, width {width}, MLP {mlp_dim}, heads {heads or '?'}: no row "
-            "of pipeline.config.VARIANTS has that shape; add one there (name -> (depth, width, "
+            "of pipeline.model.variants.VARIANTS has that shape; add one there (name -> (depth, width, "
             f"mlp_dim, heads)) to import them. Known: {VARIANTS}"
         )
     name = matches[0]
@@ -284,35 +284,22 @@ def _read_any(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     side: dict[str, Any] = {}
     path = src
     if os.path.isdir(src):
-        for name in (WEIGHTS, "pytorch_model.bin", "model.pt", "model.npz"):
-            if os.path.exists(os.path.join(src, name)):
-                path = os.path.join(src, name)
-                break
-        else:
-            raise FileNotFoundError(f"{src}: no {WEIGHTS}, pytorch_model.bin, model.pt or model.npz "
-                                    "inside; point at the weights file itself")
-        cfg_path = os.path.join(src, CONFIG)
-        if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
+        names = (WEIGHTS, "pytorch_model.bin", "model.pt", "model.npz")
+        path = next((os.path.join(src, n) for n in names if os.path.exists(os.path.join(src, n))), "")
+        if not path:
+            raise InputError(f"{src}: no {', '.join(names[:-1])} or {names[-1]} inside; point at "
+                             "the weights file itself")
+        if os.path.exists(os.path.join(src, CONFIG)):  # ours, or HF's (heads)
+            with open(os.path.join(src, CONFIG)) as f:
                 side["config"] = json.load(f)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
+        raise InputError(f"{path}: no such file")
     if path.endswith(".npz"):
         return _load_npz(path), side
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return dict(load_file(path)), side
-    if path.endswith((".pt", ".pth", ".bin")):
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        for key in ("state_dict", "model", "module"):  # common checkpoint wrappers
-            if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-                obj = obj[key]
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}: holds a {type(obj).__name__}, not a state dict")
-        return obj, side
-    raise ValueError(f"{path}: unknown weights format; use .npz (official), .safetensors, "
-                     ".pt/.pth or .bin (timm / Hugging Face / ours)")
+    if not path.endswith(WEIGHT_FILES):
+        raise InputError(f"{path}: unknown weights format; use .npz (official), .safetensors, "
+                         ".pt/.pth or .bin (timm / Hugging Face / ours)")
+    return read_weights(path), side
 
 
 def detect_format(keys) -> str:
@@ -325,18 +312,22 @@ def detect_format(keys) -> str:
     if any(re.search(r"(^|\.)blocks\.0\.attn\.qkv\.weight$", k) for k in keys):
         return "timm"
     raise ValueError(f"cannot tell the layout of a weights file with keys {keys[:6]}...: pass "
-                     "fmt='npz', 'timm' or 'hf' explicitly, or check it is a ViT checkpoint")
+                     "fmt='npz', 'timm', 'hf' or 'ours' explicitly, or check it is a ViT checkpoint")
 
 
 def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Optional[int] = None,
                    num_classes: Optional[int] = None) -> str:
-    """Convert `src` (official .npz, timm or HF weights) into an export dir at `out_dir`.
+    """Convert `src` (official .npz, timm, HF or our weights) into an export dir at `out_dir`.
 
+    `fmt` is one of IMPORT_FORMATS: "auto" detects npz / hf / timm from the keys (our naming is
+    read as timm's, a superset); "ours" takes the tensors as they are.
     The variant, head type, pre-logits width, classes and resolution are inferred from the
     tensors. `image_size` resamples the position embedding to another resolution; `num_classes`
     (or a source without a head, like HF ViTModel) gives a zero-initialised head of that width.
     config.json holds an ExperimentConfig dict plus `_export` (source, format, what changed).
     """
+    if fmt not in IMPORT_FORMATS:
+        raise InputError(f"format {fmt!r}: use one of {', '.join(IMPORT_FORMATS)}")
     raw, side = _read_any(src)
     if fmt == "auto":
         fmt = detect_format(raw)
@@ -347,10 +338,9 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
         sd = from_timm(raw)
     elif fmt == "hf":
         sd = from_hf(raw)
-        hf_cfg = side.get("config") or {}
-        hf_heads = hf_cfg.get("num_attention_heads")
-    else:
-        raise ValueError(f"fmt={fmt!r}: use 'auto', 'npz', 'timm' or 'hf'")
+        hf_heads = (side.get("config") or {}).get("num_attention_heads")
+    else:  # "ours"
+        sd = {k: _t(v) for k, v in raw.items()}
     if fmt != "npz":
         info = infer_info(sd, heads=hf_heads)
         info["format"] = fmt
@@ -386,31 +376,20 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
         raise ValueError(f"{src}: converted weights do not fit {info['variant']} "
                          f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
 
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              os.path.join(out_dir, WEIGHTS), metadata={"source": os.path.abspath(src), "format": fmt})
-    with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump({**cfg.to_dict(), "_export": {"source": os.path.abspath(src), "format": info["format"],
-                                                "imported": info, "notes": notes}}, f, indent=2)
-    return out_dir
+    return write_export(out_dir, model.state_dict(), cfg.to_dict(),
+                        {"source": os.path.abspath(src), "format": info["format"], "imported": info,
+                         "notes": notes})
 
 
 def export_timm(export_dir: str, out_path: str) -> str:
-    """Our export dir (or a .safetensors of ours) -> timm-named weights at `out_path`
+    """Our export dir (or a weights file of ours) -> timm-named weights at `out_path`
     (.safetensors, or torch.save for .pt/.pth/.bin)."""
-    from safetensors.torch import load_file, save_file
-
-    path = os.path.join(export_dir, WEIGHTS) if os.path.isdir(export_dir) else export_dir
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: not found; run `vitp export CHECKPOINT` or `vitp import` first")
-    sd = to_timm(load_file(path))
+    if not out_path.endswith(WEIGHT_FILES):
+        raise InputError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
+    sd = to_timm(read_weights(export_dir))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     if out_path.endswith(".safetensors"):
         save_file(sd, out_path)
-    elif out_path.endswith((".pt", ".pth", ".bin")):
-        torch.save(sd, out_path)
     else:
-        raise ValueError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
+        torch.save(sd, out_path)
     return out_path

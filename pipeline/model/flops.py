@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import ViTSpec, decode_variant
+from .variants import ViTSpec, decode_variant
 
 
 def _spec(variant: str | ViTSpec) -> ViTSpec:

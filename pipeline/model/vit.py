@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, ViTSpec, decode_variant
+from ..config import ModelConfig
+from .variants import ViTSpec, decode_variant
 
 # flax's lecun_normal is a truncated normal whose std is corrected for the truncation at 2 sigma.
 _TRUNC_STD_CORRECTION = 0.87962566103423978

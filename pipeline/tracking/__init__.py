@@ -1,20 +1,19 @@
-"""MLflow tracking: runs (resume, dedup, status), redaction, run queries for compare, a local server.
+"""MLflow tracking: the store (store.py), runs (resume, dedup, status), redaction, compare queries, a server.
 
-A sink: imports pipeline.config and mlflow only, never torch or ray.
+A sink: imports pipeline.config, pipeline.errors, pipeline.storage, pipeline.net and mlflow only;
+must never import torch or ray.
 """
 from pipeline.tracking.compare import find_runs, metric_history
 from pipeline.tracking.redact import REDACTED, redact
-from pipeline.tracking.runs import (
+from pipeline.tracking.runs import ParamConflictError, RunLogger, params_for_mlflow
+from pipeline.tracking.server import ServerHandle, start_server
+from pipeline.tracking.store import (
     PARENT_TAG,
-    ParamConflictError,
-    RunLogger,
     TrackingError,
     get_client,
     get_or_create_experiment,
-    params_for_mlflow,
     resolve_tracking_uri,
 )
-from pipeline.tracking.server import ServerHandle, start_server
 
 __all__ = [
     "PARENT_TAG", "REDACTED", "ParamConflictError", "RunLogger", "ServerHandle", "TrackingError",

@@ -1,6 +1,6 @@
 """Reading runs back out of MLflow for `vitp compare`: runs as plain dicts, metric histories, the table.
 
-Read-only; imports pipeline.tracking and mlflow only (no torch, no ray, no plotting: see plots.py).
+Read-only; imports pipeline.tracking and mlflow only; must not import torch or ray, nor plot (plots.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from mlflow.entities import ViewType
 
-from pipeline.tracking.runs import PARENT_TAG, TrackingError, _quote, get_client
+from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, quote, tag_filters
 
 _PAGE = 1000
 
@@ -64,7 +64,7 @@ def find_runs(
         return []
     filters = [filter_string] if filter_string else []
     if parent_run_id:
-        filters.append(f"tags.`{PARENT_TAG}` = '{parent_run_id}'")
+        filters.append(f"tags.`{PARENT_TAG}` = {quote(parent_run_id)}")
     runs, token = [], None
     while True:
         page = client.search_runs(
@@ -126,13 +126,6 @@ _HEADERS = {
     "run_name": "run name", "run_id": "run id", "parent": "parent",
 }
 _CLIP = 40  # long cells (checkpoint paths as source, run names) are cut from the left in text
-
-
-def _tag_filters(sweep: str | None, tags: dict[str, Any] | None) -> list[str]:
-    wanted = dict(tags or {})
-    if sweep:
-        wanted["sweep"] = sweep
-    return [f"tags.`{k}` = {_quote(str(v))}" for k, v in wanted.items()]
 
 
 def _float(text: Any) -> float | None:
@@ -206,7 +199,7 @@ def compare_rows(
     best_top1 is the max of the val/top1 history, final_top1 its last step, images_per_sec the mean
     of perf/images_per_sec, fewshot_<k> the latest fewshot/<k>shot_top1, wall_time_s end - start.
     """
-    filters = ([filter_string] if filter_string else []) + _tag_filters(sweep, tags)
+    filters = ([filter_string] if filter_string else []) + tag_filters(sweep, tags)
     runs = find_runs(tracking_uri, experiment, " and ".join(filters))
     client = get_client(tracking_uri)
     names = {r["experiment_id"]: None for r in runs}

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from mlflow.exceptions import MlflowException
 
 from pipeline.tracking.compare import best_per_dataset, metric_history
-from pipeline.tracking.runs import TrackingError, get_client
+from pipeline.tracking.store import TrackingError, get_client
 
 PLOT_ARTIFACT_DIR = "compare"  # where log_plot_to_parent puts the PNG inside the parent run
 _MAX_PANEL_COLUMNS = 3

@@ -10,11 +10,12 @@ from typing import Any
 REDACTED = "***"
 
 # A key whose last component names a credential, as a whole word ("hf_token", "db_password",
-# "aws_secret_access_key", "apiKey") but not inside another word ("tokenizer", "author").
-# Only *string* values under such keys are redacted, so numeric fields stay visible.
+# "aws_secret_access_key", "apiKey"), or ends in "_key" ("AZURE_STORAGE_KEY", "ssh_key"), but not
+# inside another word ("tokenizer", "author", "monkey"). The README promises *_SECRET_*, *_TOKEN,
+# *_PASSWORD and *_KEY. Only *string* values under such keys are redacted: numbers stay visible.
 _SECRET_WORD = re.compile(
     r"(^|_)(passw(or)?d|pwd|secrets?|tokens?|credentials?|auth|api_?key|access_?key|private_?key"
-    r"|secret_?key|session_?key)(_|$)"
+    r"|secret_?key|session_?key)(_|$)|_key$"
 )
 # Values that are credentials whatever their key is called.
 _SECRET_VALUES = [
@@ -29,7 +30,7 @@ _SECRET_VALUES = [
 _URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^@\s/]+)@")
 # key=value pairs inside a string, e.g. a command line or query string: "...&token=abc".
 _INLINE_PAIR = re.compile(
-    r"(?P<k>[A-Za-z0-9_.-]*(?:passw(?:or)?d|secret|token|api[_-]?key|access[_-]?key))"
+    r"(?P<k>[A-Za-z0-9_.-]*(?:passw(?:or)?d|secret|token|api[_-]?key|access[_-]?key|_key))"
     r"(?P<sep>\s*[=:]\s*)(?P<v>[^\s&,;\"']+)",
     re.IGNORECASE,
 )

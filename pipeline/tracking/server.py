@@ -10,7 +10,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.tracking.runs import TrackingError, _normalise_uri, get_client
+from pipeline.net import free_port
+from pipeline.storage import is_uri
+from pipeline.tracking.store import TrackingError, get_client, normalise_uri
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,6 @@ def _auth_env(auth: AuthSettings, log_file: Path, env: dict[str, str]) -> dict[s
     # The CSRF key must be the same in every worker of this server: one random key per start.
     out["MLFLOW_FLASK_SERVER_SECRET_KEY"] = merged.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(32)
     return out
-
-
-def _free_port(host: str) -> int:
-    # The OS picks a free port; another process could take it before the server binds, which
-    # start_server handles by retrying on a fresh port.
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -185,12 +178,12 @@ def start_server(
             "login: turn on basic auth (vitp mlflow-server --auth, with MLFLOW_AUTH_ADMIN_PASSWORD "
             "set) or bind --host 127.0.0.1"
         )
-    backend = _normalise_uri(backend_store_uri)
+    backend = normalise_uri(backend_store_uri)
     if backend.startswith("sqlite:"):
         # Create/migrate the schema here, under our file lock: on a fresh DB the server's own
         # processes can race each other through the migrations and die.
         get_client(backend)
-    if "://" not in artifact_root:
+    if not is_uri(artifact_root):
         artifact_root = str(Path(artifact_root).expanduser().resolve())
         Path(artifact_root).mkdir(parents=True, exist_ok=True)
     if host not in _LOOPBACK and not allowed_hosts:
@@ -202,7 +195,7 @@ def start_server(
     auth_env = _auth_env(auth, log_file, env or {}) if auth is not None else {}
     last_error = ""
     for _ in range(3):  # a picked port can be taken before the server binds it
-        p = port or _free_port(host)
+        p = port or free_port(host)  # another process can take it first: retried below
         cmd = [
             sys.executable, "-m", "mlflow", "server",
             "--backend-store-uri", backend,

@@ -1,14 +1,8 @@
-"""Sharded DeepSpeed checkpoints with completion markers, RNG and data position.
+"""Checkpoints: the sharded DeepSpeed format with completion markers, RNG and data position, and
+the run directory they live in (<work_dir>/runs/<run name>/checkpoint_NNNNNNNN).
 
-Layout of one checkpoint directory (the merge of every rank's files):
-    state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
-    rng/rank_00000.pt          each rank's torch / numpy / python RNG state
-    complete/rank_00000.json   written by each rank *after* its files are on disk: step, world,
-                               and the size of every file it wrote
-    meta.json                  rank 0: step, world size, ZeRO stage, data position, config
-A checkpoint is complete only when meta.json and one marker per rank are present and every file
-a marker lists exists with its recorded size; an incomplete one is never restored.
-No Ray here: the Ray Train loop moves these directories to and from storage.
+An incomplete checkpoint is never restored. No Ray here: Ray Train moves these directories to
+and from storage; this module only reads and writes them.
 """
 from __future__ import annotations
 
@@ -21,6 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ExperimentConfig
+from ..storage import is_uri, join
+
+# Layout of one checkpoint directory (the merge of every rank's files):
+#     state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
+#     rng/rank_00000.pt          each rank's torch / numpy / python RNG state
+#     complete/rank_00000.json   written by each rank *after* its files are on disk: step, world,
+#                                and the size of every file it wrote
+#     meta.json                  rank 0: step, world size, ZeRO stage, data position, config
+# A checkpoint is complete only when meta.json and one marker per rank are present and every
+# file a marker lists exists with its recorded size.
 TAG = "state"
 
 
@@ -176,3 +181,35 @@ def load(engine, directory: str, load_optimizer: bool = True) -> TrainState:
             torch.cuda.set_rng_state_all(rng["cuda"])
     state = (client or {}).get("train_state") or meta["train_state"]
     return TrainState(**state)
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def storage_path(cfg: ExperimentConfig) -> str:
+    """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (a local path or a URI)."""
+    if is_uri(cfg.work_dir):
+        return join(cfg.work_dir, "runs")
+    return os.path.abspath(os.path.join(cfg.work_dir, "runs"))
+
+
+def latest_complete_checkpoint(cfg: ExperimentConfig) -> str | None:
+    """Newest checkpoint directory of this run that passes `verify` (local storage only)."""
+    run_dir = os.path.join(storage_path(cfg), cfg.run_name)
+    if is_uri(run_dir) or not os.path.isdir(run_dir):
+        return None
+    for name in sorted(os.listdir(run_dir), reverse=True):
+        path = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and verify(path)[0]:
+            return path
+    return None
+
+
+def stream_start_epoch(cfg: ExperimentConfig) -> int:
+    """The epoch a (re)started attempt streams from: that of the newest complete checkpoint.
+
+    Called by the dataset factory (in the Train controller) and by every worker, so both agree.
+    With remote storage (URIs) attempts stream from epoch 0 and workers skip what was consumed.
+    """
+    latest = latest_complete_checkpoint(cfg)
+    return int(read_meta(latest)["train_state"]["epoch"]) if latest else 0

@@ -1,19 +1,19 @@
 """DeepSpeed engine built from our config: the one place the DeepSpeed config dict is made.
 
-Plain torch + DeepSpeed, no Ray: a GPU benchmark or a single-process debug run builds the same
-engine as a Ray Train worker does. Owns optimizer parameter groups, the LR schedule, the ZeRO /
-precision / offload settings and process-group set-up.
+Owns optimizer parameter groups, the LR schedule, the ZeRO / precision / offload settings and
+process-group set-up. Plain torch + DeepSpeed, no Ray: a GPU benchmark or a debug run builds the
+same engine as a Ray Train worker does.
 """
 from __future__ import annotations
 
 import math
 import os
-import socket
 from typing import Any
 
 import torch
 
 from ..config import ExperimentConfig, OptimConfig
+from ..net import free_port
 
 # --------------------------------------------------------------------------- DeepSpeed config
 
@@ -78,7 +78,7 @@ def build_optimizer(model: torch.nn.Module, cfg: ExperimentConfig) -> torch.opti
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
     if p.offload_optimizer:
         # ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's vectorised Adam.
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: deepspeed (slow import)
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), adamw_mode=True)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=1e-8)
@@ -107,24 +107,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig) -> 
 # --------------------------------------------------------------------------- process group
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(use_gpu: bool) -> None:
     """Join (or create) the process group DeepSpeed uses.
 
     Under Ray Train the group already exists (gloo on CPU, NCCL on GPU). Run alone — the GPU
     benchmark, a debug session — we make a world of one on 127.0.0.1.
     """
-    import deepspeed
+    import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -144,7 +138,7 @@ def device_for(cfg: ExperimentConfig) -> torch.device:
 
 def build_engine(model: torch.nn.Module, cfg: ExperimentConfig, world_size: int | None = None):
     """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler)."""
-    import deepspeed
+    import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
 
     init_distributed(cfg.parallel.use_gpu)
     world = torch.distributed.get_world_size()

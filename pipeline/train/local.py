@@ -7,17 +7,12 @@ return value comes back in rank order.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..net import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
@@ -41,7 +36,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     retries = 0
     while True:
         try:
-            return _launch_once(fn, world_size, args, timeout, _free_port())
+            return _launch_once(fn, world_size, args, timeout, free_port())
         except RuntimeError as e:
             if retries == port_retries or "address already in use" not in str(e).lower():
                 raise

@@ -1,62 +1,42 @@
-"""Fine-tuning set-up: resolve `--from SOURCE` into the model and tags of a transfer run.
-
-SOURCE is a training checkpoint, an exported or imported weights directory, a weights file, or
-"scratch". The architecture comes from the source's stored config; the head is always a fresh
-zero-initialised linear layer (the paper's transfer recipe) and position embeddings are
-resampled when the fine-tuning resolution differs. No Ray here.
+"""Fine-tuning set-up: `--from SOURCE` (checkpoint, export, weights file or "scratch", read through
+model.weights.source_info) -> the typed config changes and lineage tags of a transfer run: the
+source's architecture, a fresh zero-initialised head (the paper's transfer recipe).
+Must not validate (the caller does, once), build `--set` strings, or import Ray.
 """
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
+from typing import Iterable
 
-from ..config import ExperimentConfig, absolute_paths, apply_overrides, validate
-
-
-def source_info(source: str) -> dict[str, Any]:
-    """What a source says about itself: its config dict (if stored) and MLflow run id."""
-    if source == "scratch":
-        return {"config": None, "mlflow_run_id": None}
-    if not os.path.exists(source):
-        raise FileNotFoundError(
-            f"--from {source}: no such file or directory; give a checkpoint directory (from "
-            "`vitp pretrain`), an export (`vitp export` / `vitp import`), a .safetensors file, or 'scratch'"
-        )
-    d = source if os.path.isdir(source) else os.path.dirname(source)
-    for name in ("config.json", "meta.json"):
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                stored = json.load(f)
-            if name == "meta.json":
-                return {"config": stored.get("config"), "mlflow_run_id": stored.get("mlflow_run_id")}
-            extra = stored.pop("_export", {}) or {}
-            return {"config": stored, "mlflow_run_id": extra.get("mlflow_run_id")}
-    return {"config": None, "mlflow_run_id": None}
+from .. import storage
+from ..config import ExperimentConfig, set_values
+from ..model.weights import source_info
 
 
-def finetune_config(cfg: ExperimentConfig, source: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[ExperimentConfig, dict[str, str]]:
-    """The fine-tuning config for `source` and the MLflow tags that record the lineage.
+def finetune_config(cfg: ExperimentConfig, source: str,
+                    user_keys: Iterable[str] = ()) -> tuple[ExperimentConfig, dict[str, str]]:
+    """The fine-tuning config for `source` (NOT validated) and the MLflow tags of its lineage.
 
-    The model shape (variant, pooling) is taken from the source so the weights fit; explicit
-    `--set model.*` overrides win. Returns (validated config, tags).
+    The model shape (variant, pooling) is taken from the source so the weights fit, with a fresh
+    `finetune` head and `train.init_from` pointing at the source. A dotted key in `user_keys`
+    (what the user `--set`; cfg already holds the value) is left as cfg has it: the user wins.
+    An unnamed run is called `<cfg.run_name>-from-<source recipe>` (or `-scratch`).
     """
     info = source_info(source)
-    src_cfg = info["config"]
-    sets: list[str] = []
-    if src_cfg:
-        m = src_cfg.get("model", {})
-        sets += [f"model.variant={m['variant']}", f"model.pool={m.get('pool', 'cls')}"]
-    sets += ["model.head=finetune", f"train.init_from={'' if source == 'scratch' else os.path.abspath(source)}"]
-    cfg = apply_overrides(cfg, sets + list(overrides))  # user overrides last
-    src_name = "scratch" if source == "scratch" else os.path.abspath(source)
+    scratch = source == "scratch"
+    values = {}
+    if info.config:
+        model = info.config.get("model", {})
+        values.update({"model.variant": model["variant"], "model.pool": model.get("pool", "cls")})
+    values.update({"model.head": "finetune", "train.init_from": "" if scratch else info.path})
+    skip = set(user_keys)
+    cfg = set_values(cfg, {k: v for k, v in values.items() if k not in skip})
     if not cfg.tracking.run_name:
-        tail = "scratch" if source == "scratch" else "from-" + (src_cfg or {}).get("recipe", "weights")
-        cfg = apply_overrides(cfg, [f"tracking.run_name={cfg.recipe}-{cfg.model.variant.replace('/', '')}-{cfg.data.source}-{tail}"])
-    tags = {"source": src_name, "source_kind": "scratch" if source == "scratch" else "weights"}
-    if info["mlflow_run_id"]:
-        tags["source_run_id"] = info["mlflow_run_id"]
-    if src_cfg:
-        tags["source_image_size"] = str(src_cfg.get("data", {}).get("image_size", ""))
-    return absolute_paths(validate(cfg)), tags
+        tail = "scratch" if scratch else "from-" + (info.recipe if info.recipe is not None else "weights")
+        cfg = set_values(cfg, {"tracking.run_name": f"{cfg.run_name}-{tail}"})
+    tags = {"source": "scratch" if scratch else storage.abspath(source),
+            "source_kind": "scratch" if scratch else "weights"}
+    if info.mlflow_run_id:
+        tags["source_run_id"] = info.mlflow_run_id
+    if info.config:
+        tags["source_image_size"] = "" if info.image_size is None else str(info.image_size)
+    return cfg, tags

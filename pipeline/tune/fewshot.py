@@ -1,19 +1,21 @@
 """Few-shot linear evaluation (paper; big_vision `fewshot_lsr`): frozen pre-logit features, one-vs-all
 {-1, 1} targets, closed-form L2-regularised least squares, k shots per class, averaged over seeds.
-
 Owns the solver, feature extraction with Ray Data (an actor pool holding the model, CPU) and the
-`fewshot-<source>-<dataset>` MLflow run. Writes MLflow only through `pipeline.tracking`.
+`fewshot-<source>-<dataset>` MLflow run. Writes MLflow only through `pipeline.tracking`; reads
+sources only through `pipeline.model.weights` / `pipeline.train.export`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
+from .. import storage
 from ..config import ExperimentConfig
+from ..data.ingest import build_eval_dataset, normalize
+from ..model.weights import SourceInfo, read_config, source_info
 
 SHOTS = (1, 5, 10, 25)
 L2 = 2.0**10  # the paper's / big_vision's regulariser
@@ -81,13 +83,13 @@ class FeatureExtractor:
     """
 
     def __init__(self, source: Any, mean: Sequence[float], std: Sequence[float], threads: int = 1):
-        import ray
+        import ray  # lazy: ray, torch (the solver above needs neither)
         import torch
+
+        from ..train.export import load_model  # lazy: torch, in the actor only
 
         torch.set_num_threads(threads)  # one actor per CPU: no oversubscription
         if isinstance(source, str):
-            from ..train.export import load_model
-
             self.model = load_model(source)
         else:
             self.model = ray.get(source) if isinstance(source, ray.ObjectRef) else source
@@ -95,9 +97,7 @@ class FeatureExtractor:
         self.mean, self.std = tuple(mean), tuple(std)
 
     def __call__(self, batch: dict) -> dict:
-        import torch
-
-        from ..data.ingest import normalize
+        import torch  # lazy: torch (in the actor only)
 
         imgs = torch.from_numpy(np.ascontiguousarray(batch["image"]))  # (B, S, S, 3) uint8
         with torch.no_grad():
@@ -109,9 +109,7 @@ class FeatureExtractor:
 
 def _model_image_size(export_dir_or_model) -> int:
     if isinstance(export_dir_or_model, str):
-        from ..train.export import load_config
-
-        return load_config(export_dir_or_model).data.image_size
+        return read_config(export_dir_or_model).data.image_size
     return int(export_dir_or_model.image_size)
 
 
@@ -125,9 +123,7 @@ def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "t
     resampling). Runs `build_eval_dataset` -> map_batches(FeatureExtractor) on an actor pool of
     `concurrency` CPU actors.
     """
-    import ray
-
-    from ..data.ingest import build_eval_dataset
+    import ray  # lazy: ray (the solver needs none)
 
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, image_size=_model_image_size(export_dir_or_model)))
@@ -153,28 +149,14 @@ def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "t
 # ------------------------------------------------------------------------ the MLflow run
 
 
-def _source_facts(weights: str) -> dict[str, Any]:
-    """Name, MLflow run id and step of the weights, from the config.json / meta.json beside them."""
-    d = weights if os.path.isdir(weights) else os.path.dirname(weights)
-    facts: dict[str, Any] = {"name": os.path.basename(os.path.normpath(weights)) or "weights",
-                             "run_id": None, "step": 0}
-    for fname in ("config.json", "meta.json"):
-        path = os.path.join(d, fname)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            stored = json.load(f)
-        extra = stored.pop("_export", {}) if fname == "config.json" else stored
-        cfg_d = stored if fname == "config.json" else stored.get("config") or {}
-        facts["run_id"] = extra.get("mlflow_run_id")
-        facts["step"] = int(extra.get("step", 0) or 0)
-        if cfg_d.get("recipe"):
-            try:
-                facts["name"] = ExperimentConfig.from_dict(cfg_d).run_name
-            except ValueError:
-                facts["name"] = cfg_d["recipe"]
-        break
-    return facts
+def _source_name(weights: str, info: SourceInfo) -> str:
+    """The source's run name when its stored config has a recipe, else its file/dir name."""
+    if info.recipe:
+        try:
+            return ExperimentConfig.from_dict(info.config).run_name
+        except ValueError:
+            return info.recipe
+    return os.path.basename(os.path.normpath(weights)) or "weights"
 
 
 def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
@@ -187,7 +169,7 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
     source's step, and a `source_run_id` tag when the source's export records one.
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
     """
-    src = _source_facts(weights)
+    src = source_info(weights)
     train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)
     test_x, test_y = extract_features(weights, cfg, "val", concurrency=concurrency)
     acc = fewshot_accuracy(train_x, train_y, test_x, test_y, shots=shots, seeds=seeds, l2=l2)
@@ -196,19 +178,19 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
     if not tracking:
         return result
 
-    from ..tracking import RunLogger, resolve_tracking_uri
+    from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
 
-    name = f"fewshot-{src['name']}-{cfg.data.source}"
-    tags = {"kind": "fewshot", "source": os.path.abspath(weights)}
-    if src["run_id"]:
-        tags["source_run_id"] = src["run_id"]
+    name = f"fewshot-{_source_name(weights, src)}-{cfg.data.source}"
+    tags = {"kind": "fewshot", "source": storage.abspath(weights)}
+    if src.mlflow_run_id:
+        tags["source_run_id"] = src.mlflow_run_id
     with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name,
                          resume_by_name=False, tags=tags) as logger:
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
                                        "dataset": cfg.data.source, "shards": cfg.data.shards,
-                                       "source": os.path.abspath(weights),
+                                       "source": storage.abspath(weights),
                                        "feature_dim": int(train_x.shape[1]),
                                        "train_examples": len(train_y), "test_examples": len(test_y)}})
-        logger.log_metrics(metrics, step=src["step"])
+        logger.log_metrics(metrics, step=src.step)
         result["run_id"] = logger.run_id
     return result

@@ -1,33 +1,43 @@
 """Ray Tune sweeps over fine-tuning runs: search space, driver function, MLflow parent/children.
-
-A trial's config is a flat dict of dotted config keys plus two axes that are not config fields:
-`recipe` (a fine-tuning preset, i.e. the downstream dataset) and `source` (what to start from:
-a checkpoint/export path or "scratch"). Each trial runs one Ray Train fine-tuning job through
-`finetune_trial_driver_fn`; MLflow is written only through `pipeline.tracking`.
+A trial is a flat dict of dotted config keys plus two axes that are not config fields: `recipe`
+(the downstream dataset's preset) and `source` (a checkpoint/export path or "scratch").
+build_spec is the edge (resolves and validates each dataset x source once); trials make typed
+edits only, never `--set` strings. MLflow is written only through `pipeline.tracking`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
-from ..config import ConfigError, ExperimentConfig, field_type, set_value
-from ..recipes import RECIPES, get_recipe
+import ray
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from .. import storage
+from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
+from ..recipes import RECIPES, with_overrides
+from ..tracking import RunLogger, find_runs, resolve_tracking_uri
+from ..tracking.compare import best_per_dataset
+from ..tracking.store import quote, tag_filters
+from ..train.transfer import finetune_config
 
 AXES = ("recipe", "source")  # trial keys that are not config fields
 
 
 @dataclass
 class SweepSpec:
-    """What to sweep: the base recipe + overrides, the grid/choices, and how to schedule it."""
+    """What to sweep: each recipe's resolved config, the grid/choices, and how to schedule it."""
 
     name: str
     base_recipe: str
-    overrides: list[str]
+    overrides: list[str]  # the user's --set text, kept for the record (MLflow param sweep.overrides)
+    configs: dict[str, dict[str, Any]]  # recipe -> config dict: recipe + --set + changes + work_dir
     space: dict[str, list]
     search: str = "grid"
     num_samples: int = 1
@@ -44,12 +54,17 @@ class SweepSpec:
         return dict(self.__dict__)
 
 
-def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: list[str],
-               recipes: Optional[list[str]] = None, sources: Optional[list[str]] = None,
+def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: Sequence[str],
+               changes: Optional[Mapping[str, Any]] = None, recipes: Optional[list[str]] = None,
+               sources: Optional[list[str]] = None,
                extra_space: Optional[dict[str, list]] = None) -> SweepSpec:
-    """The sweep for `base` (recipe + overrides): its tune.space x datasets x sources."""
-    from ..tracking import resolve_tracking_uri
+    """The sweep for `base` (= base_recipe + `overrides` + typed `changes`, need not be validated):
+    its tune.space plus `extra_space` (typed values) x datasets (`recipes`) x `sources`.
 
+    Every recipe gets the same --set `overrides`, typed `changes`, work_dir and tracking as `base`.
+    Each dataset x source trial config is validated here, once per value of every other axis
+    (ConfigError before Ray starts); trials do not validate again.
+    """
     space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
     space.update(extra_space or {})
     if recipes:
@@ -66,46 +81,67 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: l
             raise ConfigError(f"tune.space[{key!r}] must be a non-empty list, got {values!r}")
     if "source" not in space:
         space["source"] = ["scratch"]
+    work_dir = storage.abspath(base.work_dir)
+    configs = {}
+    for recipe in space.get("recipe", [base_recipe]):
+        cfg = set_values(with_overrides(recipe, list(overrides)), {**(changes or {}), "work_dir": work_dir})
+        configs[recipe] = absolute_paths(cfg).to_dict()
     t = base.tune
-    return SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), space=space,
-                     search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
+    spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
+                     space=space, search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
                      metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
-                     max_concurrent_trials=t.max_concurrent_trials,
-                     work_dir=os.path.abspath(base.work_dir) if "://" not in base.work_dir else base.work_dir,
+                     max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
+    for trial in _trials_to_validate(spec):
+        try:
+            validate(trial_config(spec, trial)[0])
+        except ConfigError as e:
+            raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
+    return spec
+
+
+def _datasets(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The (recipe, data.source) trial keys of every dataset the sweep touches."""
+    return [{"recipe": recipe, **({"data.source": source} if source else {})}
+            for recipe in spec.space.get("recipe", [spec.base_recipe])
+            for source in spec.space.get("data.source", [None])]
+
+
+def _trials_to_validate(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Each dataset x source, with the other axes at their first values, then each other value
+    of each axis in turn."""
+    others = {k: v for k, v in spec.space.items() if k not in (*AXES, "data.source")}
+    first = {k: v[0] for k, v in others.items()}
+    points = [first] + [{**first, k: x} for k, values in others.items() for x in values[1:]]
+    return [{**dataset, "source": source, **point} for dataset in _datasets(spec)
+            for source in spec.space["source"] for point in points]
 
 
 def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
     """One config per distinct dataset the sweep touches (to prepare shards before trials)."""
     out, seen = [], set()
-    for recipe in spec.space.get("recipe", [spec.base_recipe]):
-        for source in spec.space.get("data.source", [None]):
-            trial = {"recipe": recipe, **({"data.source": source} if source else {})}
-            cfg, _ = trial_config(spec, trial)
-            key = (cfg.data.source, cfg.data.path, cfg.data.shards, cfg.data.storage_size)
-            if key not in seen:
-                seen.add(key)
-                out.append(cfg)
+    for trial in _datasets(spec):
+        cfg, _ = trial_config(spec, trial)
+        key = (cfg.data.source, cfg.data.path, cfg.data.shards, cfg.data.storage_size)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
     return out
 
 
 def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, str]]:
-    """The validated fine-tuning config of one trial, and its lineage tags."""
-    from ..config import apply_overrides
-    from ..train.transfer import finetune_config
-
-    recipe = trial.get("recipe", spec.base_recipe)
-    cfg = apply_overrides(get_recipe(recipe), [f"work_dir={spec.work_dir}"] +
-                          [o for o in spec.overrides if not o.startswith("work_dir=")])
-    for key, value in trial.items():
-        if key not in AXES:
-            cfg = set_value(cfg, key, value)
-    cfg = apply_overrides(cfg, [f"tracking.experiment={spec.experiment}", f"tracking.uri={spec.tracking_uri}",
-                                f"tracking.run_name={trial_run_name(spec, trial)}"])
+    """One trial's fine-tuning config, by typed edits of its recipe's config (validated by
+    build_spec, not here), and its lineage tags."""
+    cfg = ExperimentConfig.from_dict(spec.configs[trial.get("recipe", spec.base_recipe)])
+    values = {k: v for k, v in trial.items() if k not in AXES}
+    values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
+                   "tracking.run_name": trial_run_name(spec, trial)})
+    cfg = set_values(cfg, values)
     # one Train report per evaluation, so ASHA can stop a trial between evaluations
     if cfg.train.eval_every:
-        cfg = set_value(cfg, "train.checkpoint_every", 0)
-    return finetune_config(cfg, trial.get("source", "scratch"))
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=0))
+    cfg, tags = finetune_config(cfg, trial.get("source", "scratch"))
+    return absolute_paths(cfg), tags
 
 
 def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
@@ -134,21 +170,18 @@ def _short(path: str) -> str:
 
 def finetune_trial_driver_fn(trial: dict[str, Any]) -> None:
     """Tune trainable: one fine-tuning run on Ray Train, its evaluations reported to Tune."""
-    import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from ..train.trainer import run_training
+    from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
 
     spec = SweepSpec(**trial["__spec__"])
     params = {k: v for k, v in trial.items() if not k.startswith("__")}
     cfg, tags = trial_config(spec, params)
-    ctx = ray.tune.get_context()
+    ctx = tune.get_context()
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id(),
             "dataset": cfg.data.source}
     summary = run_training(cfg, extra_tags=tags, parent_run_id=trial["__parent_run_id__"],
                            callbacks=[TuneReportCallback()])
     if summary.already_finished:  # a resumed sweep: this trial's training had finished before
-        ray.tune.report(summary.metrics)
+        tune.report(summary.metrics)
     if summary.metrics.get(spec.metric) is None:
         raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.metric}")
 
@@ -157,8 +190,6 @@ def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
     """Trials that fit at once: each needs its workers' CPUs plus ~1 for the controller/data."""
     if spec.max_concurrent_trials:
         return spec.max_concurrent_trials
-    import ray
-
     cpus = ray.cluster_resources().get("CPU", 1)
     gpus = ray.cluster_resources().get("GPU", 0)
     p = cfg.parallel
@@ -168,8 +199,6 @@ def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
 
 
 def _param_space(spec: SweepSpec) -> dict[str, Any]:
-    from ray import tune
-
     out: dict[str, Any] = {}
     for key, values in spec.space.items():
         out[key] = tune.grid_search(values) if spec.search == "grid" else tune.choice(values)
@@ -178,10 +207,7 @@ def _param_space(spec: SweepSpec) -> dict[str, Any]:
 
 def _parent_run_id(spec: SweepSpec) -> Optional[str]:
     """The newest parent run of sweep `spec.name` in its experiment, or None."""
-    from ..tracking.compare import _tag_filters, find_runs
-    from ..tracking.runs import _quote
-
-    filters = [f"attributes.run_name = {_quote('sweep-' + spec.name)}", *_tag_filters(spec.name, None)]
+    filters = [f"attributes.run_name = {quote('sweep-' + spec.name)}", *tag_filters(spec.name, None)]
     runs = find_runs(spec.tracking_uri, spec.experiment, " and ".join(filters))
     runs = [r for r in runs if not r["parent_run_id"]]
     return runs[0]["run_id"] if runs else None
@@ -189,16 +215,12 @@ def _parent_run_id(spec: SweepSpec) -> Optional[str]:
 
 def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
-    from ray import tune
-
-    from ..tracking import RunLogger
-
     # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
-    storage = os.path.join(spec.work_dir, "sweeps")
-    path = os.path.join(storage, spec.name)
-    if os.path.exists(path) and not resume and tune.Tuner.can_restore(path):
+    sweeps_root = storage.join(spec.work_dir, "sweeps")
+    path = storage.join(sweeps_root, spec.name)
+    if storage.exists(path) and not resume and tune.Tuner.can_restore(path):
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
     first_trial_cfg, _ = trial_config(spec, {k: v[0] for k, v in spec.space.items()})
@@ -236,7 +258,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                             num_samples=spec.num_samples,
                                             max_concurrent_trials=concurrency),
-                run_config=tune.RunConfig(name=spec.name, storage_path=storage,
+                run_config=tune.RunConfig(name=spec.name, storage_path=sweeps_root,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
                                           verbose=1),
             )
@@ -256,8 +278,6 @@ def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: 
     A trial's score is the best value of `metric` over its history (max or min by `mode`), the same
     rule as the "best top-1" column of `vitp compare`; ties go to the run name that sorts first.
     """
-    from ..tracking.compare import best_per_dataset, find_runs
-
     rows = []
     for run in find_runs(tracking_uri, experiment, "attributes.status = 'FINISHED'",
                          parent_run_id=parent_run_id, history=[metric]):

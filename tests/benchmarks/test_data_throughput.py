@@ -1,5 +1,6 @@
 """benchmarks/data_throughput.py and ingest_ablation.py still run end to end on a tiny corpus:
-every path reports a positive rate and the ablation reads the shards the first one left."""
+every path reports a positive rate, the ablation reads the shards the first one left, and each
+appends its table with its command line to the results file it is given (never the repo's)."""
 import os
 import re
 import subprocess
@@ -14,9 +15,10 @@ pytestmark = pytest.mark.ray
 def test_data_throughput_and_ablation_smoke(tmp_path):
     env = dict(os.environ, RAY_ADDRESS="")  # their own local Ray, not the test session's
     work = str(tmp_path / "w")
+    results = tmp_path / "RESULTS.md"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "data_throughput.py"), "--images", "60",
            "--classes", "3", "--cpus", "2", "--storage", "40", "--size", "32", "--batch", "8",
-           "--rounds", "1", "--epochs", "1", "--workdir", work]
+           "--rounds", "1", "--epochs", "1", "--workdir", work, "--results", str(results)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r for r in proc.stdout.splitlines() if r.startswith("| (")]
@@ -26,10 +28,19 @@ def test_data_throughput_and_ablation_smoke(tmp_path):
     refs = [r for r in rows if r.startswith("| (c) DataLoader")]
     assert len(refs) == 2 and all(r.split("|")[5].strip() == "1.00x" for r in refs)  # one per consumer
     assert os.path.exists(os.path.join(work, "shards-uint8", "manifest.json"))
+    recorded = results.read_text()
+    assert recorded.startswith("# Benchmark results\n")
+    assert "## Data throughput (`benchmarks/data_throughput.py`)" in recorded
+    assert "data_throughput.py --images 60 --classes 3" in recorded and "Machine: " in recorded
+    assert all(r in recorded for r in rows)  # the printed table, row for row
 
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ingest_ablation.py"), "--workdir", work,
-           "--cpus", "2", "--rounds", "1", "--epochs", "1", "--units", "16", "--size", "32", "--batch", "8"]
+           "--cpus", "2", "--rounds", "1", "--epochs", "1", "--units", "16", "--size", "32", "--batch", "8",
+           "--results", str(results)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rates = [float(m) for m in re.findall(r"^\| 16 \| \d+ \| [^|]+ \| (\d+) \|", proc.stdout, re.M)]
     assert len(rates) == 3 and all(r > 0 for r in rates), proc.stdout[-3000:]
+    recorded = results.read_text()
+    assert recorded.count("## ") == 2 and "## Ingest task sizing" in recorded  # appended after
+    assert "ingest_ablation.py --workdir" in recorded

@@ -11,8 +11,8 @@ import pytest
 import ray
 import yaml
 
-from pipeline.config import ConfigError
-from pipeline.jobs_spec import add_overrides, check_upload_size, load_spec, parse_entrypoint
+from pipeline.cluster.jobspec import add_overrides, check_upload_size, load_spec, parse_entrypoint
+from pipeline.errors import ConfigError
 
 from .conftest import ROOT, vitp
 
@@ -214,7 +214,7 @@ class _AgentStartingCluster:
 
 
 def test_submit_retries_only_while_the_job_agent_is_starting():
-    from pipeline.submit import submit_when_agent_ready
+    from pipeline.cluster.jobs import submit_when_agent_ready
 
     lines = []
     cluster = _AgentStartingCluster(refusals=2)
@@ -230,3 +230,16 @@ def test_submit_retries_only_while_the_job_agent_is_starting():
     with pytest.raises(RuntimeError, match="too large"):
         submit_when_agent_ready(other, {}, poll_s=0.01, log=lines.append)
     assert len(other.calls) == 1
+
+
+def test_spec_masks_every_credential_name_the_readme_promises(tmp_path):
+    # *_SECRET_*, *_TOKEN, *_PASSWORD, *_KEY: written in the spec itself, not only taken from the shell
+    p = tmp_path / "s.yaml"
+    p.write_text("entrypoint: vitp pretrain debug\nruntime_env:\n  env_vars:\n"
+                 "    AZURE_STORAGE_KEY: azurekey123\n    SSH_KEY: sshkey456\n    MY_SECRET_VALUE: s3cr3t789\n"
+                 "    GH_TOKEN: tok012\n    DB_PASSWORD: pw345678\n    PLAIN: visible-value\n")
+    spec = load_spec(str(p), environ={})
+    shown = "\n".join(spec.describe())
+    for value in ("azurekey123", "sshkey456", "s3cr3t789", "tok012", "pw345678"):
+        assert value not in shown and value not in spec.mask(f"log line with {value}"), value
+    assert "AZURE_STORAGE_KEY=***" in shown and "SSH_KEY=***" in shown and "PLAIN=visible-value" in shown

@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from pipeline.tracking.runs import TrackingError
+from pipeline.tracking.store import TrackingError
 from pipeline.tracking.server import AuthSettings, start_server
 
 from .conftest import vitp

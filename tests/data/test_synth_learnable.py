@@ -12,7 +12,7 @@ from pipeline.data.synth import class_system, render
 
 @pytest.mark.slow
 def test_fractal_corpus_is_learnable_by_pico_vit():
-    from pipeline.model import build_vit
+    from pipeline.model.vit import build_vit
 
     torch.manual_seed(0)
     imgs, labels = [], []

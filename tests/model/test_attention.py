@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.model import ViT
+from pipeline.model.vit import ViT
 from pipeline.model.attention import (attention_distance_from_maps, attention_rollout,
                                       mean_attention_distance, plot_attention_distance,
-                                      rollout_from_maps, save_rollout_png)
+                                      rollout_from_maps, save_rollout_png, write_rollout_pngs)
 
 
 def test_rollout_sums_to_one_over_patches():
@@ -143,3 +143,15 @@ def test_picture_inputs_are_checked(tmp_path):
         save_rollout_png(np.zeros((8, 8, 3), np.float32), np.ones((2, 2)), str(tmp_path / "a.png"))
     with pytest.raises(ValueError, match="layers, heads"):
         plot_attention_distance(np.zeros(3), str(tmp_path / "b.png"))
+
+
+def test_write_rollout_pngs_names_label_and_prediction(tmp_path):
+    torch.manual_seed(0)
+    m = ViT("pico/8", image_size=32, num_classes=3, head="finetune").train()
+    images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    paths = write_rollout_pngs(m, images, [2, 0], str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["rollout_0_label2_pred0.png", "rollout_1_label0_pred0.png"]
+    for p in paths:  # zero-init head: every logit is 0, argmax 0
+        with Image.open(p) as im:
+            assert im.size == (64, 32)
+    assert m.training  # the caller's mode is left as it was

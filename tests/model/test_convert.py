@@ -7,10 +7,11 @@ import pytest
 import torch
 from scipy.special import erf
 
-from pipeline.model import ViT
-from pipeline.model.convert import (detect_format, export_timm, from_hf, from_official_npz,
-                                    from_timm, import_weights, to_timm)
-from pipeline.train.export import load_config, load_model
+from pipeline.model.convert import (IMPORT_FORMATS, detect_format, export_timm, from_hf,
+                                    from_official_npz, from_timm, import_weights, to_timm)
+from pipeline.model.vit import ViT
+from pipeline.model.weights import read_config
+from pipeline.train.export import load_model
 
 ATOL = 1e-5
 
@@ -142,7 +143,7 @@ def test_import_npz_writes_an_export_dir_load_model_reads(tmp_path):
     w = official_npz(seed=4)
     np.savez(tmp_path / "ViT-pico_8.npz", **w)
     out = import_weights(str(tmp_path / "ViT-pico_8.npz"), str(tmp_path / "imported"))
-    cfg = load_config(out)
+    cfg = read_config(out)
     assert (cfg.model.variant, cfg.model.num_classes, cfg.model.head, cfg.model.representation_size,
             cfg.data.image_size) == ("pico/8", 7, "pretrain", 48, 32)
     x = images(seed=5)
@@ -204,7 +205,7 @@ def test_hf_image_classification_same_logits(tmp_path):
     # a save_pretrained directory (vit.-prefixed safetensors + HF config.json) imports too
     hf.save_pretrained(tmp_path / "hf")
     out = import_weights(str(tmp_path / "hf"), str(tmp_path / "imported"))
-    assert load_config(out).model.head == "finetune"
+    assert read_config(out).model.head == "finetune"
     with torch.no_grad():
         torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
 
@@ -266,3 +267,52 @@ def test_timm_features_we_lack_are_rejected():
     sd["fc_norm.weight"] = torch.ones(32)
     with pytest.raises(ValueError, match="fc_norm"):
         from_timm(sd)
+
+
+# ----------------------------------------------------------------------------- --format values
+
+
+def _source_in(fmt, tmp_path):
+    """(weights path in format `fmt`, images, the logits the imported model must give)."""
+    x = images(seed=7)
+    if fmt == "npz":
+        w = official_npz(seed=8)
+        np.savez(tmp_path / "vit.npz", **w)
+        return str(tmp_path / "vit.npz"), ours(x), torch.from_numpy(reference_forward(w, x)).float()
+    if fmt == "hf":
+        torch.manual_seed(2)
+        hf = perturb(transformers.ViTForImageClassification(hf_config()), seed=2)
+        hf.save_pretrained(tmp_path / "hf")
+        with torch.no_grad():
+            return str(tmp_path / "hf"), ours(x), hf(pixel_values=ours(x)).logits
+    torch.manual_seed(3)
+    m = perturb(ViT("pico/8", image_size=32, num_classes=6, head="pretrain", representation_size=40), seed=3)
+    with torch.no_grad():
+        ref = m(ours(x))
+    if fmt == "timm":
+        from safetensors.torch import save_file
+
+        save_file(to_timm(m.state_dict()), str(tmp_path / "timm.safetensors"))
+        return str(tmp_path / "timm.safetensors"), ours(x), ref
+    from pipeline.config import ExperimentConfig
+    from pipeline.model.weights import write_export
+
+    out = write_export(str(tmp_path / "ours"), m.state_dict(), ExperimentConfig().to_dict(), {"step": 1})
+    return out, ours(x), ref
+
+
+@pytest.mark.parametrize("fmt", [f for f in IMPORT_FORMATS if f != "auto"])
+def test_each_explicit_format_imports(tmp_path, fmt):
+    """`vitp import --format FMT` for every named format: the importer accepts exactly the
+    names the CLI offers, and the imported model gives the source's logits."""
+    src, x, ref = _source_in(fmt, tmp_path)
+    out = import_weights(src, str(tmp_path / "imported"), fmt=fmt)
+    assert json.load(open(f"{out}/config.json"))["_export"]["format"].startswith(fmt)
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
+
+
+def test_unknown_format_names_the_choices(tmp_path):
+    src, _, _ = _source_in("timm", tmp_path)
+    with pytest.raises(ValueError, match="auto, npz, timm, hf, ours"):
+        import_weights(src, str(tmp_path / "out"), fmt="official")

@@ -30,3 +30,20 @@ def test_redact_keeps_numbers_and_plain_strings_and_recurses():
     assert out["tags"] == {"owner": "bob", "github_token": REDACTED}
     assert out["uris"] == ["s3://k:***@bucket/a"]
     assert d["hf_token"].startswith("hf_"), "redact must not modify its input"
+
+
+def test_names_ending_in_key_are_secret_as_the_readme_promises():
+    # README: values whose key names a credential (*_SECRET_*, *_TOKEN, *_PASSWORD, *_KEY) print as ***.
+    for key in ("AZURE_STORAGE_KEY", "SSH_KEY", "AWS_SECRET_ACCESS_KEY", "runtime_env.env_vars.GCS_HMAC_KEY",
+                "signingKey", "MY_SECRET_VALUE", "GITHUB_TOKEN", "DB_PASSWORD"):
+        assert is_secret_key(key), key
+    for key in ("monkey", "key_id", "keep_checkpoints", "tune.metric", "KEY"):
+        assert not is_secret_key(key), key
+    out = redact({"AZURE_STORAGE_KEY": "abc123secret", "SSH_KEY": "-----BEGIN", "PLAIN": "visible"})
+    assert out == {"AZURE_STORAGE_KEY": REDACTED, "SSH_KEY": REDACTED, "PLAIN": "visible"}
+
+
+def test_key_pairs_inside_text_are_masked():
+    out = redact_text("AZURE_STORAGE_KEY=abc123secret ssh_key: zzz monkey=3")
+    assert "abc123secret" not in out and "zzz" not in out
+    assert "AZURE_STORAGE_KEY=***" in out and "monkey=3" in out

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import workers  # noqa: E402
 
 from pipeline.config import apply_overrides  # noqa: E402
-from pipeline.model import ViT  # noqa: E402
+from pipeline.model.vit import ViT  # noqa: E402
 from pipeline.recipes import debug, get_recipe  # noqa: E402
 from pipeline.train import checkpoint as ckpt  # noqa: E402
 from pipeline.train.engine import build_ds_config, lr_multiplier, param_groups  # noqa: E402

@@ -34,8 +34,7 @@ def _cfg(tmp_path, shards, *extra):
 
 
 def _history(cfg, run_id, key):
-    from pipeline.tracking import resolve_tracking_uri
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
 
     client = get_client(resolve_tracking_uri(cfg))
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
@@ -69,8 +68,7 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
 
 
 def _rerun_of_finished_run_trains_nothing(cfg, summary):
-    from pipeline.tracking import resolve_tracking_uri
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
     from pipeline.train.trainer import run_training
 
     client = get_client(resolve_tracking_uri(cfg))
@@ -112,7 +110,7 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
     registered, so waiting for one particular step could miss it on a busy host.
     """
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.trainer import storage_path
+    from pipeline.train.checkpoint import storage_path
 
     run_dir = os.path.join(storage_path(cfg), cfg.run_name)
     t0 = time.time()
@@ -185,8 +183,7 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
 def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_session):
     import ray
 
-    from pipeline.tracking import resolve_tracking_uri
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
 
     args = [f"--set=work_dir={tmp_path}", f"--set=data.shards={shards}", "--set=train.steps=100",
             "--set=train.checkpoint_every=20", "--set=train.log_every=5"]
@@ -226,8 +223,7 @@ def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_
 
 def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     """A worker error (labels beyond the head: 10-class shards, 5-class model) fails the run."""
-    from pipeline.tracking import resolve_tracking_uri
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
     from pipeline.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "model.num_classes=5", "train.max_failures=0", "train.steps=10")

@@ -99,7 +99,8 @@ def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
     first = []
     try:
         run_loop(part_cfg, engine, learnable_batches(part_cfg, rank, world, steps), ckpt.TrainState(),
-                 LoopHooks(on_log=lambda s, m: first.append(m["train/loss"]), on_checkpoint=on_checkpoint),
+                 LoopHooks(on_log=lambda s, m, checkpoint_due: first.append(m["train/loss"]),
+                           on_checkpoint=on_checkpoint),
                  rank, world)
     except Stop:
         pass

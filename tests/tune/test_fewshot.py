@@ -106,7 +106,7 @@ def save_export(model, cfg_model: ModelConfig, image_size: int, out, extra=None)
 
 @pytest.mark.ray
 def test_ray_data_features_equal_direct_forward(digits_cfg, tmp_path):
-    from pipeline.model import build_vit
+    from pipeline.model.vit import build_vit
 
     torch.manual_seed(0)
     mcfg = ModelConfig(variant="pico/8", num_classes=10, head="pretrain")
@@ -146,7 +146,7 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
     """Prints the 1/5/10/25-shot table (pytest -s). 'Pre-trained' = 150 supervised steps on
     the digits *train* split only; the few-shot test split is the held-out val split."""
     from pipeline.data.ingest import build_eval_dataset
-    from pipeline.model import build_vit
+    from pipeline.model.vit import build_vit
     from pipeline.tracking import find_runs, resolve_tracking_uri
 
     mcfg = ModelConfig(variant="pico/8", num_classes=10, head="pretrain")

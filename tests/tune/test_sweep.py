@@ -67,7 +67,7 @@ def _terminated_trials(sweep_dir) -> int:
 @pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
     from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client
 
     args = ["sweep", "debug_finetune", "--name", "s1", f"--set=work_dir={tmp_path}",
             "--tracking-uri", server.uri, "--space", "data.source=digits,synthetic",
@@ -138,7 +138,7 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
 
 @pytest.mark.e2e
 def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client
 
     # model.num_classes=5 on 10-class digits fails inside training; the other point finishes
     args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={tmp_path}",
@@ -178,7 +178,7 @@ def _mark_trials_pending(sweep_dir) -> int:
 
 @pytest.mark.e2e
 def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path, server, ray_session):
-    from pipeline.tracking.runs import get_client
+    from pipeline.tracking.store import get_client
 
     args = ["sweep", "debug_finetune", "--name", "s3", f"--set=work_dir={tmp_path}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1", *FAST]

@@ -1,7 +1,7 @@
 """Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipe and the upload size.
 
-A spec's keys are `JobSubmissionClient.submit_job`'s keyword arguments. This module never
-submits and never prints secret values; `submit.py` does the talking to the cluster.
+A spec's keys are `JobSubmissionClient.submit_job`'s keyword arguments. Must not submit (jobs.py
+talks to the cluster), print secret values, or import torch.
 """
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
-from .tracking.redact import REDACTED, is_secret_key, redact_text
+from pipeline import recipes
+from pipeline.errors import ConfigError, InputError
+from pipeline.storage import is_uri
+from pipeline.tracking.redact import REDACTED, is_secret_key, redact_text
 
 # submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
 SPEC_KEYS = {
@@ -212,14 +214,14 @@ def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) ->
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
               environ: dict[str, str] | None = None, check_recipe: bool = True) -> JobSpec:
     """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`."""
-    import yaml
+    import yaml  # lazy: only loading a spec needs it
 
     environ = dict(os.environ if environ is None else environ)
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"job spec {path} does not exist: see jobs/*.yaml for examples") from None
+        raise InputError(f"job spec {path} does not exist: see jobs/*.yaml for examples") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -258,8 +260,6 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
 
 def resolve_recipes(spec: JobSpec) -> list:
     """Resolve every recipe the entrypoint names (data paths live on the cluster: not checked)."""
-    from . import recipes
-
     if not spec.calls:
         raise ConfigError(
             f"{spec.path}: the entrypoint {spec.mask(spec.entrypoint)!r} runs no vitp command: "
@@ -286,7 +286,7 @@ def _mib(n: float) -> str:
 
 def upload_limit() -> int:
     """Ray's limit on a working_dir / py_modules package (the GCS gRPC message size)."""
-    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE  # lazy: ray
 
     return int(GCS_STORAGE_MAX_SIZE)
 
@@ -294,7 +294,7 @@ def upload_limit() -> int:
 def measure_upload(directory: str, excludes: list[str] | None = None) -> tuple[int, dict[str, int]]:
     """Bytes Ray would package from `directory` (same excludes as Ray: .gitignore, .rayignore,
     runtime_env.excludes, Ray's defaults), and the size per top-level entry. Uncompressed."""
-    from ray._private import ray_constants
+    from ray._private import ray_constants  # lazy: ray
     from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
 
     root = Path(directory).resolve()
@@ -328,7 +328,7 @@ def check_upload_size(spec: JobSpec, limit: int | None = None) -> list[str]:
             dirs.append(("runtime_env.py_modules", mod))
     notes = []
     for field_name, d in dirs:
-        if "://" in d or not os.path.isdir(d):
+        if is_uri(d) or not os.path.isdir(d):
             continue  # a URI or a package file: Ray uploads nothing / checks it itself
         total, per_entry = measure_upload(d, runtime_env.get("excludes"))
         if total >= limit:

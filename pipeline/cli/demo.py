@@ -1,35 +1,43 @@
 """`vitp demo`: the whole pipeline on one small machine, each stage reusing what is built.
 
-Local Ray -> synthetic fractal corpus -> Parquet shards -> ZeRO-2 pre-training on 2 workers ->
-export -> few-shot evaluation -> Tune sweep fine-tuning digits from the pre-trained weights and
-from scratch -> MLflow comparison table + plot. Orchestration only: every stage is a call into
-the modules that own it.
+Local Ray -> fractal corpus -> shards -> ZeRO-2 pre-training -> export -> few-shot -> Tune sweep
+(digits, pre-trained vs scratch) -> MLflow table + plot. Orchestration only: each stage calls the
+module that owns it; configs change through typed values, never `--set` strings.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import time
-from typing import Callable
+from typing import Any, Callable
 
-from .config import absolute_paths, apply_overrides
-from .recipes import get_recipe
+from pipeline.cli.args import Handler, add_address
+from pipeline.config import set_values, validate
+from pipeline.recipes import get_recipe
 
 # --quick: the same stages, small enough for under 3 minutes on 2 cores.
-QUICK_PRETRAIN = ["data.synth_classes=10", "data.synth_images_per_class=48", "data.num_classes=10",
-                  "model.num_classes=10", "train.steps=40", "train.eval_every=20",
-                  "train.checkpoint_every=20", "optim.warmup_steps=5"]
-QUICK_FINETUNE = ["train.steps=40", "train.eval_every=20", "train.log_every=20", 'tune.space={"optim.lr": [0.1]}']
+QUICK_PRETRAIN: dict[str, Any] = {
+    "data.synth_classes": 10, "data.synth_images_per_class": 48, "data.num_classes": 10,
+    "model.num_classes": 10, "train.steps": 40, "train.eval_every": 20, "train.checkpoint_every": 20,
+    "optim.warmup_steps": 5,
+}
+QUICK_FINETUNE: dict[str, Any] = {
+    "train.steps": 40, "train.eval_every": 20, "train.log_every": 20, "tune.space": {"optim.lr": [0.1]},
+}
 
 
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
              address: str | None = None, log: Callable[[str], None] = print) -> dict:
-    from .tracking import resolve_tracking_uri
-    from .tracking.compare import compare_rows, format_table
-    from .tracking.plots import log_plot_to_parent, plot_compare
-    from .train.export import export
-    from .train.trainer import connect_ray, ensure_shards, run_training
-    from .tune.sweep import build_spec, dataset_configs, run_sweep
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.train.export import export  # lazy: keeps vitp --help fast (torch)
+    from pipeline.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+    from pipeline.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
+    from pipeline.tune.sweep import build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
     t0 = time.time()
     work = work_dir or ("work/demo-quick" if quick else "work/demo")
@@ -37,10 +45,10 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
         log(f"[demo] --fresh: removing {work}")
         shutil.rmtree(work)
     work = os.path.abspath(work)
-    common = [f"work_dir={work}"]
-    pre = absolute_paths(apply_overrides(get_recipe("demo"), common + (QUICK_PRETRAIN if quick else [])))
-    ft_overrides = common + (QUICK_FINETUNE if quick else [])
-    ft = absolute_paths(apply_overrides(get_recipe("demo_finetune"), ft_overrides))
+    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, **(QUICK_PRETRAIN if quick else {})}),
+                   check_paths=False)
+    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
+    ft = validate(set_values(get_recipe("demo_finetune"), ft_changes), check_paths=False)
     timings: dict[str, float] = {}
 
     def stage(name: str, t: float) -> None:
@@ -69,11 +77,8 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     log("[demo] 3/5 few-shot linear evaluation of the pre-trained features on digits")
     fewshot = {}
     try:
-        from .tune.fewshot import run_fewshot
-
         ensure_shards(ft, log=log)
-        fewshot = run_fewshot(apply_overrides(ft, ["tracking.experiment=" + pre.tracking.experiment]),
-                              export_dir)
+        fewshot = run_fewshot(set_values(ft, {"tracking.experiment": pre.tracking.experiment}), export_dir)
         log("[demo]   " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in fewshot.items()
                                     if k.startswith("fewshot/")))
     except Exception as e:  # the demo goes on; the failure is shown, not hidden
@@ -82,25 +87,23 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     t = time.time()
     log("[demo] 4/5 Tune sweep: fine-tune digits from the pre-trained weights and from scratch")
-    spec = build_spec("demo-quick" if quick else "demo", ft, "demo_finetune", ft_overrides,
-                      sources=[os.path.abspath(export_dir), "scratch"])
+    spec = build_spec("demo-quick" if quick else "demo", ft, "demo_finetune", [], changes=ft_changes,
+                      sources=[export_dir, "scratch"])
     for cfg in dataset_configs(spec):
         ensure_shards(cfg, log=log)
-    sweep_path = os.path.join(spec.work_dir, "sweeps", spec.name)
-    resume = os.path.exists(os.path.join(sweep_path, "tuner.pkl"))
+    resume = os.path.exists(os.path.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
     sweep = run_sweep(spec, resume=resume, log=log)
     stage("sweep", t)
 
     log("[demo] 5/5 comparison from MLflow")
     uri = resolve_tracking_uri(ft)
     rows = compare_rows(uri, spec.experiment, sweep=spec.name)
-    table = format_table(rows)
-    plot_path = os.path.abspath(os.path.join(work, "compare.png"))
+    plot_path = os.path.join(work, "compare.png")
     plot_compare(uri, rows, plot_path)
     log_plot_to_parent(uri, sweep["parent_run_id"], plot_path)
-    print(table)
+    print(format_table(rows))
     best = {r["run_name"]: r["best_top1"] for r in rows if r["best_top1"] is not None}
-    by_src = {}
+    by_src: dict[str, float] = {}
     for r in rows:
         if r["best_top1"] is not None:
             key = "scratch" if r["source"] == "scratch" else "pre-trained"
@@ -115,3 +118,22 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     print(f"demo finished in {total:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())})")
     return {"rows": rows, "best": best, "fewshot": fewshot, "sweep": sweep, "seconds": total,
             "plot": plot_path, "tracking_uri": uri}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address)
+    return 0
+
+
+def _add_demo(sub) -> Handler:
+    p = sub.add_parser("demo", help="the whole pipeline on this machine: corpus -> pre-train -> sweep -> table")
+    p.add_argument("--quick", action="store_true", help="a smaller run (under ~3 minutes on 2 cores)")
+    p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
+    p.add_argument("--work-dir", help="where everything goes (default work/demo or work/demo-quick)")
+    add_address(p)
+    return cmd_demo
+
+
+def add_parsers(sub) -> dict[str, Handler]:
+    """Add this group's subcommands to `sub`; returns {command name: handler}."""
+    return {"demo": _add_demo(sub)}

@@ -1,0 +1,158 @@
+"""`vitp` commands that evaluate or bring in weights: fewshot, import, attention, compare.
+
+Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
+Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pipeline.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value
+from pipeline.errors import InputError
+
+
+class _ImportFormats:
+    """`vitp import --format` choices: the importer's own IMPORT_FORMATS, read only when `vitp import`
+    is parsed or its help shown (importing pipeline.model.convert loads torch)."""
+
+    def _formats(self) -> tuple[str, ...]:
+        from pipeline.model.convert import IMPORT_FORMATS  # lazy: keeps vitp --help fast (torch)
+
+        return IMPORT_FORMATS
+
+    def __contains__(self, fmt: object) -> bool:
+        return fmt in self._formats()
+
+    def __iter__(self):
+        return iter(self._formats())
+
+
+# ----------------------------------------------------------------------------- fewshot
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)
+    for key, value in result.items():
+        if key.startswith("fewshot/"):
+            print(f"{key}: {value:.4f}")
+    if result.get("run_id"):
+        print(f"MLflow run: {result['run_id']}")
+    return 0
+
+
+def _add_fewshot(sub) -> Handler:
+    p = sub.add_parser("fewshot", help="few-shot linear evaluation (1/5/10/25 shots, 3 seeds) of weights")
+    add_recipe(p)
+    p.add_argument("--from", dest="source", required=True, help="export dir, checkpoint dir or weights file")
+    add_tracking(p)
+    add_address(p)
+    return cmd_fewshot
+
+
+# ------------------------------------------------------------------------------ import
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from pipeline.model.convert import import_weights  # lazy: keeps vitp --help fast (torch)
+
+    out = import_weights(args.source, args.out, fmt=args.format, image_size=args.image_size,
+                         num_classes=args.num_classes)
+    print(f"wrote {out} (fine-tune with: vitp finetune RECIPE --from {out})")
+    return 0
+
+
+def _add_import(sub) -> Handler:
+    p = sub.add_parser("import", help="convert official .npz / timm / Hugging Face ViT weights to ours")
+    p.add_argument("source", help="a .npz, .safetensors, .pt or .bin file")
+    p.add_argument("--out", required=True, help="export directory to write (model.safetensors + config.json)")
+    p.add_argument("--format", default="auto", choices=_ImportFormats(), metavar="FORMAT",
+                   help="one of %(choices)s: npz = the paper's official JAX checkpoints, ours = an "
+                        "export of this pipeline (default auto: detected from the keys)")
+    p.add_argument("--image-size", type=int, help="resolution the weights were trained at (default: from the pos-embed grid)")
+    p.add_argument("--num-classes", type=int, help="override the inferred head size")
+    return cmd_import
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    import torch  # lazy: keeps vitp --help fast (torch)
+
+    from pipeline.data.decode import DecodeError, decode_image, resize_center_crop  # lazy: keeps vitp --help fast (numpy, pillow)
+    from pipeline.data.ingest import normalize  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.attention import (attention_rollout, mean_attention_distance,  # lazy: keeps vitp --help fast (torch)
+                                          plot_attention_distance, save_rollout_png)
+    from pipeline.train.export import load_model  # lazy: keeps vitp --help fast (torch)
+
+    with open(args.image, "rb") as f:  # a missing image fails before the model loads
+        data = f.read()
+    model = load_model(args.checkpoint)
+    try:
+        arr = resize_center_crop(decode_image(data), model.image_size)  # (S, S, 3) uint8, as evaluation
+    except DecodeError as e:
+        raise InputError(f"{args.image}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
+    x = normalize(torch.tensor(arr)[None]).contiguous()  # (1, 3, S, S); a copy: arr is read-only
+    os.makedirs(args.out, exist_ok=True)
+    roll = attention_rollout(model, x)[0]
+    p1 = save_rollout_png(arr, roll, os.path.join(args.out, "rollout.png"))
+    p2 = plot_attention_distance(mean_attention_distance(model, x), os.path.join(args.out, "attention_distance.png"))
+    print(f"wrote {p1} and {p2}")
+    return 0
+
+
+def _add_attention(sub) -> Handler:
+    p = sub.add_parser("attention", help="attention rollout PNG and mean attention distance plot")
+    p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
+    p.add_argument("image", help="an image file")
+    p.add_argument("--out", default="attention", help="output directory (default ./attention)")
+    return cmd_attention
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pipeline.tracking.compare import compare_rows, format_table, sweep_parents  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
+
+    # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
+    uri = args.tracking_uri or resolve_tracking_uri(config_from(args, check_paths=False))
+    rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)
+    print(format_table(rows, args.format))
+    if args.plot:
+        out = plot_compare(uri, rows, args.plot)
+        for parent in sweep_parents(rows):
+            log_plot_to_parent(uri, parent, out)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _add_compare(sub) -> Handler:
+    p = sub.add_parser("compare", help="table (text/CSV/JSON) and plot of runs from MLflow")
+    p.add_argument("--recipe", default="debug", help="recipe whose MLflow store to read (default debug)")
+    add_set(p, help="override the recipe (e.g. --set work_dir=...)")
+    add_tracking(p, can_disable=False, help="MLflow tracking URI (overrides the recipe's store)")
+    p.add_argument("--experiment", action="append", help="experiment name(s); default all")
+    p.add_argument("--sweep", help="only the runs of this sweep")
+    p.add_argument("--tag", action="append", default=[], type=key_value, metavar="KEY=VALUE", help="filter by tag")
+    p.add_argument("--filter", default="", help="an MLflow filter string, ANDed with the rest")
+    p.add_argument("--format", choices=["text", "csv", "json"], default="text")
+    p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset")
+    return cmd_compare
+
+
+def add_parsers(sub) -> dict[str, Handler]:
+    """Add this group's subcommands to `sub`; returns {command name: handler}."""
+    return {"fewshot": _add_fewshot(sub), "import": _add_import(sub), "attention": _add_attention(sub),
+            "compare": _add_compare(sub)}

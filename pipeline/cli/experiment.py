@@ -1,0 +1,266 @@
+"""`vitp` commands that build an experiment: config, model, synth, preprocess, pretrain, finetune, sweep, export.
+
+Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
+Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline import recipes
+from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
+                               typed_changes)
+from pipeline.config import ExperimentConfig, parse_value, set_values, valid_keys, validate
+from pipeline.errors import ConfigError
+from pipeline.train.transfer import finetune_config
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, fn in recipes.RECIPES.items():
+            first = (fn.__doc__ or "").strip().splitlines()[0]
+            print(f"{name:24s} {first}")
+        return 0
+    if not args.recipe:
+        raise ConfigError("name a recipe, or --list to see them")
+    cfg = config_from(args, check_paths=not args.no_path_check)
+    print("\n".join(valid_keys(cfg)) if args.keys else cfg.to_json())
+    return 0
+
+
+def _add_config(sub) -> Handler:
+    p = sub.add_parser("config", help="print a recipe's resolved config as JSON")
+    add_recipe(p, optional=True)
+    p.add_argument("--list", action="store_true", help="list the recipes")
+    p.add_argument("--keys", action="store_true", help="list every settable dotted key")
+    p.add_argument("--no-path-check", action="store_true",
+                   help="skip checking that data paths exist (to inspect a cluster recipe locally)")
+    return cmd_config
+
+
+# ------------------------------------------------------------------------------- model
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from pipeline.model.flops import forward_flops, training_flops  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.vit import build_vit  # lazy: keeps vitp --help fast (torch)
+
+    cfg = validate(set_values(ExperimentConfig(), {"model.variant": args.variant, "model.head": args.head,
+                                                   "model.num_classes": args.num_classes,
+                                                   "data.image_size": args.image_size}), check_paths=False)
+    model = build_vit(cfg.model, args.image_size, device="meta")  # counts without allocating
+    params = sum(p.numel() for p in model.parameters())
+    rep = model.representation_size if args.head == "pretrain" else None
+    fwd = forward_flops(args.variant, args.image_size, args.num_classes, rep)
+    info = {
+        "variant": args.variant,
+        "image_size": args.image_size,
+        "tokens": model.grid**2 + 1,
+        "depth": model.spec.depth,
+        "width": model.spec.width,
+        "mlp_dim": model.spec.mlp_dim,
+        "heads": model.spec.heads,
+        "head": args.head,
+        "num_classes": args.num_classes,
+        "params_m": round(params / 1e6, 3),
+        "forward_gflops": round(fwd / 1e9, 2),
+        "train_gflops": round(training_flops(args.variant, args.image_size, args.num_classes, rep) / 1e9, 2),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"ViT-{args.variant} at {args.image_size}px: {info['params_m']:.2f}M params, "
+              f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
+        print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
+              f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+    return 0
+
+
+def _add_model(sub) -> Handler:
+    p = sub.add_parser("model", help="params and GFLOPs of a ViT variant")
+    p.add_argument("variant", help='e.g. "B/16", "H/14", "Ti/16"')
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
+                   help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
+    p.add_argument("--json", action="store_true")
+    return cmd_model
+
+
+# ----------------------------------------------------------------------- synth, preprocess
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
+    return 0
+
+
+def _add_synth(sub) -> Handler:
+    p = sub.add_parser("synth", help="render the synthetic fractal corpus (ImageFolder) with Ray Data")
+    add_recipe(p)
+    p.add_argument("--out", help="output directory (default <work_dir>/synth)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
+    add_address(p)
+    return cmd_synth
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    summary = run_preprocess(cfg, overwrite=args.overwrite, out_dir=args.out)
+    return 0 if summary.get("written", 0) > 0 else 1
+
+
+def _add_preprocess(sub) -> Handler:
+    p = sub.add_parser("preprocess", help="decode, validate, resize and shard a corpus to Parquet")
+    add_recipe(p)
+    p.add_argument("--out", help="shard directory (default data.shards or <work_dir>/shards/<source>)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing shards")
+    add_address(p)
+    return cmd_preprocess
+
+
+# --------------------------------------------------------------------- pretrain, finetune
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking)
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, "
+          f"train/loss {summary.metrics.get('train/loss', float('nan')):.4f}")
+    print(f"  checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"  MLflow run: {summary.mlflow_run_id}")
+    print(f"  export:     vitp export {summary.checkpoint}")
+    return 0
+
+
+def _add_pretrain(sub) -> Handler:
+    p = sub.add_parser("pretrain", help="pre-train a ViT with Ray Train + DeepSpeed ZeRO")
+    add_recipe(p)
+    add_tracking(p)
+    add_address(p)
+    return cmd_pretrain
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+
+    user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
+    cfg, tags = finetune_config(recipe_config(args), args.source, user_keys)
+    cfg = validate(cfg)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
+    m = summary.metrics
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {m.get('step')}, "
+          f"val/top1 {m.get('val/top1', float('nan')):.4f}, val/loss {m.get('val/loss', float('nan')):.4f}")
+    print(f"  checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"  MLflow run: {summary.mlflow_run_id}")
+    return 0
+
+
+def _add_finetune(sub) -> Handler:
+    p = sub.add_parser("finetune", help="fine-tune from pre-trained weights (or scratch) with the transfer recipe")
+    add_recipe(p)
+    p.add_argument("--from", dest="source", required=True,
+                   help="checkpoint dir, export dir (vitp export / vitp import), .safetensors file, or 'scratch'")
+    add_tracking(p)
+    add_address(p)
+    return cmd_finetune
+
+
+# ------------------------------------------------------------------------------- sweep
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tune.sweep import build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+
+    base = recipe_config(args)  # build_spec validates every trial's config: once, not here too
+    space = {}
+    for item in args.space:
+        key, _, values = item.partition("=")
+        space[key] = [parse_value(key, v) for v in values.split(",") if v]
+    spec = build_spec(args.name or args.recipe, base, args.recipe, args.overrides, changes=typed_changes(args),
+                      recipes=args.datasets.split(",") if args.datasets else None,
+                      sources=args.sources or None, extra_space=space)
+    connect_ray(base, args.address)
+    for cfg in dataset_configs(spec):  # shards once, before trials race for them
+        ensure_shards(cfg)
+    summary = run_sweep(spec, resume=args.resume)
+    print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
+    for dataset, best in summary["best"].items():
+        print(f"best on {dataset}: {best['run_name']} {spec.metric} {best['top1']:.4f}")
+    if summary["failed"]:
+        print(f"{len(summary['failed'])} trial(s) failed:", file=sys.stderr)
+        for f in summary["failed"]:
+            print(f"  {f['trial']}: {f['error']}", file=sys.stderr)
+    return 0
+
+
+def _add_sweep(sub) -> Handler:
+    p = sub.add_parser("sweep", help="Ray Tune sweep of fine-tuning runs (lr x datasets x sources)")
+    add_recipe(p)
+    p.add_argument("--name", help="sweep name (default: the recipe); also the MLflow parent run")
+    p.add_argument("--datasets", help="comma-separated fine-tuning recipes to sweep over, e.g. "
+                                      "finetune_cifar10,finetune_pets")
+    p.add_argument("--from", dest="sources", action="append", default=[],
+                   help="a source to start from (repeatable): checkpoint/export path or 'scratch'")
+    p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
+                   help="add a grid axis, e.g. --space optim.lr=0.01,0.03 (repeatable)")
+    p.add_argument("--scheduler", choices=["none", "asha"], help="override tune.scheduler")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    add_tracking(p, can_disable=False)
+    add_address(p)
+    return cmd_sweep
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipeline.train.export import export  # lazy: keeps vitp --help fast (torch)
+
+    out = args.out or args.checkpoint.rstrip("/") + "-export"
+    export(args.checkpoint, out)
+    print(f"wrote {out}/model.safetensors and {out}/config.json")
+    return 0
+
+
+def _add_export(sub) -> Handler:
+    p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
+    p.add_argument("checkpoint", help="a checkpoint directory written by pretrain/finetune")
+    p.add_argument("--out", help="output directory (default CHECKPOINT-export)")
+    return cmd_export
+
+
+def add_parsers(sub) -> dict[str, Handler]:
+    """Add this group's subcommands to `sub`; returns {command name: handler}."""
+    return {"config": _add_config(sub), "model": _add_model(sub), "synth": _add_synth(sub),
+            "preprocess": _add_preprocess(sub), "pretrain": _add_pretrain(sub),
+            "finetune": _add_finetune(sub), "sweep": _add_sweep(sub), "export": _add_export(sub)}

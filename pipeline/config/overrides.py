@@ -1,0 +1,142 @@
+"""Dotted config keys ("optim.lr"): their types, `--set KEY=VALUE` text parsing, and typed edits.
+
+Owns `parse_value` (the one text -> typed-value parser, for `--set` and `--space`), `apply_overrides`
+(people: CLI and job specs) and `set_values` (code: already-typed values, checked). Must not
+validate cross-field rules (validate.py does) or import torch or ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, Literal, Mapping
+
+from ..errors import ConfigError
+from .coerce import coerce, hints
+from .schema import ExperimentConfig
+
+
+def valid_keys(cfg: ExperimentConfig | None = None) -> list[str]:
+    """Every dotted key `--set` accepts, e.g. 'optim.lr'."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        types = hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = types[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            else:
+                out.append(prefix + f.name)
+
+    walk(ExperimentConfig, "")
+    return out
+
+
+def field_type(key: str) -> Any:
+    """The declared type of a dotted key; ConfigError with the valid keys if unknown."""
+    parts = key.split(".")
+    cls: Any = ExperimentConfig
+    for i, part in enumerate(parts):
+        types = hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in types:
+            raise ConfigError(
+                f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}"
+            )
+        cls = types[part]
+        if i < len(parts) - 1 and not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+    if dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{key!r} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(cls)[0].name}=...")
+    return cls
+
+
+def parse_value(key: str, text: str) -> Any:
+    """The right-hand side of `--set key=text` as a value of the key's declared type.
+
+    "0.003" -> 0.003 for a float, "true"/"off" for a bool, "none" for an Optional, JSON or
+    "a,b,c" for lists and tuples, a JSON object for dicts. ConfigError names the key and the type.
+    """
+    return _parse_text(text, field_type(key), key)
+
+
+def _parse_text(text: str, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    low = text.strip().lower()
+    if origin is typing.Union and type(None) in args:
+        if low in ("none", "null", ""):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _parse_text(text, inner, key)
+    if tp is bool:
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"--set {key}={text}: expected true or false")
+    if tp is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+            raise ConfigError(f"--set {key}={text}: expected an integer") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"--set {key}={text}: expected a number") from None
+    if tp is str or origin is Literal:
+        return coerce(text, tp, key)
+    if origin in (tuple, list, dict) or tp in (list, dict):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            if origin is tuple or origin is list or tp is list:  # also accept "a,b,c"
+                parts = [p.strip() for p in text.split(",") if p.strip()]
+                inner = args[0] if args else str
+                value = [_parse_text(p, inner, key) for p in parts]
+            else:
+                raise ConfigError(f"--set {key}={text}: expected a JSON object") from None
+        return coerce(value, tp, key)
+    raise ConfigError(f"--set {key}: unsupported field type {tp}")
+
+
+def set_values(cfg: ExperimentConfig, values: Mapping[str, Any]) -> ExperimentConfig:
+    """A copy of cfg with each dotted key set to its already-typed value, e.g.
+    `set_values(cfg, {"optim.lr": 0.01, "model.head": "finetune"})`.
+
+    Each value is checked against the key's declared type (ConfigError on an unknown key or a
+    wrong type); not validated across fields. For code; people's `--set` text goes through
+    apply_overrides.
+    """
+    d = cfg.to_dict()
+    for key, value in values.items():
+        value = coerce(value, field_type(key), key)
+        node = d
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = json.loads(json.dumps(value))  # plain JSON types, as in to_dict()
+    return ExperimentConfig.from_dict(d)
+
+
+def set_value(cfg: ExperimentConfig, key: str, value: Any) -> ExperimentConfig:
+    """A copy of cfg with dotted `key` set to an already-typed value (checked); see set_values."""
+    return set_values(cfg, {key: value})
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]) -> ExperimentConfig:
+    """Apply `a.b=v` strings, type-checked against the dataclasses; returns a new config."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.003")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        cfg = set_value(cfg, key, parse_value(key, text))
+    return cfg

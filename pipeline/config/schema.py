@@ -1,0 +1,187 @@
+"""The typed experiment config: one dataclass per concern, and its plain-dict form.
+
+Owns the schema and `ExperimentConfig.to_dict()` (the single source of truth sent to workers,
+MLflow and `config.json`) and the run-name formula. Must not parse `--set` text, validate, or
+import torch or ray: the CLI, the job submitter and the tests all read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .coerce import from_mapping
+
+# --------------------------------------------------------------------------------------
+# The config sections. Defaults are the paper's where it has one.
+# --------------------------------------------------------------------------------------
+
+DataSource = Literal[
+    "synthetic", "imagefolder", "csv", "parquet", "webdataset", "cifar10", "cifar100",
+    "digits", "pets", "flowers", "imagenet",
+]
+
+
+@dataclass
+class DataConfig:
+    """Where images come from, how they are stored in shards, and how ingest augments them."""
+
+    source: DataSource = "synthetic"
+    path: str = ""  # input corpus (path or s3://, gs:// URI); unused for synthetic / digits
+    shards: str = ""  # Parquet shard directory; "" = <work_dir>/shards/<source>
+    image_size: int = 224  # training resolution fed to the model
+    storage_size: int = 256  # shorter side stored in shards (resize + centre crop)
+    num_classes: int = 1000
+    val_fraction: float = 0.02  # split by hash of the file identity, so it is stable
+    storage_format: Literal["uint8", "jpeg"] = "uint8"
+    jpeg_quality: int = 95
+    shard_mb: int = 256  # target shard size
+    synth_classes: int = 1000  # synthetic fractal corpus: classes (one IFS each)
+    synth_images_per_class: int = 1000
+    augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"
+    crop_scale_min: float = 0.08  # inception crop area range lower bound
+    hflip: bool = True
+    # The official code normalises to [-1, 1]: (x/255 - 0.5) / 0.5 on the device.
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+
+@dataclass
+class ModelConfig:
+    """The ViT: a variant string plus the head and regularisation choices."""
+
+    variant: str = "B/16"
+    num_classes: int = 1000
+    pool: Literal["cls", "gap"] = "cls"
+    # "pretrain": tanh pre-logits (width D) + linear; "finetune": zero-init linear only.
+    head: Literal["pretrain", "finetune"] = "pretrain"
+    representation_size: Optional[int] = None  # pre-logits width; None = model width D
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    grad_checkpointing: bool = False  # recompute each block in backward (activation memory)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and LR schedule. Defaults: the paper's pre-training Adam recipe."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.03
+    momentum: float = 0.9  # sgd only
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    warmup_steps: int = 10_000
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
+
+
+@dataclass
+class ParallelConfig:
+    """Data parallelism across Ray Train workers and the DeepSpeed ZeRO settings."""
+
+    num_workers: int = 8
+    use_gpu: bool = True
+    cpus_per_worker: float = 8.0
+    gpus_per_worker: float = 1.0
+    global_batch: int = 4096
+    micro_batch: int = 64  # per worker per forward/backward
+    grad_accum: int = 8  # global_batch = micro_batch * grad_accum * num_workers
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False  # ZeRO-3 only
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+@dataclass
+class TrainConfig:
+    """Length, cadence, checkpoints and fault tolerance of a training run."""
+
+    steps: int = 90_000  # optimizer steps
+    log_every: int = 50
+    eval_every: int = 0  # 0 = only at the end
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 2
+    seed: int = 0
+    max_failures: int = 3  # Ray Train worker-group restarts before the run fails
+    resume: Literal["auto", "never", "must"] = "auto"
+    init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
+    device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312
+
+
+@dataclass
+class TuneConfig:
+    """Ray Tune sweep over dotted config keys."""
+
+    space: dict[str, list] = field(default_factory=dict)  # e.g. {"optim.lr": [0.001, 0.003]}
+    search: Literal["grid", "random"] = "grid"
+    num_samples: int = 1  # random search draws; grid repeats
+    scheduler: Literal["none", "asha"] = "none"
+    metric: str = "val/top1"
+    mode: Literal["max", "min"] = "max"
+    max_concurrent_trials: int = 0  # 0 = derived from cluster resources
+    trial_retries: int = 1
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow: where runs go and how they are named."""
+
+    uri: str = ""  # "" = sqlite:///<work_dir>/mlflow.db
+    experiment: str = "vit-pipeline"
+    run_name: str = ""  # "" = <recipe>-<variant>-<dataset>
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ExperimentConfig:
+    """Everything one command needs. `recipe` names the function in recipes.py it came from."""
+
+    recipe: str = "custom"
+    work_dir: str = "work"  # local path or URI; shards, checkpoints, MLflow store live here
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    # ---------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON types (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExperimentConfig":
+        """Inverse of to_dict; unknown keys raise ConfigError listing the valid ones."""
+        return from_mapping(cls, d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    # ---------------------------------------------------------------- derived values
+    @property
+    def run_name(self) -> str:
+        """THE run-name formula (MLflow run, Ray Train run directory): `<recipe>-<variant>-<source>`."""
+        if self.tracking.run_name:
+            return self.tracking.run_name
+        return f"{self.recipe}-{self.model.variant.replace('/', '')}-{self.data.source}"
+
+    def replace(self, **sections: Any) -> "ExperimentConfig":
+        """A copy with whole sections (or `recipe`, `work_dir`) replaced: `cfg.replace(data=...)`."""
+        return dataclasses.replace(self, **sections)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: the MLflow params view of the resolved config."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v) and k not in ("space", "tags"):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

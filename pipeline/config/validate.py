@@ -1,0 +1,165 @@
+"""Validation at the edge: every check that can run before Ray starts, all problems at once.
+
+Owns `validate` (called once per command, where input enters: CLI, job specs) and `absolute_paths`.
+Must not change any value other than making local paths absolute, nor import torch or ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import ConfigError
+# The one allowed edge from config into model: the variant table is a torch-free leaf module.
+from ..model.variants import decode_variant
+from ..storage import abspath, exists, is_uri
+from .overrides import field_type
+from .schema import ExperimentConfig
+
+
+def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfig:
+    """The config with local paths made absolute, or ConfigError listing every problem.
+
+    Each problem names the field and the fix. `check_paths=False` skips the existence checks of
+    data.path and train.init_from (cluster recipes whose paths live on the cluster).
+    """
+    problems = [
+        *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg),
+        *(_path_problems(cfg) if check_paths else []),
+    ]
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return absolute_paths(cfg)
+
+
+def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Local relative paths made absolute against the current directory (URIs untouched).
+
+    Ray workers run in their own working directories, so the driver resolves paths once.
+    `storage.abspath` leaves "" (unset) and "scratch" alone too."""
+    return dataclasses.replace(
+        cfg, work_dir=abspath(cfg.work_dir),
+        data=dataclasses.replace(cfg.data, path=abspath(cfg.data.path), shards=abspath(cfg.data.shards)),
+        train=dataclasses.replace(cfg.train, init_from=abspath(cfg.train.init_from)),
+    )
+
+
+def _shape_problems(cfg: ExperimentConfig) -> list[str]:
+    """The model variant against the image size, and the data section's ranges."""
+    d, m = cfg.data, cfg.model
+    problems: list[str] = []
+    try:
+        spec = decode_variant(m.variant)
+    except ConfigError as e:
+        problems.append(str(e))
+        spec = None
+    if spec is not None:
+        if d.image_size % spec.patch:
+            ok = [s for s in range(max(spec.patch, d.image_size - 2 * spec.patch), d.image_size + 2 * spec.patch + 1) if s % spec.patch == 0]
+            problems.append(
+                f"data.image_size={d.image_size} is not divisible by the patch size {spec.patch} "
+                f"of model.variant={m.variant!r}: use a multiple of {spec.patch} (e.g. {', '.join(map(str, ok[:3]))})"
+            )
+        if spec.width % spec.heads:
+            problems.append(
+                f"model.variant={m.variant!r}: heads {spec.heads} do not divide width {spec.width}"
+            )
+    if d.image_size <= 0:
+        problems.append(f"data.image_size={d.image_size}: must be positive")
+    # data.storage_size < data.image_size is allowed: ingest upscales (e.g. digits 8x8 -> 32).
+    if m.num_classes <= 0:
+        problems.append(f"model.num_classes={m.num_classes}: must be positive")
+    if not 0.0 <= d.val_fraction < 1.0:
+        problems.append(f"data.val_fraction={d.val_fraction}: must be in [0, 1)")
+    if not 1 <= d.jpeg_quality <= 100:
+        problems.append(f"data.jpeg_quality={d.jpeg_quality}: must be in 1..100")
+    if not 0.0 < d.crop_scale_min <= 1.0:
+        problems.append(f"data.crop_scale_min={d.crop_scale_min}: must be in (0, 1]")
+    return problems
+
+
+def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
+    """ZeRO stage and offload combinations, the batch arithmetic, and the device."""
+    p = cfg.parallel
+    problems: list[str] = []
+    if p.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero_stage={p.zero_stage}: ZeRO stage must be 0, 1, 2 or 3")
+    if p.offload_params and p.zero_stage != 3:
+        problems.append(
+            f"parallel.offload_params=true needs parallel.zero_stage=3 (got {p.zero_stage}): "
+            "set parallel.zero_stage=3 or parallel.offload_params=false"
+        )
+    if p.offload_optimizer and p.zero_stage == 0:
+        problems.append(
+            "parallel.offload_optimizer=true needs ZeRO stage 1-3: set parallel.zero_stage=1 or higher"
+        )
+    for name in ("num_workers", "micro_batch", "grad_accum", "global_batch"):
+        if getattr(p, name) <= 0:
+            problems.append(f"parallel.{name}={getattr(p, name)}: must be positive")
+    if min(p.num_workers, p.micro_batch, p.grad_accum) > 0:
+        product = p.micro_batch * p.grad_accum * p.num_workers
+        if product != p.global_batch:
+            fix_accum = p.global_batch / (p.micro_batch * p.num_workers)
+            hint = (
+                f"set parallel.grad_accum={int(fix_accum)}" if fix_accum.is_integer() and fix_accum >= 1
+                else f"set parallel.global_batch={product}"
+            )
+            problems.append(
+                f"parallel.global_batch {p.global_batch} != micro {p.micro_batch} x accum "
+                f"{p.grad_accum} x world {p.num_workers} = {product}: {hint}"
+            )
+    if p.use_gpu and p.gpus_per_worker <= 0:
+        problems.append("parallel.gpus_per_worker must be > 0 when parallel.use_gpu=true")
+    if not p.use_gpu and p.precision == "fp16":
+        problems.append(
+            "parallel.precision='fp16' needs a GPU: use 'bf16' or 'fp32' with parallel.use_gpu=false"
+        )
+    return problems
+
+
+def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
+    """Optimizer, run length and cadence, and the sweep's keys."""
+    o, t = cfg.optim, cfg.train
+    problems: list[str] = []
+    if o.lr <= 0:
+        problems.append(f"optim.lr={o.lr}: must be positive")
+    if o.warmup_steps < 0 or o.warmup_steps > t.steps:
+        problems.append(
+            f"optim.warmup_steps={o.warmup_steps} must be in 0..train.steps={t.steps}"
+        )
+    if o.grad_clip < 0:
+        problems.append(f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
+    if t.steps <= 0:
+        problems.append(f"train.steps={t.steps}: must be positive")
+    for name in ("log_every", "checkpoint_every", "eval_every", "max_failures"):
+        if getattr(t, name) < 0:
+            problems.append(f"train.{name}={getattr(t, name)}: must be >= 0")
+    for key in cfg.tune.space:
+        try:
+            field_type(key)
+        except ConfigError:
+            problems.append(
+                f"tune.space key {key!r} is not a config key: use dotted keys such as 'optim.lr'"
+            )
+    return problems
+
+
+def _path_problems(cfg: ExperimentConfig) -> list[str]:
+    """Local input paths that do not exist (URIs are not checked: that would need the network)."""
+    d, t = cfg.data, cfg.train
+    problems: list[str] = []
+    needs_path = d.source not in ("synthetic", "digits")
+    if needs_path and not d.path:
+        problems.append(
+            f"data.path is empty but data.source={d.source!r} reads files: "
+            f"set --set data.path=/path/to/{d.source}"
+        )
+    elif needs_path and not is_uri(d.path) and not exists(d.path):
+        problems.append(
+            f"data.path={d.path!r} does not exist: point it at the {d.source} dataset "
+            "(local path or s3://, gs:// URI)"
+        )
+    if t.init_from and t.init_from != "scratch" and not is_uri(t.init_from) and not exists(t.init_from):
+        problems.append(
+            f"train.init_from={t.init_from!r} does not exist: give a checkpoint directory, "
+            "an exported .safetensors file, or 'scratch'"
+        )
+    return problems

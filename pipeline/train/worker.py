@@ -1,0 +1,168 @@
+"""The Ray Train worker: `train_per_worker` (build, restore, stream shards, train, report,
+checkpoint) and the dataset factories Train calls on every worker-group (re)start.
+
+Runs inside Ray Train; the driver (trainer.py) hands it a config dict. Must not import trainer.py.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+import tempfile
+import time
+from typing import Any, Iterator
+
+import ray.train
+import torch
+from ray.data import DataContext
+
+from ..config import ExperimentConfig
+from ..data.ingest import build_eval_dataset, build_train_dataset, iter_device_batches, train_rows_per_epoch
+from ..tracking.runs import RunLogger
+from . import checkpoint as ckpt
+from .engine import device_for
+from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
+
+
+class TrainDatasetFactory:
+    """Picklable `() -> Dataset` for Train: called on every worker-group (re)start, it streams
+    from the epoch the newest complete checkpoint stopped in (the data position)."""
+
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.cfg_dict = cfg_dict
+
+    def __call__(self):
+        DataContext.get_current().enable_progress_bars = False  # the split runs in this process
+        cfg = ExperimentConfig.from_dict(self.cfg_dict)
+        return build_train_dataset(cfg, start_epoch=ckpt.stream_start_epoch(cfg))
+
+
+class EvalDatasetFactory:
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.cfg_dict = cfg_dict
+
+    def __call__(self):
+        DataContext.get_current().enable_progress_bars = False
+        return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
+
+
+def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_start: float, start_step: int) -> str:
+    done = step - start_step
+    rate = done / max(time.time() - t_start, 1e-9)
+    eta = (cfg.train.steps - step) / rate if rate > 0 else float("inf")
+    eta_s = f"{int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s" if math.isfinite(eta) else "?"
+    line = (f"[{cfg.run_name}] step {step}/{cfg.train.steps} loss {m['train/loss']:.4f} "
+            f"lr {m['train/lr']:.2e} {m['perf/images_per_sec']:.1f} img/s mfu {m['perf/mfu']:.2%} ETA {eta_s}")
+    if "val/top1" in m:
+        line += f" | val top1 {m['val/top1']:.3f} loss {m['val/loss']:.3f}"
+    return line
+
+
+def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch]:
+    """Log max |logits| of the first micro-batch before any update; the batch is not lost."""
+    first = next(stream)
+    with torch.no_grad():
+        module = engine.module
+        was = module.training
+        module.eval()
+        absmax = engine(first[0].to(next(module.parameters()).dtype)).abs().max().item()
+        module.train(was)
+    if logger:
+        logger.log_metrics({"train/init_logit_absmax": absmax}, step=0)
+    return itertools.chain([first], stream)
+
+
+def _pick_checkpoint(cfg: ExperimentConfig, reported):
+    """The checkpoint to resume from: Ray's latest registered one, or a newer one on storage
+    whose completion markers are all present. A worker killed inside `ray.train.report` leaves
+    a checkpoint that every rank finished writing but Ray never registered; the markers make it
+    safe to use, so no finished work is thrown away."""
+    newest = ckpt.latest_complete_checkpoint(cfg)
+    if newest is None:
+        return reported
+    newest_step = ckpt.read_meta(newest)["step"]
+    if reported is not None:
+        with reported.as_directory() as d:
+            if ckpt.verify(d)[0] and ckpt.read_meta(d)["step"] >= newest_step:
+                return reported
+    return ray.train.Checkpoint.from_directory(newest)
+
+
+def train_per_worker(config: dict[str, Any]) -> None:
+    """Runs on each Ray Train worker: build, restore, stream shards, train, report, checkpoint.
+
+    `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None}.
+    """
+    cfg = ExperimentConfig.from_dict(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = device_for(cfg)
+    engine, _, _ = build_model_and_engine(cfg, world)
+
+    state = ckpt.TrainState()
+    restored = _pick_checkpoint(cfg, ray.train.get_checkpoint())
+    if restored is not None:
+        with restored.as_directory() as d:
+            state = ckpt.load(engine, d)
+        if rank == 0:
+            print(f"[{cfg.run_name}] resumed from {restored.path} at step {state.step}", flush=True)
+    elif cfg.train.resume == "must":
+        raise RuntimeError(
+            f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "
+            "check the run name / work_dir, or use train.resume=auto"
+        )
+
+    logger = None
+    if rank == 0 and config.get("mlflow"):
+        logger = RunLogger.start(config["mlflow"]["uri"], cfg.tracking.experiment, cfg.run_name,
+                                 run_id=config["mlflow"]["run_id"])
+
+    if logger and restored is not None:
+        logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
+
+    # Data position: this attempt's stream starts at the epoch of the newest complete checkpoint
+    # (TrainDatasetFactory); skip the micro-batches of that epoch the restored steps consumed.
+    epoch_rows = train_rows_per_epoch(cfg)
+    stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
+                                 device, mean=cfg.data.mean, std=cfg.data.std)
+    if restored is not None:
+        consumed = state.samples_seen - ckpt.stream_start_epoch(cfg) * epoch_rows
+        for _ in range(max(0, consumed) // (world * cfg.parallel.micro_batch)):
+            next(stream, None)
+
+    def eval_batches():
+        shard = ray.train.get_dataset_shard("val")
+        return iter_device_batches(shard, cfg.parallel.micro_batch, device, mean=cfg.data.mean,
+                                   std=cfg.data.std, drop_last=False)
+
+    t_start, start_step = time.time(), state.step
+
+    def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
+        if rank == 0:
+            print(_progress_line(cfg, step, metrics, t_start, start_step), flush=True)
+            if logger:
+                logger.log_metrics(metrics, step=step)
+        if "val/top1" in metrics and not checkpoint_due:
+            # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
+            ray.train.report({"step": step, **metrics})
+
+    def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
+        st.epoch = st.samples_seen // max(epoch_rows, 1)
+        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-")
+        try:
+            ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
+                      mlflow_run_id=(config.get("mlflow") or {}).get("run_id"), metrics=metrics)
+            ray.train.report({"step": step, **metrics},
+                             checkpoint=ray.train.Checkpoint.from_directory(local),
+                             checkpoint_dir_name=f"checkpoint_{step:08d}")
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    if state.step == 0 and cfg.model.head == "finetune":
+        # The transfer head starts at zero: record the largest |logit| of the first batch.
+        stream = _peek_init_logits(engine, stream, logger)
+
+    has_val = "val" in config.get("datasets", ["val"])
+    hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
+                      eval_batches=eval_batches if has_val else None)
+    run_loop(cfg, engine, stream, state, hooks, rank, world)

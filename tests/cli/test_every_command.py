@@ -1,0 +1,583 @@
+"""Every `vitp` subcommand once, as a user runs it: the installed console script in a subprocess,
+on tiny inputs, checking what it printed or wrote (not only the exit code).
+
+Fast part (`make test`, ~1 min): --help, config (+ --list, --keys), model, import (each
+--format), and bad invocations (one line on stderr, the documented exit code). The e2e part
+(`make test-e2e`): one chained scenario in a temporary work dir, synth -> preprocess -> pretrain
+-> export -> import / attention / finetune / fewshot / sweep -> compare; demo --quick;
+mlflow-server; submit + jobs against a local Ray cluster (cluster/local.sh).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VITP = Path(sys.executable).parent / "vitp"  # the console script the venv installed
+COMMANDS = ("config", "model", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
+            "fewshot", "import", "attention", "compare", "submit", "jobs", "mlflow-server", "demo")
+
+
+def vitp_env() -> dict[str, str]:
+    """The user's environment without a Ray/MLflow address of some other run, venv first on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_API_SERVER", "MLFLOW_TRACKING"))}
+    env["PATH"] = f"{VITP.parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@dataclass
+class Run:
+    args: tuple[str, ...]
+    rc: int
+    out: str
+    err: str
+    seconds: float
+
+    def __str__(self) -> str:  # what a failed assertion shows
+        return (f"$ vitp {' '.join(self.args)}  (exit {self.rc}, {self.seconds:.0f}s)\n"
+                f"--- stdout (tail)\n{self.out[-3000:]}\n--- stderr (tail)\n{self.err[-3000:]}")
+
+
+def vitp(*args: str, cwd: Path | None = None, timeout: float = 600) -> Run:
+    t0 = time.monotonic()
+    p = subprocess.run([str(VITP), *args], cwd=cwd or ROOT, env=vitp_env(), capture_output=True,
+                       text=True, timeout=timeout)
+    return Run(args, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+
+
+def ok(r: Run) -> Run:
+    assert r.rc == 0, str(r)
+    assert "Traceback" not in r.err, str(r)
+    return r
+
+
+def one_line_error(r: Run, command: str, code: int, mentions: str) -> None:
+    """The documented failure shape: exit `code`, exactly one stderr line `vitp CMD: ...` naming
+    the bad input, no traceback, nothing on stdout."""
+    lines = r.err.strip().splitlines()
+    assert r.rc == code, str(r)
+    assert len(lines) == 1 and lines[0].startswith(f"vitp {command}: "), str(r)
+    assert mentions in lines[0], str(r)
+    assert r.out == "", str(r)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# =============================================================================== fast part
+
+
+def test_help_lists_every_command_and_the_exit_codes():
+    t0 = time.monotonic()
+    r = ok(vitp("--help"))
+    print(f"vitp --help: {time.monotonic() - t0:.2f}s wall")
+    listed = set(re.findall(r"^\s{4}(\S+)\s", r.out, re.M))
+    assert set(COMMANDS) <= listed, f"not in --help: {set(COMMANDS) - listed}\n{r.out}"
+    assert "--debug" in r.out
+    epilog = r.out[r.out.lower().index("exit codes"):]
+    codes = {int(c) for c in re.findall(r"^\s+(\d+)\s+\S", epilog, re.M)}
+    assert {0, 1, 2, 3} <= codes, epilog
+
+
+def test_config_list_keys_and_resolved_json(tmp_path):
+    from pipeline.recipes import RECIPES
+
+    r = ok(vitp("config", "--list"))
+    names = [line.split()[0] for line in r.out.splitlines() if line.strip()]
+    assert names == list(RECIPES) and all(len(line.split()) > 1 for line in r.out.splitlines())
+
+    r = ok(vitp("config", "--keys", "debug"))
+    keys = r.out.split()
+    assert {"optim.lr", "train.steps", "data.synth_images_per_class", "tracking.uri"} <= set(keys)
+
+    r = ok(vitp("config", "debug", "--set", "train.steps=40", "--set", f"work_dir={tmp_path}",
+                "--set", "optim.lr=0.005"))
+    cfg = json.loads(r.out)
+    assert cfg["recipe"] == "debug" and cfg["train"]["steps"] == 40 and cfg["optim"]["lr"] == 0.005
+    assert cfg["work_dir"] == str(tmp_path) and cfg["model"]["variant"] == "pico/8"
+
+
+def test_model_prints_the_paper_numbers():
+    info = json.loads(ok(vitp("model", "Ti/16", "--json")).out)
+    assert (info["depth"], info["width"], info["mlp_dim"], info["heads"], info["tokens"]) == (12, 192, 768, 3, 197)
+    assert info["params_m"] == pytest.approx(5.717, abs=1e-3)  # docs/paper.md: 5.7M
+    assert info["forward_gflops"] == pytest.approx(2.51, abs=0.01)
+    assert info["train_gflops"] == pytest.approx(3 * 2.507, abs=0.01)  # training = 3 x forward
+
+
+# --- bad invocations: one line, the documented exit code (tests/cli/test_errors.py has more)
+
+
+@pytest.mark.parametrize("args, mentions", [
+    (("config", "no_such_recipe"), "no_such_recipe"),
+    (("config", "debug", "--set", "optim.lrr=1"), "optim.lrr"),
+    (("finetune", "debug_finetune", "--from", "/nonexistent/weights"), "/nonexistent/weights"),
+    (("export", "/nonexistent"), "/nonexistent"),
+    (("import", "/nonexistent/vit.npz", "--out", "/nonexistent/out"), "/nonexistent/vit.npz"),
+], ids=["unknown-recipe", "bad-set-key", "missing-from", "export-missing", "import-missing"])
+def test_bad_invocation_is_one_line_and_exit_2(args, mentions, tmp_path):
+    one_line_error(vitp(*args, cwd=tmp_path), args[0], 2, mentions)
+
+
+def test_unreachable_cluster_is_one_line_and_exit_3():
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    one_line_error(vitp("jobs", "list", "--address", address), "jobs", 3, address)
+
+
+def test_unknown_subcommand_is_an_argparse_error():
+    r = vitp("frobnicate")
+    assert r.rc == 2 and "invalid choice: 'frobnicate'" in r.err and "Traceback" not in r.err, str(r)
+
+
+def test_output_piped_into_head_leaves_no_traceback():
+    p = subprocess.run(f"'{VITP}' config debug | head -3", shell=True, cwd=ROOT, env=vitp_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert len(p.stdout.splitlines()) == 3 and p.stdout.startswith("{"), p.stdout
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    # (the reader gone before vitp writes a byte: tests/cli/test_errors.py, exit 141)
+
+
+# --- import: every --format gives back the same weights
+
+
+D, M, P, HEADS, DEPTH, GRID, CLASSES, REP = 64, 128, 8, 4, 2, 4, 7, 48  # pico/8 at 32 px
+
+
+def ours_state_dict(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random pico/8 weights (32 px, pre-training head: pre-logits 48 wide, 7 classes) in our
+    naming, made with numpy only."""
+    rng = np.random.default_rng(seed)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    sd = {"patch_embed.proj.weight": r(D, 3, P, P), "patch_embed.proj.bias": r(D),
+          "cls_token": r(1, 1, D), "pos_embed": r(1, GRID * GRID + 1, D),
+          "norm.weight": r(D), "norm.bias": r(D), "pre_logits.0.weight": r(REP, D),
+          "pre_logits.0.bias": r(REP), "head.weight": r(CLASSES, REP), "head.bias": r(CLASSES)}
+    for i in range(DEPTH):
+        b = f"blocks.{i}."
+        sd.update({b + "norm1.weight": r(D), b + "norm1.bias": r(D), b + "attn.qkv.weight": r(3 * D, D),
+                   b + "attn.qkv.bias": r(3 * D), b + "attn.proj.weight": r(D, D), b + "attn.proj.bias": r(D),
+                   b + "norm2.weight": r(D), b + "norm2.bias": r(D), b + "mlp.fc1.weight": r(M, D),
+                   b + "mlp.fc1.bias": r(M), b + "mlp.fc2.weight": r(D, M), b + "mlp.fc2.bias": r(D)})
+    return sd
+
+
+def to_official_npz(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ours -> the google-research/vision_transformer .npz layout (docs/paper.md, section 10)."""
+    d = D // HEADS
+    w = {"embedding/kernel": sd["patch_embed.proj.weight"].transpose(2, 3, 1, 0),  # (P, P, C, D)
+         "embedding/bias": sd["patch_embed.proj.bias"], "cls": sd["cls_token"],
+         "Transformer/posembed_input/pos_embedding": sd["pos_embed"],
+         "Transformer/encoder_norm/scale": sd["norm.weight"], "Transformer/encoder_norm/bias": sd["norm.bias"],
+         "pre_logits/kernel": sd["pre_logits.0.weight"].T, "pre_logits/bias": sd["pre_logits.0.bias"],
+         "head/kernel": sd["head.weight"].T, "head/bias": sd["head.bias"]}
+    for i in range(DEPTH):
+        o, b = f"blocks.{i}.", f"Transformer/encoderblock_{i}/"
+        mha = b + "MultiHeadDotProductAttention_1/"
+        qkv_w, qkv_b = np.split(sd[o + "attn.qkv.weight"], 3), np.split(sd[o + "attn.qkv.bias"], 3)
+        for n, wt, bias in zip(("query", "key", "value"), qkv_w, qkv_b):
+            w[f"{mha}{n}/kernel"] = wt.T.reshape(D, HEADS, d)  # (D, H, d)
+            w[f"{mha}{n}/bias"] = bias.reshape(HEADS, d)
+        w[mha + "out/kernel"] = sd[o + "attn.proj.weight"].T.reshape(HEADS, d, D)
+        w[mha + "out/bias"] = sd[o + "attn.proj.bias"]
+        for ours, theirs in (("norm1", "LayerNorm_0"), ("norm2", "LayerNorm_2")):
+            w[f"{b}{theirs}/scale"], w[f"{b}{theirs}/bias"] = sd[o + ours + ".weight"], sd[o + ours + ".bias"]
+        for j in (0, 1):
+            w[f"{b}MlpBlock_3/Dense_{j}/kernel"] = sd[f"{o}mlp.fc{j + 1}.weight"].T
+            w[f"{b}MlpBlock_3/Dense_{j}/bias"] = sd[f"{o}mlp.fc{j + 1}.bias"]
+    return w
+
+
+def to_hf(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ours -> Hugging Face hub naming (ViTModel pooler as pre-logits, `classifier` as head)."""
+    top = {"patch_embed.proj": "vit.embeddings.patch_embeddings.projection", "norm": "vit.layernorm",
+           "pre_logits.0": "vit.pooler.dense", "head": "classifier"}
+    layer = {"norm1": "layernorm_before", "norm2": "layernorm_after", "attn.proj": "attention.output.dense",
+             "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+    out = {"vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_embed"]}
+    for key, value in sd.items():
+        name, _, kind = key.rpartition(".")
+        if m := re.match(r"blocks\.(\d+)\.(.+)$", name):
+            i, mod = m.groups()
+            if mod == "attn.qkv":
+                for n, part in zip(("query", "key", "value"), np.split(value, 3)):
+                    out[f"vit.encoder.layer.{i}.attention.attention.{n}.{kind}"] = part
+            else:
+                out[f"vit.encoder.layer.{i}.{layer[mod]}.{kind}"] = value
+        elif name in top:
+            out[f"{top[name]}.{kind}"] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def weight_files(tmp_path_factory):
+    """The same weights in each foreign layout: {format: path}."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path_factory.mktemp("weights")
+    sd = ours_state_dict()
+    np.savez(d / "ViT-pico_8.npz", **to_official_npz(sd))
+    save_file({k.replace("pre_logits.0.", "pre_logits.fc."): v for k, v in sd.items()},
+              str(d / "timm.safetensors"))
+    save_file(to_hf(sd), str(d / "hf.safetensors"))
+    return sd, {"npz": d / "ViT-pico_8.npz", "timm": d / "timm.safetensors", "hf": d / "hf.safetensors"}
+
+
+def assert_same_weights(export_dir: Path, sd: dict[str, np.ndarray]) -> dict:
+    got = load_tensors(export_dir / "model.safetensors")
+    assert got.keys() == sd.keys(), sorted(set(got) ^ set(sd))
+    for k, v in sd.items():
+        np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-6, err_msg=k)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    assert (cfg["model"]["variant"], cfg["model"]["num_classes"], cfg["model"]["head"],
+            cfg["model"]["representation_size"], cfg["data"]["image_size"]) == ("pico/8", CLASSES, "pretrain", REP, 32)
+    return cfg
+
+
+@pytest.mark.parametrize("fmt, source, recorded", [
+    ("npz", "npz", "npz"), ("timm", "timm", "timm"), ("hf", "hf", "hf"),
+    ("auto", "npz", "npz"), ("auto", "hf", "hf"), ("ours", "export", "ours"),
+])
+def test_import_each_format_gives_the_same_weights(fmt, source, recorded, weight_files, tmp_path):
+    sd, files = weight_files
+    if source == "export":  # our own export dir, as `vitp import` / `vitp export` write it
+        src = tmp_path / "first"
+        ok(vitp("import", str(files["npz"]), "--out", str(src), "--format", "npz"))
+    else:
+        src = files[source]
+    out = tmp_path / "imported"
+    r = ok(vitp("import", str(src), "--out", str(out), "--format", fmt))
+    assert f"wrote {out}" in r.out and "vitp finetune" in r.out, str(r)
+    cfg = assert_same_weights(out, sd)
+    assert cfg["_export"]["format"].startswith(recorded), cfg["_export"]
+
+
+def test_import_with_the_wrong_format_is_one_line(weight_files, tmp_path):
+    """timm weights given as --format npz: bad input (exit 2) naming the file, nothing written.
+    (--format choices = the importer's: tests/cli/test_errors.py.)"""
+    _, files = weight_files
+    r = vitp("import", str(files["timm"]), "--out", str(tmp_path / "x"), "--format", "npz")
+    one_line_error(r, "import", 2, files["timm"].name)
+    assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+# --- mlflow-server: serves, and Ctrl-C stops it cleanly (e2e: a real server takes 10-80 s to start
+# on 2 shared cores; tests/cluster/test_mlflow_server.py covers its auth in the default run)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(VITP), "mlflow-server", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+         "--artifacts-destination", str(tmp_path / "artifacts"), "--log", str(tmp_path / "server.log")],
+        env=vitp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        banner = "".join(lines)
+        uri = f"http://127.0.0.1:{port}"
+        assert f"mlflow server at {uri}" in banner and f"MLFLOW_TRACKING_URI={uri}" in banner, (
+            banner + proc.stderr.read() if proc.poll() is not None else banner)
+        with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=5", timeout=30) as resp:
+            body = json.load(resp)
+        assert [e["name"] for e in body["experiments"]] == ["Default"]  # a fresh store, served
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = proc.stderr.read()
+    assert rc == 0 and "Traceback" not in err, (rc, err)
+    with socket.socket() as s:  # the server went with it
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+# ================================================================================ e2e part
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    return Scenario(tmp_path_factory.mktemp("every-command"))
+
+
+class Scenario:
+    """One work dir; each step runs once, on demand, after the steps it consumes."""
+
+    SWEEP = "cli-sweep"
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.work = base / "work"
+        self.synth = self.work / "synth"
+        self.shards = self.work / "shards"
+        self.export = self.work / "export"
+        self.runs: dict[str, Run] = {}
+        self.facts: dict[str, str] = {}
+
+    # What every pre-training command of the chain shares: the tiny debug recipe on the corpus
+    # `vitp synth` rendered, sharded by `vitp preprocess`.
+    def pretrain_sets(self) -> list[str]:
+        return [f"work_dir={self.work}", "data.synth_images_per_class=16", "data.source=imagefolder",
+                f"data.path={self.synth}", f"data.shards={self.shards}"]
+
+    def finetune_sets(self) -> list[str]:
+        return [f"work_dir={self.work}", "train.steps=4", "train.log_every=2", "train.eval_every=4",
+                "optim.warmup_steps=1"]
+
+    def need(self, step: str) -> Run:
+        if step not in self.runs:
+            self.runs[step] = getattr(self, "_" + step)()
+        r = self.runs[step]
+        if r.rc != 0:
+            pytest.fail(f"step {step!r} failed, so this test cannot run:\n{r}", pytrace=False)
+        return r
+
+    @staticmethod
+    def sets(items: list[str]) -> list[str]:
+        return [a for item in items for a in ("--set", item)]
+
+    def _synth(self) -> Run:
+        return vitp("synth", "debug", *self.sets([f"work_dir={self.work}", "data.synth_images_per_class=16"]))
+
+    def _preprocess(self) -> Run:
+        self.need("synth")
+        return vitp("preprocess", "debug", *self.sets(self.pretrain_sets()))
+
+    def _pretrain(self) -> Run:
+        self.need("preprocess")
+        r = vitp("pretrain", "debug", *self.sets(self.pretrain_sets() + [
+            "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
+            "optim.warmup_steps=1"]))
+        if r.rc == 0:
+            self.facts["checkpoint"] = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)
+            self.facts["pretrain_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
+        return r
+
+    def _export(self) -> Run:
+        self.need("pretrain")
+        return vitp("export", self.facts["checkpoint"], "--out", str(self.export))
+
+    def _finetune(self) -> Run:
+        self.need("export")
+        r = vitp("finetune", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()))
+        if r.rc == 0:
+            self.facts["finetune_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
+        return r
+
+    def _fewshot(self) -> Run:
+        self.need("export")
+        return vitp("fewshot", "debug_finetune", "--from", str(self.export), "--set", f"work_dir={self.work}")
+
+    def _sweep(self) -> Run:
+        self.need("export")
+        return vitp("sweep", "debug_finetune", "--name", self.SWEEP, "--from", str(self.export),
+                    "--from", "scratch", "--space", "optim.lr=0.1",
+                    *self.sets(self.finetune_sets() + ['tune.space={"optim.lr": [0.1]}']))
+
+    def tracking_client(self):
+        from mlflow.tracking import MlflowClient
+
+        from pipeline.recipes import with_overrides
+        from pipeline.tracking.store import resolve_tracking_uri
+
+        return MlflowClient(resolve_tracking_uri(with_overrides("debug", [f"work_dir={self.work}"])))
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+class TestChain:
+    """synth -> preprocess -> pretrain -> export -> import / attention / finetune / fewshot /
+    sweep -> compare, each through the console script, each fed by the one before."""
+
+    def test_synth_renders_the_corpus(self, scenario):
+        r = scenario.need("synth")
+        assert "rendered 160 fractal images (10 classes" in r.out, str(r)
+        classes = sorted(p for p in scenario.synth.iterdir() if p.is_dir())
+        assert len(classes) == 10 and all(len(list(c.iterdir())) == 16 for c in classes)
+
+    def test_preprocess_shards_the_synth_corpus(self, scenario):
+        r = scenario.need("preprocess")
+        manifest = json.loads((scenario.shards / "manifest.json").read_text())
+        assert manifest["counts"]["written"] == 160 and manifest["counts"]["quarantined"] == 0, manifest["counts"]
+        assert manifest["num_classes"] == 10 and manifest["storage"]["size"] == 40
+        assert "160 inputs, 10 classes" in r.out, str(r)
+
+    def test_pretrain_trains_checkpoints_and_logs(self, scenario):
+        r = scenario.need("pretrain")
+        assert re.search(r"done in \d+s: step 4, train/loss \d+\.\d{4}", r.out), str(r)
+        assert Path(scenario.facts["checkpoint"]).is_dir()
+        assert f"vitp export {scenario.facts['checkpoint']}" in r.out
+        client = scenario.tracking_client()
+        run = client.get_run(scenario.facts["pretrain_run"])
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4]
+
+    def test_export_writes_weights_and_config(self, scenario):
+        r = scenario.need("export")
+        assert f"wrote {scenario.export}/model.safetensors and {scenario.export}/config.json" in r.out, str(r)
+        cfg = json.loads((scenario.export / "config.json").read_text())
+        assert cfg["recipe"] == "debug" and cfg["model"]["variant"] == "pico/8" and cfg["train"]["steps"] == 4
+        weights = load_tensors(scenario.export / "model.safetensors")
+        assert weights["pos_embed"].shape == (1, 17, 64) and weights["pos_embed"].dtype == np.float32
+        assert weights["head.weight"].shape[0] == 10 and np.isfinite(weights["head.weight"]).all()
+
+    def test_import_of_the_export_keeps_the_weights(self, scenario):
+        scenario.need("export")
+        sd = load_tensors(scenario.export / "model.safetensors")
+        for fmt, src in (("ours", scenario.export), ("auto", scenario.export / "model.safetensors")):
+            out = scenario.work / f"reimported-{fmt}"
+            r = ok(vitp("import", str(src), "--out", str(out), "--format", fmt))
+            assert f"wrote {out}" in r.out
+            got = load_tensors(out / "model.safetensors")
+            assert got.keys() == sd.keys() and all(np.array_equal(got[k], sd[k]) for k in sd), fmt
+
+    def test_attention_draws_both_plots(self, scenario):
+        scenario.need("export")
+        image = sorted(sorted(scenario.synth.iterdir())[0].iterdir())[0]  # one of the corpus images
+        out = scenario.work / "attention"
+        r = ok(vitp("attention", str(scenario.export), str(image), "--out", str(out)))
+        assert f"wrote {out}/rollout.png and {out}/attention_distance.png" in r.out, str(r)
+        assert is_png(out / "rollout.png") and is_png(out / "attention_distance.png")
+
+    def test_finetune_from_the_export_records_its_lineage(self, scenario):
+        r = scenario.need("finetune")
+        top1 = float(re.search(r"val/top1 (\d+\.\d+)", r.out).group(1))
+        assert 0.0 <= top1 <= 1.0, str(r)
+        ckpt = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)
+        assert Path(ckpt).is_dir()
+        run = scenario.tracking_client().get_run(scenario.facts["finetune_run"])
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["source"] == str(scenario.export)
+        assert run.data.tags["source_run_id"] == scenario.facts["pretrain_run"]  # one click to the pre-training
+
+    def test_fewshot_reports_every_shot_count(self, scenario):
+        r = scenario.need("fewshot")
+        got = {int(k): float(v) for k, v in re.findall(r"^fewshot/(\d+)shot_top1: (\d\.\d{4})$", r.out, re.M)}
+        assert sorted(got) == [1, 5, 10, 25] and all(0.0 <= v <= 1.0 for v in got.values()), str(r)
+        run_id = re.search(r"^MLflow run: (\S+)", r.out, re.M).group(1)
+        metrics = scenario.tracking_client().get_run(run_id).data.metrics
+        assert metrics["fewshot/25shot_top1"] == pytest.approx(got[25], abs=1e-4)
+
+    def test_sweep_runs_both_sources_and_names_the_best(self, scenario):
+        r = scenario.need("sweep")
+        assert re.search(r"^best on digits: \S+ val/top1 \d\.\d{4}$", r.out, re.M), str(r)
+        assert "trial(s) failed" not in r.err, str(r)
+
+    def test_compare_reads_everything_back(self, scenario):
+        for step in ("pretrain", "finetune", "fewshot", "sweep"):
+            scenario.need(step)
+        sets = ["--set", f"work_dir={scenario.work}"]
+        rows = json.loads(ok(vitp("compare", *sets, "--format", "json")).out)
+        by_id = {row["run_id"]: row for row in rows}
+        assert scenario.facts["pretrain_run"] in by_id and scenario.facts["finetune_run"] in by_id
+        assert by_id[scenario.facts["finetune_run"]]["source"] == str(scenario.export)
+        assert any(row.get("fewshot_25") is not None for row in rows)
+        trials = [row for row in rows if row["sweep"] == scenario.SWEEP]
+        assert sorted(row["source"] for row in trials) == sorted([str(scenario.export), "scratch"])
+        assert all(row["status"] == "FINISHED" and row["lr"] in (0.1, "0.1") for row in trials), trials
+
+        plot = scenario.work / "compare.png"
+        r = ok(vitp("compare", *sets, "--sweep", scenario.SWEEP, "--plot", str(plot)))
+        assert is_png(plot) and f"wrote {plot}" in r.err
+        table = [line for line in r.out.splitlines() if line.strip()]
+        assert "best top-1" in table[0] and len(table) == 1 + 1 + 2  # header, rule, two trials
+        csv_out = ok(vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
+        csv_rows = [line for line in csv_out.splitlines() if line]
+        assert csv_rows[0].startswith("best,recipe,variant,dataset,source,lr") and len(csv_rows) == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_demo_quick_runs_the_whole_pipeline(tmp_path):
+    work = tmp_path / "demo"
+    r = ok(vitp("demo", "--quick", "--work-dir", str(work), timeout=1500))
+    assert re.search(r"^demo finished in \d+s", r.out, re.M), str(r)
+    assert f"plot: {work}/compare.png" in r.out and is_png(work / "compare.png")
+    assert (work / "export" / "model.safetensors").is_file()
+    for stage in ("1/5 corpus", "2/5 pre-training", "3/5 few-shot", "4/5 Tune sweep", "5/5 comparison"):
+        assert f"[demo] {stage}" in r.out, stage
+
+
+# --- submit / jobs against a local Ray cluster (cluster/local.sh: one head node, no auth)
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    import tempfile
+
+    port, dash = free_port(), free_port()
+    state = Path(tempfile.mkdtemp(prefix="vitp-c", dir="/tmp"))  # short: Ray's socket paths are limited
+    env = {**vitp_env(), "PYTHON": sys.executable}
+    script = ROOT / "cluster" / "local.sh"
+    start = subprocess.run([str(script), "start", "--workers", "0", "--num-cpus", "1", "--port", str(port),
+                            "--dashboard-port", str(dash), "--state-dir", str(state)],
+                           env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert start.returncode == 0, start.stdout[-3000:] + start.stderr[-3000:]
+        yield f"http://127.0.0.1:{dash}"
+    finally:
+        subprocess.run([str(script), "stop", "--state-dir", str(state)], env=env, capture_output=True,
+                       text=True, timeout=180)
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_submit_and_jobs_against_a_local_cluster(local_cluster, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("# the smallest job: resolve a recipe on the cluster and print it\n"
+                    "entrypoint: vitp config debug --set train.steps=7\n"
+                    "metadata:\n  stage: test\n")
+    address = ["--address", local_cluster]
+    r = ok(vitp("submit", str(spec), *address, "--follow", timeout=600))
+    assert "job spec" in r.out and "debug" in r.out.splitlines()[0], str(r)
+    job_id = re.search(r"^submitted (\S+) to ", r.out, re.M).group(1)
+    assert f"job {job_id} SUCCEEDED" in r.out and '"steps": 7' in r.out  # --follow streamed the job's output
+
+    listed = ok(vitp("jobs", "list", *address)).out
+    assert re.search(rf"^{re.escape(job_id)}\s+SUCCEEDED\s", listed, re.M), listed
+    logs = ok(vitp("jobs", "logs", job_id, *address)).out
+    assert '"recipe": "debug"' in logs and '"steps": 7' in logs
+    assert ok(vitp("jobs", "stop", job_id, *address)).out.strip() == f"{job_id}: already finished"

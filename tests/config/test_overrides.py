@@ -1,0 +1,92 @@
+"""Config overrides: typed, unknown keys rejected; set_values checks typed values from code."""
+import pytest
+
+from pipeline.config import ConfigError, ExperimentConfig, apply_overrides, parse_value, set_values
+from pipeline.recipes import debug
+
+
+def test_overrides_are_typed():
+    cfg = apply_overrides(debug(), ["optim.lr=0.003", "parallel.zero_stage=3", "data.hflip=false",
+                                    "model.representation_size=128", "data.mean=0.1,0.2,0.3",
+                                    'tune.space={"optim.lr": [0.1, 0.2]}'])
+    assert cfg.optim.lr == 0.003 and isinstance(cfg.optim.lr, float)
+    assert cfg.parallel.zero_stage == 3 and isinstance(cfg.parallel.zero_stage, int)
+    assert cfg.data.hflip is False
+    assert cfg.model.representation_size == 128
+    assert cfg.data.mean == (0.1, 0.2, 0.3)
+    assert cfg.tune.space == {"optim.lr": [0.1, 0.2]}
+    cfg = apply_overrides(cfg, ["model.representation_size=none"])
+    assert cfg.model.representation_size is None
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("parallel.zero_stage=two", "expected an integer"),
+    ("optim.lr=fast", "expected a number"),
+    ("data.hflip=maybe", "expected true or false"),
+    ("parallel.precision=fp8", "one of 'bf16', 'fp16', 'fp32'"),
+    ("optim.lr", "expected KEY=VALUE"),
+    ("data.mean=1,2", "exactly 3 values"),
+])
+def test_bad_override_values(item, needle):
+    with pytest.raises(ConfigError, match=needle):
+        apply_overrides(debug(), [item])
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(debug(), ["optim.learning_rate=0.1"])
+    msg = str(e.value)
+    assert "optim.learning_rate" in msg and "optim.lr" in msg and "parallel.zero_stage" in msg
+    with pytest.raises(ConfigError, match="is a section"):
+        apply_overrides(debug(), ["optim=1"])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        ExperimentConfig.from_dict({"optim": {"lr": 0.1, "bogus": 1}})
+
+
+@pytest.mark.parametrize("key, text, value", [
+    ("optim.lr", "3e-3", 0.003),
+    ("train.steps", "10_000", 10_000),
+    ("train.steps", "1e3", 1000),
+    ("data.hflip", "off", False),
+    ("model.representation_size", "null", None),
+    ("model.representation_size", "768", 768),
+    ("parallel.precision", "fp32", "fp32"),
+    ("data.std", "[0.2, 0.3, 0.4]", (0.2, 0.3, 0.4)),
+    ("tune.space", '{"optim.lr": [0.01]}', {"optim.lr": [0.01]}),
+])
+def test_parse_value_gives_the_declared_type(key, text, value):
+    parsed = parse_value(key, text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_parse_value_names_key_and_type():
+    with pytest.raises(ConfigError, match="train.steps=ten: expected an integer"):
+        parse_value("train.steps", "ten")
+    with pytest.raises(ConfigError, match="unknown config key 'train.stepz'"):
+        parse_value("train.stepz", "10")
+
+
+def test_set_values_is_typed_and_returns_a_copy():
+    base = debug()
+    cfg = set_values(base, {"optim.lr": 1, "model.head": "finetune", "train.steps": 100.0,
+                            "data.mean": [0.1, 0.2, 0.3], "work_dir": "elsewhere"})
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.steps == 100 and isinstance(cfg.train.steps, int)
+    assert cfg.model.head == "finetune" and cfg.data.mean == (0.1, 0.2, 0.3)
+    assert cfg.work_dir == "elsewhere"
+    assert base == debug()  # the input is not modified
+    assert set_values(base, {}) == base
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"optim.lr": "fast"}, "optim.lr='fast': expected a number"),
+    ({"train.steps": 1.5}, "expected an integer"),
+    ({"data.hflip": 1}, "expected true or false"),
+    ({"parallel.precision": "fp8"}, "one of 'bf16', 'fp16', 'fp32'"),
+    ({"model.variant": 16}, "expected a string"),
+    ({"optim.learning_rate": 0.1}, "unknown config key 'optim.learning_rate'"),
+    ({"optim": {"lr": 0.1}}, "is a section"),
+])
+def test_set_values_rejects_wrong_types_and_unknown_keys(values, needle):
+    with pytest.raises(ConfigError, match=needle):
+        set_values(debug(), values)

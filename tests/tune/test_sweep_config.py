@@ -1,0 +1,85 @@
+"""Trial configs without Ray: `finetune_config` takes the model shape from the source unless the
+user set it; `build_spec` resolves each dataset's recipe once, validates every dataset x source
+before Ray starts, and trials are typed edits of those configs."""
+import dataclasses
+import os
+
+import pytest
+
+from pipeline.config import ConfigError, ExperimentConfig, validate
+from pipeline.errors import InputError
+from pipeline.model.vit import ViT
+from pipeline.model.weights import write_export
+from pipeline.recipes import resolve, with_overrides
+from pipeline.train.transfer import finetune_config
+from pipeline.tune.sweep import build_spec, dataset_configs, trial_config
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    """An export of a "debug"-recipe mu/4 model with average pooling at 16 px, MLflow run r9."""
+    cfg = ExperimentConfig(recipe="debug")
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, variant="mu/4", pool="gap", num_classes=3),
+                      data=dataclasses.replace(cfg.data, image_size=16, source="synthetic"))
+    m = ViT("mu/4", image_size=16, num_classes=3, pool="gap", head="pretrain")
+    return write_export(str(tmp_path / "export"), m.state_dict(), cfg.to_dict(),
+                        {"step": 5, "mlflow_run_id": "r9"})
+
+
+def test_finetune_config_takes_the_source_shape_and_names_the_run(export_dir):
+    cfg, tags = finetune_config(with_overrides("debug_finetune"), export_dir)
+    m = cfg.model
+    assert (m.variant, m.pool, m.head, cfg.train.init_from) == ("mu/4", "gap", "finetune", export_dir)
+    assert cfg.tracking.run_name == "debug_finetune-mu4-digits-from-debug"
+    assert tags == {"source": export_dir, "source_kind": "weights", "source_run_id": "r9",
+                    "source_image_size": "16"}
+    validate(cfg)
+
+    scratch, tags = finetune_config(with_overrides("debug_finetune"), "scratch")
+    assert scratch.model.variant == "pico/8" and scratch.train.init_from == ""
+    assert scratch.tracking.run_name == "debug_finetune-pico8-digits-scratch"
+    assert tags == {"source": "scratch", "source_kind": "scratch"}
+
+
+def test_finetune_config_lets_the_user_win_and_does_not_validate(export_dir):
+    user = with_overrides("debug_finetune", ["model.pool=cls", "tracking.run_name=mine", "optim.lr=-1"])
+    cfg, _ = finetune_config(user, export_dir, user_keys={"model.pool", "tracking.run_name", "optim.lr"})
+    assert (cfg.model.variant, cfg.model.pool, cfg.tracking.run_name) == ("mu/4", "cls", "mine")
+    with pytest.raises(ConfigError, match="optim.lr"):  # the caller validates, once
+        validate(cfg)
+    with pytest.raises(InputError, match="nope: no such file or directory"):
+        finetune_config(user, os.path.join(export_dir, "nope"))
+
+
+def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
+    base = resolve("debug_finetune", [f"work_dir={tmp_path}/w", "train.steps=30"], check_paths=False)
+    spec = build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}/w", "train.steps=30"],
+                      changes={"tune.scheduler": "asha"},
+                      recipes=["debug_finetune", "demo_finetune"], sources=[export_dir, "scratch"],
+                      extra_space={"optim.lr": [0.5, 0.25]})
+    assert set(spec.configs) == {"debug_finetune", "demo_finetune"}
+    for d in spec.configs.values():  # every dataset's recipe got the user's --set and typed changes
+        assert d["work_dir"] == f"{tmp_path}/w" and d["train"]["steps"] == 30
+        assert d["tune"]["scheduler"] == "asha"
+    assert spec.space["optim.lr"] == [0.5, 0.25] and spec.work_dir == f"{tmp_path}/w"
+
+    cfg, tags = trial_config(spec, {"recipe": "demo_finetune", "source": export_dir, "optim.lr": 0.25})
+    assert cfg.recipe == "demo_finetune" and cfg.optim.lr == 0.25 and cfg.model.variant == "mu/4"
+    assert cfg.train.checkpoint_every == 0  # eval_every > 0: one Train report per evaluation
+    name = cfg.tracking.run_name
+    assert name.startswith("s-demo_finetune-from-") and name.endswith("_export-lr0.25"), name
+    assert (cfg.tracking.uri, cfg.tracking.experiment) == (spec.tracking_uri, spec.experiment)
+    assert tags["source_run_id"] == "r9"
+    # both recipes fine-tune on the same digits shards: prepared once
+    assert [(c.recipe, c.data.source) for c in dataset_configs(spec)] == [("debug_finetune", "digits")]
+
+
+def test_build_spec_rejects_a_bad_value_or_source_before_ray(tmp_path, export_dir):
+    base = resolve("debug_finetune", [f"work_dir={tmp_path}"], check_paths=False)
+    with pytest.raises(ConfigError, match=r"(?s)sweep trial .*lr-1\.0: .*optim\.lr=-1\.0"):
+        build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"],
+                   extra_space={"optim.lr": [0.1, -1.0]})
+    with pytest.raises(InputError, match="missing: no such file"):
+        build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"], sources=[f"{tmp_path}/missing"])
+    with pytest.raises(ConfigError, match="not recipes"):
+        build_spec("s", base, "debug_finetune", [], recipes=["nope"])
