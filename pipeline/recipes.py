@@ -1,6 +1,6 @@
 """Named recipes: Python functions returning an ExperimentConfig, each docstring giving the command
 that runs it, the hardware, and what to expect (numbers from the paper / official code, see
-PAPER.md; where we chose, the docstring says so). Production recipes are written out in full;
+docs/paper.md; where we chose, the docstring says so). Production recipes are written out in full;
 debug and demo recipes shrink one, never the other way round. Must not import torch or ray.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every recipe builds, validates, round-trips and follows PAPER.md's recipes."""
+"""Every recipe builds, validates, round-trips and follows docs/paper.md's recipes."""
 import pytest
 
 from pipeline.config import ExperimentConfig, validate

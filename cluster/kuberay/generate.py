@@ -30,7 +30,7 @@ SECRET_ENV = ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
 def rayjob(stage: str, name: str, cluster: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from pipeline import recipes
-    from pipeline.jobs_spec import parse_entrypoint
+    from pipeline.cluster.jobspec import parse_entrypoint
 
     spec = yaml.safe_load((ROOT / "jobs" / f"{stage}.yaml").read_text())
     calls = [c for c in parse_entrypoint(spec["entrypoint"]) if c.recipe]

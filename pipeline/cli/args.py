@@ -1,7 +1,8 @@
 """The options several `vitp` commands share, declared once: recipe + --set, --address, --tracking-uri.
 
 Also `config_from(args)`: the one place a command turns its recipe, --set and typed flags into a
-validated config (`recipe_config(args)`: the same, unvalidated). Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
+validated config (`recipe_config(args)`: the same, unvalidated).
+Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
 """
 from __future__ import annotations
 
@@ -68,6 +69,4 @@ def recipe_config(args: argparse.Namespace) -> ExperimentConfig:
 
 def config_from(args: argparse.Namespace, check_paths: bool = True) -> ExperimentConfig:
     """recipe_config validated: the one validation of a command (local paths made absolute)."""
-    if not typed_changes(args):
-        return recipes.resolve(args.recipe, args.overrides, check_paths=check_paths)
     return validate(recipe_config(args), check_paths=check_paths)

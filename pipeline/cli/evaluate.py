@@ -11,22 +11,7 @@ import sys
 
 from pipeline.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value
 from pipeline.errors import InputError
-
-
-class _ImportFormats:
-    """`vitp import --format` choices: the importer's own IMPORT_FORMATS, read only when `vitp import`
-    is parsed or its help shown (importing pipeline.model.convert loads torch)."""
-
-    def _formats(self) -> tuple[str, ...]:
-        from pipeline.model.convert import IMPORT_FORMATS  # lazy: keeps vitp --help fast (torch)
-
-        return IMPORT_FORMATS
-
-    def __contains__(self, fmt: object) -> bool:
-        return fmt in self._formats()
-
-    def __iter__(self):
-        return iter(self._formats())
+from pipeline.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
 
 
 # ----------------------------------------------------------------------------- fewshot
@@ -74,7 +59,7 @@ def _add_import(sub) -> Handler:
     p = sub.add_parser("import", help="convert official .npz / timm / Hugging Face ViT weights to ours")
     p.add_argument("source", help="a .npz, .safetensors, .pt or .bin file")
     p.add_argument("--out", required=True, help="export directory to write (model.safetensors + config.json)")
-    p.add_argument("--format", default="auto", choices=_ImportFormats(), metavar="FORMAT",
+    p.add_argument("--format", default="auto", choices=IMPORT_FORMATS, metavar="FORMAT",
                    help="one of %(choices)s: npz = the paper's official JAX checkpoints, ours = an "
                         "export of this pipeline (default auto: detected from the keys)")
     p.add_argument("--image-size", type=int, help="resolution the weights were trained at (default: from the pos-embed grid)")

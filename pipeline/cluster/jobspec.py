@@ -35,6 +35,7 @@ RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "swe
 _VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri", "--name", "--datasets",
                   "--space", "--scheduler", "--experiment", "--sweep", "--tag", "--filter",
                   "--format", "--plot", "--recipe"}
+_GLOBAL_FLAGS = {"--debug"}  # vitp's own options, given before the subcommand
 _SHELL_OPS = {"&&", "||", ";", "|"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -117,6 +118,8 @@ def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
     calls = []
     for n, tokens in enumerate(_segments(entrypoint)):
         args = _vitp_args(tokens)
+        while args and args[0] in _GLOBAL_FLAGS:  # `vitp --debug pretrain ...`
+            args = args[1:]
         if not args:
             continue
         sub, recipe, overrides = args[0], None, []

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import InputError
 from ..storage import is_uri, join, open_input
 from . import shards as sh
 from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop_box,
@@ -195,7 +196,7 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     manifest = sh.read_manifest(root)
     units = plan_units(root, split, manifest, unit_rows)
     if not units:
-        raise ValueError(f"{root}: manifest lists no {split} shards ({manifest['counts']}); "
+        raise InputError(f"{root}: manifest lists no {split} shards ({manifest['counts']}); "
                          "check data.val_fraction or the source")
     if num_epochs is None:
         num_epochs = epochs_needed(manifest["counts"][split], cfg.train.steps,

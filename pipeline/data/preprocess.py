@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 import pyarrow as pa
 
+from ..errors import InputError
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image, encode_jpeg, resize_center_crop
 from .sources import Listing, read_bytes
@@ -118,7 +119,7 @@ def preprocess(listing: Listing, out_dir: str, *, size: int, storage_format: str
     items = _items_table(listing)
     n_in = len(items)
     if n_in == 0:
-        raise ValueError(f"{out_dir}: the source listed no inputs; check data.path")
+        raise InputError(f"{out_dir}: the source listed no inputs; check data.path")
     n_blocks = max(1, min(-(-n_in // rows_per_task), 10_000))
     ds = ray.data.from_items(items, override_num_blocks=n_blocks).map_batches(
         process_batch, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ..errors import InputError
 from ..storage import filesystem, join
 
 SHARD_SCHEMA = pa.schema([
@@ -140,7 +141,7 @@ def read_manifest(root: str) -> dict:
     with fs.open_input_stream(p) as f:
         m = json.loads(f.read().decode())
     if m.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{root}/manifest.json: version {m.get('version')} != {MANIFEST_VERSION}; "
+        raise InputError(f"{root}/manifest.json: version {m.get('version')} != {MANIFEST_VERSION}; "
                          "re-run vitp preprocess --overwrite")
     return m
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ..errors import InputError
 from ..storage import filesystem, is_uri, join, open_input
 from .synth import class_name
 
@@ -129,7 +130,7 @@ def csv_list(csv_path: str) -> Listing:
     text = read_bytes(csv_path).decode("utf-8-sig")
     rows = list(csv.DictReader(io.StringIO(text)))
     if rows and not {"path", "label"} <= set(rows[0]):
-        raise ValueError(f"{csv_path}: needs columns path,label; found {', '.join(rows[0])}")
+        raise InputError(f"{csv_path}: needs columns path,label; found {', '.join(rows[0])}")
     base = csv_path.rsplit("/", 1)[0] if "/" in csv_path else "."
     classes = _natural({r["label"].strip() for r in rows if (r["label"] or "").strip()})
     index = {c: i for i, c in enumerate(classes)}
@@ -155,7 +156,7 @@ def parquet(root: str) -> Listing:
         names = t.column_names
         img_col = "image" if "image" in names else ("bytes" if "bytes" in names else None)
         if img_col is None or "label" not in names:
-            raise ValueError(f"{path}: Parquet source needs columns image (bytes) and label; "
+            raise InputError(f"{path}: Parquet source needs columns image (bytes) and label; "
                              f"found {', '.join(names)}")
         keys = t.column("key").to_pylist() if "key" in names else (
             t.column("path").to_pylist() if "path" in names else [f"{rel}/{i}" for i in range(t.num_rows)])
@@ -300,12 +301,12 @@ def list_source(source: str, path: str = "", *, synth_classes: int = 10,
     if source == "digits":
         return digits()
     if not path:
-        raise ValueError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
+        raise InputError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
     readers = {"imagefolder": imagefolder, "csv": csv_list, "parquet": parquet,
                "webdataset": webdataset, "cifar10": lambda p: cifar(p, "cifar10"),
                "cifar100": lambda p: cifar(p, "cifar100"), "pets": pets, "flowers": flowers,
                "imagenet": imagenet}
     if source in readers:
         return readers[source](path)
-    raise ValueError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
+    raise InputError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
                      "csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")

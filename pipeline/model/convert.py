@@ -48,23 +48,23 @@ def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> d
     """
     for key in ("patch_embed.proj.weight", "cls_token", "pos_embed", "blocks.0.mlp.fc1.weight"):
         if key not in sd:
-            raise KeyError(f"state dict has no {key!r}: not a ViT in our naming (keys start "
+            raise InputError(f"state dict has no {key!r}: not a ViT in our naming (keys start "
                            f"{sorted(sd)[:5]}); convert it with from_official_npz/from_timm/from_hf")
     width, in_chans, patch, patch_w = sd["patch_embed.proj.weight"].shape  # (D, C, P, P)
     if patch != patch_w:
-        raise ValueError(f"patch embedding kernel is {patch}x{patch_w}: only square patches are supported")
+        raise InputError(f"patch embedding kernel is {patch}x{patch_w}: only square patches are supported")
     if in_chans != 3:
-        raise ValueError(f"patch embedding takes {in_chans} input channels: our ViT reads RGB (3)")
+        raise InputError(f"patch embedding takes {in_chans} input channels: our ViT reads RGB (3)")
     depth = len({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
     mlp_dim = sd["blocks.0.mlp.fc1.weight"].shape[0]
     n = sd["pos_embed"].shape[1] - 1  # (1, N+1, D): one class token
     grid = math.isqrt(n)
     if grid * grid != n:
-        raise ValueError(f"position embedding has {n} patch tokens: not a square grid (needs g*g)")
+        raise InputError(f"position embedding has {n} patch tokens: not a square grid (needs g*g)")
     matches = [name for name, (d, w, m, h) in VARIANTS.items()
                if (d, w, m) == (depth, width, mlp_dim) and (heads is None or h == heads)]
     if not matches:
-        raise ValueError(
+        raise InputError(
             f"weights have depth {depth}, width {width}, MLP {mlp_dim}, heads {heads or '?'}: no row "
             "of pipeline.model.variants.VARIANTS has that shape; add one there (name -> (depth, width, "
             f"mlp_dim, heads)) to import them. Known: {VARIANTS}"
@@ -111,16 +111,16 @@ def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str
     w = _load_npz(npz)
     roots = [k[: -len("embedding/kernel")] for k in w if k.endswith("embedding/kernel")]
     if not roots:
-        raise KeyError("no 'embedding/kernel' in the .npz: not an official ViT checkpoint "
+        raise InputError("no 'embedding/kernel' in the .npz: not an official ViT checkpoint "
                        f"(first keys: {sorted(w)[:5]}); hybrid ResNet stems are not supported")
     p = min(roots, key=len)  # "" | "opt/target/" | "params/" | "params/img/"
     layout = "big_vision" if f"{p}pos_embedding" in w else "official"
     pos_key = f"{p}pos_embedding" if layout == "big_vision" else f"{p}Transformer/posembed_input/pos_embedding"
     if f"{p}Transformer/encoderblock/LayerNorm_0/scale" in w:
-        raise ValueError("this .npz stores scanned (stacked) encoder blocks: re-save it unscanned "
+        raise InputError("this .npz stores scanned (stacked) encoder blocks: re-save it unscanned "
                          "(Transformer/encoderblock_{i}/...) before importing")
     if f"{p}cls" not in w:
-        raise ValueError("the .npz has no class token ('cls'): only classifier='token' ViTs are "
+        raise InputError("the .npz has no class token ('cls'): only classifier='token' ViTs are "
                          "supported (global-average-pool checkpoints are not)")
     names = _JAX_BLOCK_NAMES[layout]
 
@@ -128,7 +128,7 @@ def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str
         try:
             return w[p + key]
         except KeyError:
-            raise KeyError(f"{p + key!r} missing from the .npz ({layout} layout): the checkpoint "
+            raise InputError(f"{p + key!r} missing from the .npz ({layout} layout): the checkpoint "
                            "is incomplete or not a ViT") from None
 
     sd: StateDict = {
@@ -193,11 +193,11 @@ def _strip(sd: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any]:
 
 def from_timm(sd: Mapping[str, Any]) -> StateDict:
     """timm `VisionTransformer` state dict -> ours. The names are timm's already; old timm's
-    `pre_logits.fc` becomes our `pre_logits.0`. Features we do not model raise ValueError."""
+    `pre_logits.fc` becomes our `pre_logits.0`. Features we do not model raise InputError."""
     sd = _strip(sd, ("module.", "model."))
     bad = sorted({why for k in sd for key, why in _TIMM_UNSUPPORTED.items() if key in k})
     if bad:
-        raise ValueError(f"timm weights use {', '.join(bad)}, which pipeline.model.ViT does not "
+        raise InputError(f"timm weights use {', '.join(bad)}, which pipeline.model.ViT does not "
                          "implement: import a plain class-token ViT (e.g. vit_base_patch16_224)")
     out = {}
     for k, v in sd.items():
@@ -260,7 +260,7 @@ def from_hf(sd: Mapping[str, Any]) -> StateDict:
         else:
             unknown.append(k)
     if unknown:
-        raise ValueError(f"HF ViT keys with no counterpart in our ViT: {unknown[:8]}: only "
+        raise InputError(f"HF ViT keys with no counterpart in our ViT: {unknown[:8]}: only "
                          "ViTModel / ViTForImageClassification state dicts are supported")
     for i, parts in qkv.items():
         for kind in ("weight", "bias"):
@@ -268,7 +268,7 @@ def from_hf(sd: Mapping[str, Any]) -> StateDict:
                 out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(
                     [_t(parts[f"{n}.{kind}"]) for n in ("query", "key", "value")])
             except KeyError as e:
-                raise KeyError(f"encoder.layer.{i}: attention {e.args[0]} missing (HF ViT with "
+                raise InputError(f"encoder.layer.{i}: attention {e.args[0]} missing (HF ViT with "
                                "qkv_bias=False is not supported)") from None
     return out
 
@@ -311,7 +311,7 @@ def detect_format(keys) -> str:
         return "hf"
     if any(re.search(r"(^|\.)blocks\.0\.attn\.qkv\.weight$", k) for k in keys):
         return "timm"
-    raise ValueError(f"cannot tell the layout of a weights file with keys {keys[:6]}...: pass "
+    raise InputError(f"cannot tell the layout of a weights file with keys {keys[:6]}...: pass "
                      "fmt='npz', 'timm', 'hf' or 'ours' explicitly, or check it is a ViT checkpoint")
 
 
@@ -332,24 +332,28 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
     if fmt == "auto":
         fmt = detect_format(raw)
     hf_heads = None
-    if fmt == "npz":
-        sd, info = from_official_npz(raw)
-    elif fmt == "timm":
-        sd = from_timm(raw)
-    elif fmt == "hf":
-        sd = from_hf(raw)
-        hf_heads = (side.get("config") or {}).get("num_attention_heads")
-    else:  # "ours"
-        sd = {k: _t(v) for k, v in raw.items()}
-    if fmt != "npz":
-        info = infer_info(sd, heads=hf_heads)
-        info["format"] = fmt
+    try:
+        if fmt == "npz":
+            sd, info = from_official_npz(raw)
+        elif fmt == "timm":
+            sd = from_timm(raw)
+        elif fmt == "hf":
+            sd = from_hf(raw)
+            hf_heads = (side.get("config") or {}).get("num_attention_heads")
+        else:  # "ours"
+            sd = {k: _t(v) for k, v in raw.items()}
+        if fmt != "npz":
+            info = infer_info(sd, heads=hf_heads)
+            info["format"] = fmt
+    except InputError as e:  # name the file and the way out: the format may simply be wrong
+        raise InputError(f"{src} as --format {fmt}: {e} (try --format auto, or the format it was "
+                         f"saved in: {', '.join(IMPORT_FORMATS[1:])})") from None
     notes = []
 
     # A different resolution keeps the patch size, so only the position-embedding grid changes.
     if image_size is not None and image_size != info["image_size"]:
         if image_size % info["patch"]:
-            raise ValueError(f"image_size={image_size} is not a multiple of the patch size "
+            raise InputError(f"image_size={image_size} is not a multiple of the patch size "
                              f"{info['patch']} of {info['variant']}: use e.g. "
                              f"{(image_size // info['patch']) * info['patch']}")
         sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], image_size // info["patch"])
@@ -373,7 +377,7 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
     model = build_vit(cfg.model, info["image_size"])
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{src}: converted weights do not fit {info['variant']} "
+        raise InputError(f"{src}: converted weights do not fit {info['variant']} "
                          f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
 
     return write_export(out_dir, model.state_dict(), cfg.to_dict(),

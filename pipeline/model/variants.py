@@ -35,7 +35,7 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
     "H": (32, 1280, 5120, 16),
 }
 
-# The variants the paper and PAPER.md name; tests iterate over these.
+# The variants the paper and docs/paper.md name; tests iterate over these.
 PAPER_VARIANTS = ("Ti/16", "S/16", "B/16", "L/16", "H/14", "B/32", "L/32", "B/8")
 
 _VARIANT_RE = re.compile(r"^([A-Za-z]+)/(\d+)$")

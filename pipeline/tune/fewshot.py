@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import InputError
 from .. import storage
 from ..config import ExperimentConfig
 from ..data.ingest import build_eval_dataset, normalize
@@ -138,7 +139,7 @@ def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "t
         labels.append(b["label"])
         keys.append(b["key"])
     if not feats:
-        raise ValueError(f"split {split!r} of {cfg.data.source} shards is empty: rerun preprocess "
+        raise InputError(f"split {split!r} of {cfg.data.source} shards is empty: rerun preprocess "
                          "or pick another split")
     keys_all = np.concatenate(keys).astype(str)
     order = np.argsort(keys_all, kind="stable")

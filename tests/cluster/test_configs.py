@@ -243,3 +243,10 @@ def test_spec_masks_every_credential_name_the_readme_promises(tmp_path):
     for value in ("azurekey123", "sshkey456", "s3cr3t789", "tok012", "pw345678"):
         assert value not in shown and value not in spec.mask(f"log line with {value}"), value
     assert "AZURE_STORAGE_KEY=***" in shown and "SSH_KEY=***" in shown and "PLAIN=visible-value" in shown
+
+
+def test_vitp_debug_before_the_command_still_names_the_recipe():
+    (call,) = parse_entrypoint("vitp --debug pretrain debug --set optim.lr=0.01")
+    assert (call.subcommand, call.recipe, call.overrides) == ("pretrain", "debug", ["optim.lr=0.01"])
+    ep = add_overrides("python -m pipeline.cli --debug finetune debug_finetune --from scratch", ["x.y=1"])
+    assert ep.endswith("--set x.y=1")

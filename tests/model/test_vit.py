@@ -1,4 +1,4 @@
-"""The ViT family against PAPER.md: params, FLOPs, attention, pos-embed resampling, heads."""
+"""The ViT family against docs/paper.md: params, FLOPs, attention, pos-embed resampling, heads."""
 import math
 
 import pytest
@@ -10,7 +10,7 @@ from pipeline.model.flops import forward_flops, param_count, training_flops
 from pipeline.model.variants import PAPER_VARIANTS
 from pipeline.model.vit import ViT, adapt_state_dict, build_vit, resample_pos_embed
 
-# PAPER.md: params with a 1000-class linear head at 224 (timm's vit_*_224), in millions,
+# docs/paper.md: params with a 1000-class linear head at 224 (timm's vit_*_224), in millions,
 # and the precision the table states them to.
 PAPER_PARAMS = {"Ti/16": (5.7, 0.05), "S/16": (22.1, 0.05), "B/16": (86.57, 0.005),
                 "L/16": (304.33, 0.005), "H/14": (632.05, 0.005)}
@@ -36,7 +36,7 @@ def test_forward_flops_match_paper(variant, size, gflops):
 
 
 def test_training_flops_reproduce_table6():
-    # PAPER.md: H/14, 14 epochs of JFT-300M = 4,262 exaFLOPs (about 4.2e21 at 3 x forward)
+    # docs/paper.md: H/14, 14 epochs of JFT-300M = 4,262 exaFLOPs (about 4.2e21 at 3 x forward)
     total = training_flops("H/14") * 14 * 300e6
     assert 3.9e21 < total < 4.6e21
 
