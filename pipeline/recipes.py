@@ -224,8 +224,7 @@ def debug() -> ExperimentConfig:
 
 
 def debug_finetune() -> ExperimentConfig:
-    """Tiny fine-tuning on scikit-learn's bundled digits at a higher resolution than `debug`
-    (finetune_cifar10, shrunk).
+    """Tiny fine-tuning on scikit-learn's bundled digits at 48 px (finetune_cifar10, shrunk).
 
     Run:      vitp finetune debug_finetune --from work/debug/export   (or --from scratch)
     Hardware: 2 CPU cores, no GPU.

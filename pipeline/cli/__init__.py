@@ -64,7 +64,11 @@ def _file_error(e: OSError) -> str:
 
 def _internal_error(command: str, e: BaseException) -> int:
     first = (str(e).strip().splitlines() or [""])[0]
-    _say(command, f"internal error: {type(e).__name__}: {first} (run with --debug for the traceback)")
+    if type(e).__module__.startswith("ray."):  # the work failed on Ray (e.g. a Train worker raised)
+        _say(command, f"failed on Ray: {type(e).__name__}: {first} (the workers' errors are in the "
+                      "output above; --debug shows the driver's traceback)")
+    else:
+        _say(command, f"internal error: {type(e).__name__}: {first} (run with --debug for the traceback)")
     return 1
 
 

@@ -1,8 +1,8 @@
 """`vitp` commands that talk to a cluster or serve one: submit, jobs, mlflow-server.
 
-Each parser sits beside its handler. Spec checks live in cluster/jobspec.py, the Jobs API client in
-cluster/jobs.py, the server in tracking/server.py. Must not contain logic, print a secret value, or
-bind beyond 127.0.0.1 by default.
+Each parser sits beside its handler. Spec checks live in pipeline/cluster/jobspec.py, the Jobs
+API client in pipeline/cluster/jobs.py, the server in pipeline/tracking/server.py. Must not contain
+logic, print a secret value, or bind beyond 127.0.0.1 by default.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _add_submit(sub) -> Handler:
                        description="Validate a job spec, resolve its recipe, check the working_dir "
                                    "size, submit it and wait. Exit 0 when the job SUCCEEDED, 1 "
                                    "FAILED, 4 STOPPED, 3 cluster unreachable or refused, 2 bad spec.")
-    p.add_argument("spec", help="job spec YAML, e.g. jobs/pretrain_h14.yaml")
+    p.add_argument("spec", help="job spec YAML, e.g. jobs/pretrain_h14_i21k.yaml")
     add_address(p, jobs_api=True)
     add_set(p, help="config override appended to the spec's vitp command (repeatable)")
     p.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")

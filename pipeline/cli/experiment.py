@@ -145,13 +145,18 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     connect_ray(cfg, args.address)
     ensure_shards(cfg)
     summary = run_training(cfg, tracking=not args.no_tracking)
-    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, "
-          f"train/loss {summary.metrics.get('train/loss', float('nan')):.4f}")
+    _print_summary(summary, ("train/loss",))
+    print(f"  export:     vitp export {summary.checkpoint}")
+    return 0
+
+
+def _print_summary(summary, keys: tuple[str, ...]) -> None:
+    """A finished training run: its step, the given metrics, checkpoint and MLflow run."""
+    values = ", ".join(f"{k} {summary.metrics.get(k, float('nan')):.4f}" for k in keys)
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, {values}")
     print(f"  checkpoint: {summary.checkpoint}")
     if summary.mlflow_run_id:
         print(f"  MLflow run: {summary.mlflow_run_id}")
-    print(f"  export:     vitp export {summary.checkpoint}")
-    return 0
 
 
 def _add_pretrain(sub) -> Handler:
@@ -168,17 +173,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from pipeline.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
     user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
-    cfg, tags = finetune_config(recipe_config(args), args.source, user_keys)
+    cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
     cfg = validate(cfg)
     connect_ray(cfg, args.address)
     ensure_shards(cfg)
     summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
-    m = summary.metrics
-    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {m.get('step')}, "
-          f"val/top1 {m.get('val/top1', float('nan')):.4f}, val/loss {m.get('val/loss', float('nan')):.4f}")
-    print(f"  checkpoint: {summary.checkpoint}")
-    if summary.mlflow_run_id:
-        print(f"  MLflow run: {summary.mlflow_run_id}")
+    _print_summary(summary, ("val/top1", "val/loss"))
     return 0
 
 
@@ -199,13 +199,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from pipeline.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
-    from pipeline.tune.sweep import build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+    from pipeline.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
     base = recipe_config(args)  # build_spec validates every trial's config: once, not here too
     space = {}
     for item in args.space:
         key, _, values = item.partition("=")
-        space[key] = [parse_value(key, v) for v in values.split(",") if v]
+        space[key] = [v if key in AXES else parse_value(key, v) for v in values.split(",") if v]
     spec = build_spec(args.name or args.recipe, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)

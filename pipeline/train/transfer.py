@@ -12,7 +12,7 @@ from ..config import ExperimentConfig, set_values
 from ..model.weights import source_info
 
 
-def finetune_config(cfg: ExperimentConfig, source: str,
+def finetune_config(cfg: ExperimentConfig, source: str, *,
                     user_keys: Iterable[str] = ()) -> tuple[ExperimentConfig, dict[str, str]]:
     """The fine-tuning config for `source` (NOT validated) and the MLflow tags of its lineage.
 

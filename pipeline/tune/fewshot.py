@@ -62,7 +62,7 @@ def fewshot_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarra
     num_classes = int(max(train_y.max(), test_y.max())) + 1
     missing = sorted(set(range(num_classes)) - set(train_y.tolist()))
     if missing:
-        raise ValueError(f"classes {missing[:10]} have no training example: few-shot needs every "
+        raise InputError(f"classes {missing[:10]} have no training example: few-shot needs every "
                          "class in the train split (check the shards' split / data.num_classes)")
     acc: dict[int, list[float]] = {k: [] for k in shots}
     for seed in range(seeds):

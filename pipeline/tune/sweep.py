@@ -1,18 +1,19 @@
 """Ray Tune sweeps over fine-tuning runs: search space, driver function, MLflow parent/children.
 A trial is a flat dict of dotted config keys plus two axes that are not config fields: `recipe`
 (the downstream dataset's preset) and `source` (a checkpoint/export path or "scratch").
-build_spec is the edge (resolves and validates each dataset x source once); trials make typed
+build_spec is the edge (resolves and validates every trial config once); trials make typed
 edits only, never `--set` strings. MLflow is written only through `pipeline.tracking`.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import ray
@@ -37,8 +38,10 @@ class SweepSpec:
     name: str
     base_recipe: str
     overrides: list[str]  # the user's --set text, kept for the record (MLflow param sweep.overrides)
-    configs: dict[str, dict[str, Any]]  # recipe -> config dict: recipe + --set + changes + work_dir
     space: dict[str, list]
+    # recipe -> config dict (recipe + --set + changes + work_dir); a sweep saved without it is
+    # rebuilt from `overrides` (config_of)
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     search: str = "grid"
     num_samples: int = 1
     scheduler: str = "none"
@@ -54,7 +57,7 @@ class SweepSpec:
         return dict(self.__dict__)
 
 
-def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: Sequence[str],
+def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: Sequence[str], *,
                changes: Optional[Mapping[str, Any]] = None, recipes: Optional[list[str]] = None,
                sources: Optional[list[str]] = None,
                extra_space: Optional[dict[str, list]] = None) -> SweepSpec:
@@ -62,8 +65,8 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     its tune.space plus `extra_space` (typed values) x datasets (`recipes`) x `sources`.
 
     Every recipe gets the same --set `overrides`, typed `changes`, work_dir and tracking as `base`.
-    Each dataset x source trial config is validated here, once per value of every other axis
-    (ConfigError before Ray starts); trials do not validate again.
+    Every trial config of the grid is validated here (ConfigError naming the trial before Ray
+    starts); trials do not validate again.
     """
     space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
     space.update(extra_space or {})
@@ -92,7 +95,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
                      metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
                      max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
-    for trial in _trials_to_validate(spec):
+    for trial in _grid(spec):
         try:
             validate(trial_config(spec, trial)[0])
         except ConfigError as e:
@@ -107,14 +110,10 @@ def _datasets(spec: SweepSpec) -> list[dict[str, Any]]:
             for source in spec.space.get("data.source", [None])]
 
 
-def _trials_to_validate(spec: SweepSpec) -> list[dict[str, Any]]:
-    """Each dataset x source, with the other axes at their first values, then each other value
-    of each axis in turn."""
-    others = {k: v for k, v in spec.space.items() if k not in (*AXES, "data.source")}
-    first = {k: v[0] for k, v in others.items()}
-    points = [first] + [{**first, k: x} for k, values in others.items() for x in values[1:]]
-    return [{**dataset, "source": source, **point} for dataset in _datasets(spec)
-            for source in spec.space["source"] for point in points]
+def _grid(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Every point of the space (the trials of a grid search; what random search draws from)."""
+    keys = list(spec.space)
+    return [dict(zip(keys, values)) for values in itertools.product(*(spec.space[k] for k in keys))]
 
 
 def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
@@ -129,10 +128,18 @@ def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
     return out
 
 
+def config_of(spec: SweepSpec, recipe: str) -> ExperimentConfig:
+    """`recipe`'s config in this sweep (a sweep saved before configs were stored: from its --set)."""
+    if recipe not in spec.configs:
+        cfg = set_values(with_overrides(recipe, spec.overrides), {"work_dir": spec.work_dir})
+        spec.configs[recipe] = absolute_paths(cfg).to_dict()
+    return ExperimentConfig.from_dict(spec.configs[recipe])
+
+
 def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, str]]:
     """One trial's fine-tuning config, by typed edits of its recipe's config (validated by
     build_spec, not here), and its lineage tags."""
-    cfg = ExperimentConfig.from_dict(spec.configs[trial.get("recipe", spec.base_recipe)])
+    cfg = config_of(spec, trial.get("recipe", spec.base_recipe))
     values = {k: v for k, v in trial.items() if k not in AXES}
     values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
                    "tracking.run_name": trial_run_name(spec, trial)})
@@ -228,10 +235,11 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
                              run_id=_parent_run_id(spec) if resume else None,
                              tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe})
-    parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
-                       "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
-                       "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
-                       "sweep.overrides": json.dumps(spec.overrides)})
+    if not parent.resumed:  # a resumed parent keeps the params of the run that started it
+        parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
+                           "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
+                           "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
+                           "sweep.overrides": json.dumps(spec.overrides)})
     parent.log_dict(spec.to_dict(), "sweep.json")
     concurrency = max_concurrent(spec, first_trial_cfg)
     log(f"[sweep {spec.name}] parent MLflow run {parent.run_id}; {concurrency} concurrent trial(s); "

@@ -83,3 +83,24 @@ def test_build_spec_rejects_a_bad_value_or_source_before_ray(tmp_path, export_di
         build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"], sources=[f"{tmp_path}/missing"])
     with pytest.raises(ConfigError, match="not recipes"):
         build_spec("s", base, "debug_finetune", [], recipes=["nope"])
+
+
+def test_build_spec_validates_every_combination_of_the_grid(tmp_path):
+    """Each axis is valid on its own; only ZeRO-0 together with optimizer offload is not."""
+    base = resolve("debug_finetune", [f"work_dir={tmp_path}"], check_paths=False)
+    space = {"parallel.zero_stage": [1, 0], "parallel.offload_optimizer": [False, True]}
+    with pytest.raises(ConfigError, match=r"(?s)sweep trial .*offload_optimizerTrue.*zero_stage0: .*offload_optimizer"):
+        build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"], extra_space=space)
+    ok = build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"],
+                    extra_space={"parallel.zero_stage": [1, 2], "parallel.offload_optimizer": [False, True]})
+    assert ok.space["parallel.zero_stage"] == [1, 2]
+
+
+def test_a_sweep_saved_without_configs_rebuilds_them_from_its_overrides(tmp_path):
+    """A SweepSpec restored from a Tune state that predates `configs` still yields its trials."""
+    base = resolve("debug_finetune", [f"work_dir={tmp_path}"], check_paths=False)
+    spec = build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}", "train.steps=30"])
+    old = {k: v for k, v in spec.to_dict().items() if k != "configs"}
+    restored = type(spec)(**old)
+    trial = {k: v[0] for k, v in spec.space.items()}
+    assert trial_config(restored, trial)[0].to_dict() == trial_config(spec, trial)[0].to_dict()
