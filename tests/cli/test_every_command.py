@@ -136,6 +136,7 @@ def test_model_prints_the_paper_numbers():
 # --- bad invocations: one line, the documented exit code (tests/cli/test_errors.py has more)
 
 
+@pytest.mark.e2e  # a vitp process per case: minutes in all; tests/cli/test_errors.py keeps the fast checks
 @pytest.mark.parametrize("args, mentions", [
     (("config", "no_such_recipe"), "no_such_recipe"),
     (("config", "debug", "--set", "optim.lrr=1"), "optim.lrr"),
@@ -147,6 +148,7 @@ def test_bad_invocation_is_one_line_and_exit_2(args, mentions, tmp_path):
     one_line_error(vitp(*args, cwd=tmp_path), args[0], 2, mentions)
 
 
+@pytest.mark.e2e
 def test_unreachable_cluster_is_one_line_and_exit_3():
     address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     one_line_error(vitp("jobs", "list", "--address", address), "jobs", 3, address)
@@ -264,6 +266,7 @@ def assert_same_weights(export_dir: Path, sd: dict[str, np.ndarray]) -> dict:
     return cfg
 
 
+@pytest.mark.e2e  # a vitp process per case: minutes in all; tests/cli/test_errors.py keeps the fast checks
 @pytest.mark.parametrize("fmt, source, recorded", [
     ("npz", "npz", "npz"), ("timm", "timm", "timm"), ("hf", "hf", "hf"),
     ("auto", "npz", "npz"), ("auto", "hf", "hf"), ("ours", "export", "ours"),
@@ -282,6 +285,7 @@ def test_import_each_format_gives_the_same_weights(fmt, source, recorded, weight
     assert cfg["_export"]["format"].startswith(recorded), cfg["_export"]
 
 
+@pytest.mark.e2e
 def test_import_with_the_wrong_format_is_one_line(weight_files, tmp_path):
     """timm weights given as --format npz: bad input (exit 2) naming the file, nothing written.
     (--format choices = the importer's: tests/cli/test_errors.py.)"""
