@@ -1,4 +1,6 @@
 """Shared fixtures: one local Ray instance per pytest run (tests marked `ray` use it)."""
+import os
+
 import pytest
 
 
@@ -17,3 +19,87 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+# --------------------------------------------------------------------------- S3 on 127.0.0.1
+# A real S3 HTTP API (moto in server mode) that pyarrow, boto3, Ray and MLflow talk to as to S3.
+# The endpoint and credentials go into the environment before any Ray or cluster starts, so
+# every process of the test run (Ray workers, `vitp` subprocesses, cluster nodes) inherits them;
+# the server itself starts on first use of the `s3` fixture.
+
+
+def pytest_configure(config):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint,
+                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ[key] = value
+
+
+class S3Server:
+    """moto_server on the port chosen in pytest_configure; `bucket()` makes a fresh bucket."""
+
+    def __init__(self, log_dir):
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        self.endpoint = os.environ["AWS_ENDPOINT_URL"]
+        port = self.endpoint.rsplit(":", 1)[1]
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.log = open(os.path.join(log_dir, "moto.log"), "w")
+        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", port], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=2).read()
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"moto_server did not start; see {self.log.name}")
+                time.sleep(0.2)
+        self._n = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        keys = ("AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+        return {k: os.environ[k] for k in keys}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint)
+
+    def bucket(self, prefix: str = "vitp") -> str:
+        """A new empty bucket; returns its URI s3://name."""
+        import uuid
+
+        self._n += 1
+        name = f"{prefix}-{self._n}-{uuid.uuid4().hex[:8]}".lower()
+        self.client().create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A running S3 server on 127.0.0.1 (moto); `s3.bucket()` -> 's3://<new bucket>'."""
+    server = S3Server(str(tmp_path_factory.mktemp("s3")))
+    yield server
+    server.stop()

@@ -1,4 +1,5 @@
 """pipeline.storage: local paths and URIs through one set of helpers (no network)."""
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,36 @@ def test_imports_no_pyarrow_torch_or_ray():
             "bad = [m for m in ('pyarrow', 'torch', 'ray') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_object_storage_round_trip(s3, tmp_path):
+    """On the S3 server: whole-file writes, listings with sizes, directory copies both ways."""
+    root = storage.join(s3.bucket(), "work")
+    storage.write_json(storage.join(root, "meta.json"), {"step": 3})
+    assert storage.read_json(storage.join(root, "meta.json")) == {"step": 3}
+    local = tmp_path / "ckpt"
+    (local / "state").mkdir(parents=True)
+    (local / "state" / "w.pt").write_bytes(b"0123456789")
+    (local / "complete").mkdir()
+    (local / "complete" / "rank_0.json").write_text("{}")
+    assert storage.upload_dir(str(local), storage.join(root, "c")) == 12
+    assert storage.file_sizes(storage.join(root, "c")) == {"state/w.pt": 10, "complete/rank_0.json": 2}
+    assert storage.file_sizes(storage.join(root, "c"), skip_dirs=("complete",)) == {"state/w.pt": 10}
+    assert storage.listdir(root) == ["c", "meta.json"]
+    assert storage.isdir(storage.join(root, "c")) and storage.isfile(storage.join(root, "meta.json"))
+    assert storage.size(storage.join(root, "c/state/w.pt")) == 10
+    assert storage.size(storage.join(root, "nothing")) is None and not storage.exists(storage.join(root, "nothing"))
+    with storage.local_copy(storage.join(root, "c")) as d:
+        assert open(os.path.join(d, "state", "w.pt"), "rb").read() == b"0123456789"
+    with storage.local_copy(storage.join(root, "meta.json")) as f:
+        assert json.load(open(f)) == {"step": 3}
+    storage.rmtree(storage.join(root, "c"))
+    assert storage.listdir(root) == ["meta.json"] and storage.listdir(storage.join(root, "c")) == []
+
+
+def test_local_writes_are_atomic_and_listed(tmp_path):
+    path = str(tmp_path / "d" / "x.json")
+    storage.write_json(path, [1, 2])
+    assert storage.read_json(path) == [1, 2] and os.listdir(tmp_path / "d") == ["x.json"]
+    assert storage.file_sizes(str(tmp_path)) == {"d/x.json": os.path.getsize(path)}
+    assert storage.listdir("file://" + str(tmp_path)) == ["d"]
