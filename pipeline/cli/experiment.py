@@ -14,6 +14,7 @@ from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, c
                                typed_changes)
 from pipeline.config import ExperimentConfig, parse_value, set_values, valid_keys, validate
 from pipeline.errors import ConfigError
+from pipeline.storage import abspath
 from pipeline.train.transfer import finetune_config
 
 
@@ -108,7 +109,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def _add_synth(sub) -> Handler:
     p = sub.add_parser("synth", help="render the synthetic fractal corpus (ImageFolder) with Ray Data")
     add_recipe(p)
-    p.add_argument("--out", help="output directory (default <work_dir>/synth)")
+    p.add_argument("--out", type=abspath, help="output directory or URI (default <work_dir>/synth)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     add_address(p)
     return cmd_synth
@@ -127,7 +128,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def _add_preprocess(sub) -> Handler:
     p = sub.add_parser("preprocess", help="decode, validate, resize and shard a corpus to Parquet")
     add_recipe(p)
-    p.add_argument("--out", help="shard directory (default data.shards or <work_dir>/shards/<source>)")
+    p.add_argument("--out", type=abspath,
+                   help="shard directory or URI (default data.shards or <work_dir>/shards/<source>)")
     p.add_argument("--overwrite", action="store_true", help="replace existing shards")
     add_address(p)
     return cmd_preprocess
@@ -185,7 +187,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def _add_finetune(sub) -> Handler:
     p = sub.add_parser("finetune", help="fine-tune from pre-trained weights (or scratch) with the transfer recipe")
     add_recipe(p)
-    p.add_argument("--from", dest="source", required=True,
+    p.add_argument("--from", dest="source", required=True, type=abspath,
                    help="checkpoint dir, export dir (vitp export / vitp import), .safetensors file, or 'scratch'")
     add_tracking(p)
     add_address(p)
@@ -205,7 +207,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     space = {}
     for item in args.space:
         key, _, values = item.partition("=")
-        space[key] = [v if key in AXES else parse_value(key, v) for v in values.split(",") if v]
+        # sources are paths: resolved here, where the user's working directory is known
+        space[key] = [(abspath(v) if key == "source" else v) if key in AXES else parse_value(key, v)
+                      for v in values.split(",") if v]
     spec = build_spec(args.name or args.recipe, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)
@@ -220,6 +224,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{len(summary['failed'])} trial(s) failed:", file=sys.stderr)
         for f in summary["failed"]:
             print(f"  {f['trial']}: {f['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -229,7 +234,7 @@ def _add_sweep(sub) -> Handler:
     p.add_argument("--name", help="sweep name (default: the recipe); also the MLflow parent run")
     p.add_argument("--datasets", help="comma-separated fine-tuning recipes to sweep over, e.g. "
                                       "finetune_cifar10,finetune_pets")
-    p.add_argument("--from", dest="sources", action="append", default=[],
+    p.add_argument("--from", dest="sources", action="append", default=[], type=abspath,
                    help="a source to start from (repeatable): checkpoint/export path or 'scratch'")
     p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
                    help="add a grid axis, e.g. --space optim.lr=0.01,0.03 (repeatable)")
@@ -254,8 +259,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _add_export(sub) -> Handler:
     p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
-    p.add_argument("checkpoint", help="a checkpoint directory written by pretrain/finetune")
-    p.add_argument("--out", help="output directory (default CHECKPOINT-export)")
+    p.add_argument("checkpoint", type=abspath, help="a checkpoint directory or URI written by pretrain/finetune")
+    p.add_argument("--out", type=abspath, help="output directory or URI (default CHECKPOINT-export)")
     return cmd_export
 
 

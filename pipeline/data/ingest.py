@@ -134,20 +134,25 @@ def epoch_order(num_units: int, seed: int, epoch: int) -> np.ndarray:
 class UnitReader:
     """Ray Data map_batches callable: ids of (epoch, unit) slots -> augmented rows.
 
-    Input rows are {"id": k} from ray.data.range: slot k is unit epoch_order(e)[k % U] of epoch
-    e = start_epoch + k // U, so the whole multi-epoch stream is one lazy operator and any
-    slot can be recomputed anywhere with the same result.
+    Input rows are {"id": k} from ray.data.range: slot s = first_slot + k is unit
+    epoch_order(e)[s % U] of epoch e = start_epoch + s // U, so the whole multi-epoch stream is
+    one lazy operator and any slot can be recomputed anywhere with the same result. A resumed
+    stream starts mid-epoch: at the unit holding its data position, less that unit's first
+    `skip_rows` rows (in their shuffled order), so nothing consumed is read again.
     """
 
     def __init__(self, units: list[tuple], start_epoch: int, shuffle: bool, seed: int, size: int,
-                 mode: str, scale_min: float, hflip: bool, storage_format: str):
+                 mode: str, scale_min: float, hflip: bool, storage_format: str,
+                 first_slot: int = 0, skip_rows: int = 0):
         self.units, self.start, self.shuffle, self.seed = units, start_epoch, shuffle, seed
+        self.first_slot, self.skip_rows = first_slot, skip_rows
         self.kw = dict(size=size, mode=mode, scale_min=scale_min, hflip=hflip,
                        storage_format=storage_format)
         self._orders: dict[int, np.ndarray] = {}
 
     def unit_of(self, k: int) -> tuple[int, tuple]:
         n = len(self.units)
+        k += self.first_slot
         epoch = self.start + k // n
         if not self.shuffle:
             return epoch, self.units[k % n]
@@ -158,8 +163,24 @@ class UnitReader:
     def __call__(self, batch: dict):
         for k in batch["id"]:
             epoch, unit = self.unit_of(int(k))
-            yield augment_rows(_read_unit(unit, self.kw["storage_format"]), seed=self.seed, epoch=epoch,
-                               shuffle_rows=self.shuffle, **self.kw)
+            rows = augment_rows(_read_unit(unit, self.kw["storage_format"]), seed=self.seed,
+                                epoch=epoch, shuffle_rows=self.shuffle, **self.kw)
+            if int(k) == 0 and self.skip_rows:
+                rows = {c: v[self.skip_rows:] for c, v in rows.items()}
+            yield rows
+
+
+def resume_point(units: list[tuple], seed: int, epoch: int, offset: int, shuffle: bool = True) -> tuple[int, int]:
+    """(first slot within `epoch`, rows of that slot to skip) for a stream that resumes after
+    `offset` rows of `epoch` were consumed."""
+    order = epoch_order(len(units), seed, epoch) if shuffle else np.arange(len(units))
+    done = 0
+    for j, u in enumerate(order):
+        rows = units[int(u)][2] - units[int(u)][1]
+        if done + rows > offset:
+            return j, offset - done
+        done += rows
+    return len(units), 0  # the epoch was used up: start at the next one
 
 
 def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: bool, seed: int,
@@ -188,7 +209,7 @@ def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
 
 
 def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
-            unit_rows: int):
+            unit_rows: int, start_offset: int = 0):
     import ray  # lazy: ray (shards_dir / normalize are used without it)
 
     d = cfg.data
@@ -201,11 +222,14 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     if num_epochs is None:
         num_epochs = epochs_needed(manifest["counts"][split], cfg.train.steps,
                                    cfg.parallel.global_batch) if train else 1
-    total = len(units) * num_epochs
+    first_slot, skip_rows = resume_point(units, cfg.train.seed, start_epoch, start_offset,
+                                         shuffle=train) if start_offset else (0, 0)
+    total = len(units) * num_epochs - first_slot
     reader = UnitReader(units, start_epoch, shuffle=train, seed=cfg.train.seed,
                         size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
-                        storage_format=manifest["storage"]["format"])
+                        storage_format=manifest["storage"]["format"],
+                        first_slot=first_slot, skip_rows=skip_rows)
     return ray.data.range(total, override_num_blocks=num_read_tasks(total, unit_rows)).map_batches(
         reader, batch_size=None, batch_format="numpy")
 
@@ -231,14 +255,16 @@ def num_read_tasks(total_slots: int, unit_rows: int) -> int:
 
 
 def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = None,
-                        unit_rows: int = UNIT_ROWS):
-    """The training stream: epochs start_epoch .. start_epoch + num_epochs - 1 back to back.
+                        unit_rows: int = UNIT_ROWS, start_offset: int = 0):
+    """The training stream: epochs start_epoch .. start_epoch + num_epochs - 1 back to back,
+    beginning `start_offset` rows into start_epoch's order (a resume's data position).
 
     Rows: {"image" uint8 (S, S, 3), "label" int64, "epoch" int64, "key" str}. Default
     num_epochs covers train.steps x parallel.global_batch rows. Pass it as
     TorchTrainer(datasets={"train": ds}); each worker reads `ray.train.get_dataset_shard`.
     """
-    return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows)
+    return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
+                   start_offset=start_offset)
 
 
 def build_eval_dataset(cfg, split: str = "val", unit_rows: int = UNIT_ROWS):

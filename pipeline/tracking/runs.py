@@ -17,6 +17,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from pipeline import storage
 from pipeline.config import flatten
 from pipeline.tracking.redact import redact, redact_value
 from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 ATTEMPT_TAG = "vitp.attempt"  # 1 for a fresh run, +1 on each resume: shows how often it restarted
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+# Params a finished run may be continued with a new value of (`vitp pretrain ... --set train.steps=N`).
+CONTINUABLE = ("train.steps",)
 
 # mlflow's limits (mlflow.utils.validation); we truncate ourselves so the note says where the rest is.
 MAX_PARAM_VALUE = 6000
@@ -202,13 +205,23 @@ class RunLogger:
         return self._last_steps.get(key, -1)
 
     # ---------------------------------------------------------------- params and config
-    def log_params(self, params: dict[str, Any]) -> dict[str, str]:
+    def log_params(self, params: dict[str, Any], continued_at: int | None = None) -> dict[str, str]:
         """Log params (nested dicts are flattened), skipping ones already identical in the run.
 
-        Returns what was (or already had been) logged. A differing value raises ParamConflictError.
+        Returns what was (or already had been) logged. A differing value raises ParamConflictError,
+        except for a CONTINUABLE key when `continued_at` (the step a finished run is continued
+        from) is given: its first value stays and the new one is recorded as
+        `<key>.continued_at_<step>` (MLflow params cannot change).
         """
         wanted = params_for_mlflow(params)
         existing = self.client.get_run(self.run_id).data.params
+        if continued_at is not None:
+            for key in CONTINUABLE:
+                if key in wanted and key in existing and existing[key] != wanted[key]:
+                    value = wanted.pop(key)
+                    recorded = {v for k, v in existing.items() if k.startswith(f"{key}.continued_at_")}
+                    if value not in recorded:
+                        wanted[f"{key}.continued_at_{continued_at}"] = value
         self._check_conflicts(wanted, existing)
         new = [Param(k, v) for k, v in wanted.items() if k not in existing]
         for batch in _chunks(new, PARAMS_PER_BATCH):
@@ -220,9 +233,10 @@ class RunLogger:
                 raise TrackingError(f"logging params to run {self.run_id}: {e.message}") from e
         return wanted
 
-    def log_config(self, cfg_dict: dict[str, Any]) -> dict[str, str]:
-        """The resolved config as flattened, redacted params plus a redacted config.json artifact."""
-        logged = self.log_params(cfg_dict)
+    def log_config(self, cfg_dict: dict[str, Any], continued_at: int | None = None) -> dict[str, str]:
+        """The resolved config as flattened, redacted params plus a redacted config.json artifact
+        (the newest attempt's; `continued_at`: see log_params)."""
+        logged = self.log_params(cfg_dict, continued_at=continued_at)
         self.log_dict(redact(cfg_dict), "config.json")
         return logged
 
@@ -276,10 +290,13 @@ class RunLogger:
         for chunk in _chunks(items, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, tags=chunk)
 
-    def log_artifact(self, local_path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        if not os.path.exists(local_path):
-            raise TrackingError(f"artifact {local_path!s} does not exist: write it before logging it")
-        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Log a file (or directory) at a local path or a URI (copied locally first)."""
+        path = str(path)
+        if not storage.exists(path):
+            raise TrackingError(f"artifact {path} does not exist: write it before logging it")
+        with storage.local_copy(path) as local:
+            self.client.log_artifact(self.run_id, local, artifact_path)
 
     def log_dict(self, d: dict, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, d, artifact_file)

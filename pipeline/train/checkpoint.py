@@ -6,7 +6,6 @@ and from storage; this module only reads and writes them.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -16,7 +15,8 @@ import numpy as np
 import torch
 
 from ..config import ExperimentConfig
-from ..storage import is_uri, join
+from .. import storage
+from ..storage import join
 
 # Layout of one checkpoint directory (the merge of every rank's files):
 #     state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
@@ -36,6 +36,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     samples_seen: int = 0  # global images consumed (data position)
     epoch: int = 0  # epoch of the next sample
+    epoch_offset: int = 0  # images of that epoch already consumed
     best_metric: float | None = None
 
 
@@ -47,25 +48,6 @@ def _rank_world() -> tuple[int, int]:
     if _distributed():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _files_under(root: str, skip_dirs: tuple[str, ...] = ()) -> dict[str, int]:
-    """Relative path -> size of every file under `root`, leaving out the top-level `skip_dirs`.
-
-    Ranks can share one directory, so a file may vanish between listing and stat (another
-    rank's marker being renamed from its .tmp name): such files are left out, not an error.
-    """
-    out = {}
-    for dirpath, dirnames, files in os.walk(root):
-        if dirpath == root:
-            dirnames[:] = [d for d in dirnames if d not in skip_dirs]
-        for f in files:
-            path = os.path.join(dirpath, f)
-            try:
-                out[os.path.relpath(path, root)] = os.path.getsize(path)
-            except FileNotFoundError:
-                continue
-    return out
 
 
 def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
@@ -80,7 +62,7 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     """
     rank, world = _rank_world()
     os.makedirs(directory, exist_ok=True)
-    before = set(_files_under(directory, skip_dirs=("complete",)))
+    before = set(storage.file_sizes(directory, skip_dirs=("complete",)))
     engine.save_checkpoint(directory, tag=TAG, client_state={"train_state": asdict(state)},
                            save_latest=False)
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
@@ -93,58 +75,46 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
         meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
                 "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict,
                 "mlflow_run_id": mlflow_run_id, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
-        _write_json(os.path.join(directory, "meta.json"), meta)
+        storage.write_json(os.path.join(directory, "meta.json"), meta)
     if _distributed():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written
     # Markers are left out: other ranks may be writing theirs into a shared directory now.
-    files = {k: v for k, v in _files_under(directory, skip_dirs=("complete",)).items()
+    files = {k: v for k, v in storage.file_sizes(directory, skip_dirs=("complete",)).items()
              if k not in before}
-    _write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
+    storage.write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
                 {"rank": rank, "world_size": world, "step": state.step, "files": files})
     if _distributed():
         torch.distributed.barrier()  # every marker is written: a shared directory is complete
     return directory
 
 
-def _write_json(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a reader never sees half a marker
-
-
 def verify(directory: str) -> tuple[bool, str]:
-    """(complete?, reason). Complete = meta + a marker per rank + every listed file present."""
-    meta_path = os.path.join(directory, "meta.json")
-    if not os.path.exists(meta_path):
-        return False, f"{directory}: no meta.json (rank 0 never finished saving)"
+    """(complete?, reason). Complete = meta + a marker per rank + every listed file present with
+    its recorded size. Works the same on a local directory and on object storage (one listing)."""
     try:
-        with open(meta_path) as f:
-            world = json.load(f)["world_size"]
-    except (OSError, ValueError, KeyError) as e:  # storage copies files in place: may be mid-copy
+        meta = read_meta(directory)
+        world = int(meta["world_size"])
+    except FileNotFoundError:
+        return False, f"{directory}: no meta.json (rank 0 never finished saving)"
+    except (OSError, ValueError, KeyError, TypeError) as e:  # may be mid-copy
         return False, f"{directory}: meta.json is unreadable ({e}); still being written?"
+    present = storage.file_sizes(directory)
     for r in range(world):
-        marker = os.path.join(directory, "complete", f"rank_{r:05d}.json")
-        if not os.path.exists(marker):
+        marker = f"complete/rank_{r:05d}.json"
+        if marker not in present:
             return False, f"{directory}: rank {r} of {world} has no completion marker"
         try:
-            with open(marker) as f:
-                listed = json.load(f)["files"]
+            listed = storage.read_json(join(directory, marker))["files"]
         except (OSError, ValueError, KeyError) as e:
             return False, f"{directory}: marker of rank {r} is unreadable ({e}); still being written?"
         for rel, size in listed.items():
-            path = os.path.join(directory, rel)
-            if not os.path.exists(path) or os.path.getsize(path) != size:
+            if present.get(rel.replace(os.sep, "/")) != size:
                 return False, f"{directory}: {rel} from rank {r} is missing or truncated"
     return True, "complete"
 
 
 def read_meta(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, "meta.json")) as f:
-        return json.load(f)
+    return storage.read_json(join(directory, "meta.json"))
 
 
 def load(engine, directory: str, load_optimizer: bool = True) -> TrainState:
@@ -187,29 +157,33 @@ def load(engine, directory: str, load_optimizer: bool = True) -> TrainState:
 
 
 def storage_path(cfg: ExperimentConfig) -> str:
-    """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (a local path or a URI)."""
-    if is_uri(cfg.work_dir):
-        return join(cfg.work_dir, "runs")
-    return os.path.abspath(os.path.join(cfg.work_dir, "runs"))
+    """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (an absolute path or a URI)."""
+    return join(storage.abspath(cfg.work_dir), "runs")
+
+
+def run_dir(cfg: ExperimentConfig) -> str:
+    return join(storage_path(cfg), cfg.run_name)
 
 
 def latest_complete_checkpoint(cfg: ExperimentConfig) -> str | None:
-    """Newest checkpoint directory of this run that passes `verify` (local storage only)."""
-    run_dir = os.path.join(storage_path(cfg), cfg.run_name)
-    if is_uri(run_dir) or not os.path.isdir(run_dir):
-        return None
-    for name in sorted(os.listdir(run_dir), reverse=True):
-        path = os.path.join(run_dir, name)
+    """Newest checkpoint directory of this run that passes `verify`, on local disk or object
+    storage, whether or not Ray registered it (a worker killed inside `report` leaves one)."""
+    root = run_dir(cfg)
+    for name in reversed(storage.listdir(root)):
+        path = join(root, name)
         if name.startswith("checkpoint_") and verify(path)[0]:
             return path
     return None
 
 
-def stream_start_epoch(cfg: ExperimentConfig) -> int:
-    """The epoch a (re)started attempt streams from: that of the newest complete checkpoint.
+def data_position(cfg: ExperimentConfig) -> tuple[int, int]:
+    """(epoch, images of that epoch already consumed) where a (re)started attempt streams from:
+    the data position of the newest complete checkpoint, (0, 0) for a fresh run.
 
-    Called by the dataset factory (in the Train controller) and by every worker, so both agree.
-    With remote storage (URIs) attempts stream from epoch 0 and workers skip what was consumed.
+    Called by the dataset factory (in the Train controller) and by every worker, so all agree.
     """
     latest = latest_complete_checkpoint(cfg)
-    return int(read_meta(latest)["train_state"]["epoch"]) if latest else 0
+    if not latest:
+        return 0, 0
+    st = read_meta(latest)["train_state"]
+    return int(st["epoch"]), int(st.get("epoch_offset", 0))

@@ -85,14 +85,19 @@ def evaluate(engine_or_model, batches: Iterable[tuple[torch.Tensor, torch.Tensor
     return {"loss_sum": total_loss, "correct": correct, "count": count}
 
 
-def all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum a dict of scalars over all ranks (no-op without a process group)."""
+def all_reduce_sum(values: dict[str, float], device: torch.device,
+                   op: str = "SUM") -> dict[str, float]:
+    """Sum (or `op`: MAX, MIN) a dict of scalars over all ranks (no-op without a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return values
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
+    torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
     return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_max(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    return all_reduce_sum(values, device, op="MAX")
 
 
 def memory_gb(device: torch.device) -> float:

@@ -6,8 +6,7 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
-import json
-import os
+import copy
 import tempfile
 import time
 from dataclasses import dataclass
@@ -16,13 +15,14 @@ from typing import Any, Optional
 import numpy as np
 import ray.train
 from ray.data import DataContext
+from ray.train import DataConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from .. import storage
 from ..config import ExperimentConfig, absolute_paths
 from ..data.ingest import build_eval_dataset, shards_dir
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
-from ..storage import is_uri
 from ..tracking.runs import RunLogger
 from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
@@ -54,6 +54,11 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
     datasets: dict[str, Any] = {"train": TrainDatasetFactory(cfg_dict)}
     if with_val:
         datasets["val"] = EvalDatasetFactory(cfg_dict)
+    # The train stream in slot order: a resume starts at a data position in that order.
+    ordered = copy.deepcopy(DataContext.get_current().execution_options)
+    ordered.preserve_order = True
+    # Ray Train reads and writes checkpoints through the same filesystem (S3 endpoint) as the rest.
+    fs, inner = storage.filesystem(ckpt.storage_path(cfg))
     return TorchTrainer(
         train_per_worker,
         train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
@@ -62,12 +67,14 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=cfg.run_name,
-            storage_path=ckpt.storage_path(cfg),
+            storage_path=inner,
+            storage_filesystem=fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
             callbacks=callbacks or None,
         ),
         datasets=datasets,
+        dataset_config=DataConfig(execution_options={"train": ordered}),
     )
 
 
@@ -92,6 +99,10 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         return _already_finished(cfg, existing, meta, tracking, t0)
     if existing:
         print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
+        planned = ((meta.get("config") or {}).get("train") or {}).get("steps")
+        if planned is not None and planned != cfg.train.steps:
+            print(f"[{cfg.run_name}] train.steps {planned} -> {cfg.train.steps}: the LR schedule is "
+                  f"re-planned to end at step {cfg.train.steps}", flush=True)
     logger = None
     mlflow_info = None
     if tracking:
@@ -103,7 +114,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
                                        **(extra_tags or {})})
-        logger.log_config(cfg.to_dict())
+        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None)
         _log_manifest(logger, cfg)
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         print(f"[{cfg.run_name}] MLflow run {logger.run_id} ({'resumed' if logger.resumed else 'new'}) at {uri}",
@@ -115,7 +126,9 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         if logger:
             logger.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
-    checkpoint = result.checkpoint.path if result.checkpoint else None
+    # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
+    checkpoint = (storage.join(ckpt.run_dir(cfg), storage.basename(result.checkpoint.path))
+                  if result.checkpoint else None)
     metrics = dict(result.metrics or {})
     if logger:
         if checkpoint:
@@ -178,7 +191,6 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
 
 
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:
-    path = os.path.join(shards_dir(cfg), "manifest.json")
-    if not is_uri(path) and os.path.exists(path):
-        with open(path) as f:
-            logger.log_dict(json.load(f), "data/manifest.json")
+    path = storage.join(shards_dir(cfg), "manifest.json")
+    if storage.exists(path):
+        logger.log_dict(storage.read_json(path), "data/manifest.json")

@@ -16,17 +16,19 @@ import ray.train
 import torch
 from ray.data import DataContext
 
+from .. import storage
 from ..config import ExperimentConfig
 from ..data.ingest import build_eval_dataset, build_train_dataset, iter_device_batches, train_rows_per_epoch
 from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
+from .step import all_reduce_max, all_reduce_sum
 
 
 class TrainDatasetFactory:
     """Picklable `() -> Dataset` for Train: called on every worker-group (re)start, it streams
-    from the epoch the newest complete checkpoint stopped in (the data position)."""
+    from the data position (epoch and offset) of the newest complete checkpoint."""
 
     def __init__(self, cfg_dict: dict[str, Any]):
         self.cfg_dict = cfg_dict
@@ -34,7 +36,8 @@ class TrainDatasetFactory:
     def __call__(self):
         DataContext.get_current().enable_progress_bars = False  # the split runs in this process
         cfg = ExperimentConfig.from_dict(self.cfg_dict)
-        return build_train_dataset(cfg, start_epoch=ckpt.stream_start_epoch(cfg))
+        epoch, offset = ckpt.data_position(cfg)
+        return build_train_dataset(cfg, start_epoch=epoch, start_offset=offset)
 
 
 class EvalDatasetFactory:
@@ -73,19 +76,27 @@ def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch
 
 
 def _pick_checkpoint(cfg: ExperimentConfig, reported):
-    """The checkpoint to resume from: Ray's latest registered one, or a newer one on storage
-    whose completion markers are all present. A worker killed inside `ray.train.report` leaves
-    a checkpoint that every rank finished writing but Ray never registered; the markers make it
-    safe to use, so no finished work is thrown away."""
+    """The checkpoint to resume from: the newest one in the run's storage whose completion
+    markers are all present (local disk or object storage), else Ray's latest registered one.
+    A worker killed inside `ray.train.report` leaves a checkpoint that every rank finished
+    writing but Ray never registered; the markers make it safe to use, so no work is lost."""
     newest = ckpt.latest_complete_checkpoint(cfg)
     if newest is None:
         return reported
-    newest_step = ckpt.read_meta(newest)["step"]
-    if reported is not None:
-        with reported.as_directory() as d:
-            if ckpt.verify(d)[0] and ckpt.read_meta(d)["step"] >= newest_step:
-                return reported
-    return ray.train.Checkpoint.from_directory(newest)
+    fs, inner = storage.filesystem(newest)
+    return ray.train.Checkpoint(inner, filesystem=fs)
+
+
+def checkpoint_io(rank_bytes: int, save_s: float, persist_s: float, device) -> dict[str, float]:
+    """Checkpoint I/O of all ranks (a collective): MB written, MB/s to storage (ranks persist in
+    parallel: total MB over the slowest rank's persist time), seconds the loop was blocked."""
+    sums = all_reduce_sum({"bytes": rank_bytes}, device)
+    slowest = all_reduce_max({"save": save_s, "persist": persist_s}, device)
+    mb = sums["bytes"] / 1e6
+    return {"perf/ckpt_mb": mb, "perf/ckpt_save_s": slowest["save"],
+            "perf/ckpt_persist_s": slowest["persist"],
+            "perf/ckpt_write_mb_s": mb / max(slowest["persist"], 1e-9),
+            "perf/ckpt_blocked_s": slowest["save"] + slowest["persist"]}
 
 
 def train_per_worker(config: dict[str, Any]) -> None:
@@ -120,13 +131,15 @@ def train_per_worker(config: dict[str, Any]) -> None:
     if logger and restored is not None:
         logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
 
-    # Data position: this attempt's stream starts at the epoch of the newest complete checkpoint
-    # (TrainDatasetFactory); skip the micro-batches of that epoch the restored steps consumed.
+    # Data position: this attempt's stream starts where the restored checkpoint stopped, epoch
+    # and offset (TrainDatasetFactory), so nothing consumed is read again. Checkpoints written
+    # before offsets were recorded start at their epoch: skip what that epoch already gave.
     epoch_rows = train_rows_per_epoch(cfg)
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  device, mean=cfg.data.mean, std=cfg.data.std)
     if restored is not None:
-        consumed = state.samples_seen - ckpt.stream_start_epoch(cfg) * epoch_rows
+        epoch, offset = ckpt.data_position(cfg)
+        consumed = state.samples_seen - epoch * epoch_rows - offset
         for _ in range(max(0, consumed) // (world * cfg.parallel.micro_batch)):
             next(stream, None)
 
@@ -147,16 +160,26 @@ def train_per_worker(config: dict[str, Any]) -> None:
             ray.train.report({"step": step, **metrics})
 
     def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
-        st.epoch = st.samples_seen // max(epoch_rows, 1)
+        st.epoch, st.epoch_offset = divmod(st.samples_seen, max(epoch_rows, 1))
+        t0 = time.perf_counter()
         local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-")
         try:
             ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
                       mlflow_run_id=(config.get("mlflow") or {}).get("run_id"), metrics=metrics)
+            t1 = time.perf_counter()
             ray.train.report({"step": step, **metrics},
                              checkpoint=ray.train.Checkpoint.from_directory(local),
                              checkpoint_dir_name=f"checkpoint_{step:08d}")
+            written = sum(storage.file_sizes(local).values())
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
+        if rank == 0:
+            print(f"[{cfg.run_name}] checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, "
+                  f"{io['perf/ckpt_write_mb_s']:.1f} MB/s to storage, training blocked "
+                  f"{io['perf/ckpt_blocked_s']:.2f} s", flush=True)
+            if logger:
+                logger.log_metrics(io, step=step)
 
     if state.step == 0 and cfg.model.head == "finetune":
         # The transfer head starts at zero: record the largest |logit| of the first batch.

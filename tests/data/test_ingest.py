@@ -200,3 +200,35 @@ def test_torch_trainer_workers_get_equal_batches(shards, tmp_path):
     keys = out[0]["keys"] + out[1]["keys"]
     assert len(keys) == len(set(keys))
     assert res["train"] - len(keys) < WORLD * BATCH
+
+
+def _ordered_keys(ds) -> list[tuple[int, str]]:
+    ds.context.execution_options.preserve_order = True  # what Train's DataConfig sets for "train"
+    return [(int(e), k) for b in ds.iter_batches(batch_size=None) for e, k in zip(b["epoch"], b["key"])]
+
+
+def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
+    """A stream resumed at (epoch, offset) is the uninterrupted stream from that position on:
+    same keys in the same order, same pixels, and nothing before it is read (the first unit
+    read is the one holding the position, not the epoch's first)."""
+    from pipeline.data.ingest import UnitReader, resume_point, shards_dir
+
+    cfg, res = shards
+    n = res["train"]
+    full = _ordered_keys(build_train_dataset(cfg, start_epoch=0, num_epochs=2, unit_rows=unit_rows))
+    assert len(full) == 2 * n
+    for offset in (1, (3 * n) // 4, n - 1):  # inside the first unit, mid-epoch, its last row
+        resumed = _ordered_keys(build_train_dataset(cfg, start_epoch=0, num_epochs=2,
+                                                    unit_rows=unit_rows, start_offset=offset))
+        assert resumed == full[offset:], offset
+    later = _ordered_keys(build_train_dataset(cfg, start_epoch=1, num_epochs=1, unit_rows=unit_rows,
+                                              start_offset=5))
+    assert later == full[n + 5:]
+    # the reader starts at the unit holding the offset: units before it are never read
+    units = plan_units(shards_dir(cfg), "train", read_manifest(shards_dir(cfg)), unit_rows)
+    slot, skip = resume_point(units, cfg.train.seed, 0, (3 * n) // 4)
+    assert slot > 0 and 0 <= skip < unit_rows
+    reader = UnitReader(units, 0, True, cfg.train.seed, 16, "none", 1.0, False, "uint8",
+                        first_slot=slot, skip_rows=skip)
+    first = next(reader({"id": np.array([0])}))
+    assert [(0, k) for k in first["key"]] == full[(3 * n) // 4:(3 * n) // 4 + len(first["key"])]

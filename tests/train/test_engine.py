@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import workers  # noqa: E402
 
+from pipeline import storage  # noqa: E402
 from pipeline.config import apply_overrides  # noqa: E402
 from pipeline.model.vit import ViT  # noqa: E402
 from pipeline.recipes import debug, get_recipe  # noqa: E402
@@ -144,15 +145,15 @@ def test_marker_listing_survives_ranks_writing_markers(tmp_path):
     def other_rank():
         i = 0
         while not stop.is_set():
-            ckpt._write_json(str(d / "complete" / f"rank_{i % 4:05d}.json"), {"files": {}})
+            storage.write_json(str(d / "complete" / f"rank_{i % 4:05d}.json"), {"files": {}})
             i += 1
 
     t = threading.Thread(target=other_rank)
     t.start()
     try:
         for _ in range(3000):
-            assert ckpt._files_under(str(d), skip_dirs=("complete",)) == {"state/w.pt": 7}
-            listed = ckpt._files_under(str(d))  # markers included: still no error on a vanished .tmp
+            assert storage.file_sizes(str(d), skip_dirs=("complete",)) == {"state/w.pt": 7}
+            listed = storage.file_sizes(str(d))  # markers included: still no error on a vanished .tmp
             assert listed["state/w.pt"] == 7
     finally:
         stop.set()

@@ -234,3 +234,41 @@ def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.e2e
+def test_run_on_object_storage_resumes_continues_and_measures_checkpoints(tmp_path, shards, s3):
+    """work_dir on the S3 server: checkpoints land there (URIs), a finished run started again
+    trains nothing, and raising train.steps continues the same MLflow run with the schedule
+    re-planned (the first value of train.steps kept, the new one recorded per continuation)."""
+    from pipeline import storage
+    from pipeline.tracking.store import get_client
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.trainer import run_training
+
+    work = storage.join(s3.bucket(), "vit")
+    base = [f"work_dir={work}", f"data.shards={shards}", "train.log_every=5",
+            "train.checkpoint_every=10", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    cfg = resolve("debug", base + ["train.steps=20"])
+    first = run_training(cfg)
+    assert first.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000020")
+    assert ckpt.verify(first.checkpoint)[0]
+    assert ckpt.read_meta(first.checkpoint)["mlflow_run_id"] == first.mlflow_run_id
+    for key in ("perf/ckpt_blocked_s", "perf/ckpt_write_mb_s", "perf/ckpt_mb"):
+        assert [s for s, _ in _history(cfg, first.mlflow_run_id, key)] == [10, 20], key
+    assert _history(cfg, first.mlflow_run_id, "perf/ckpt_mb")[0][1] > 0.1  # the model's state, in MB
+
+    again = run_training(cfg)
+    assert again.already_finished and again.mlflow_run_id == first.mlflow_run_id
+
+    more = run_training(resolve("debug", base + ["train.steps=30"]))
+    assert not more.already_finished and more.mlflow_run_id == first.mlflow_run_id
+    assert more.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000030")
+    assert [s for s, _ in _history(cfg, first.mlflow_run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
+    assert [s for s, _ in _history(cfg, first.mlflow_run_id, "train/resumed_from")] == [20]
+    lr = dict(_history(cfg, first.mlflow_run_id, "train/lr"))
+    assert lr[25] > lr[20]  # re-planned to end at 30: the decay starts over from where 30 puts it
+    run = get_client(f"sqlite:///{tmp_path}/mlflow.db").get_run(first.mlflow_run_id)
+    assert run.data.params["train.steps"] == "20"
+    assert run.data.params["train.steps.continued_at_20"] == "30"
+    assert run.info.status == "FINISHED"
