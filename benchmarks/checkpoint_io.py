@@ -1,0 +1,143 @@
+"""Checkpoint I/O: how long training is blocked per checkpoint and how fast it reaches storage.
+
+Run (from the repository root):
+
+  # the debug model and a ViT-B/16-sized state, to the local disk and to an S3 API
+  .venv/bin/python benchmarks/checkpoint_io.py --variant pico/8 --variant B/16 --dest local --dest s3
+
+What one checkpoint costs, as a Train worker pays it (train/worker.py `on_checkpoint`): a real
+DeepSpeed engine (world of one, fp32, ZeRO `--zero`, AdamW state after one step) writes its
+checkpoint into a local temporary directory with `checkpoint.save` (the "save" column), then the
+files are copied to storage with `storage.upload_dir`, the same pyarrow copy Ray Train's
+`report(checkpoint=...)` makes (the "persist" column). Blocked = save + persist; MB/s = MB over
+persist. `--dest local` persists to another local directory; `--dest s3` to an S3 HTTP API:
+AWS_ENDPOINT_URL if set, else a moto server started on 127.0.0.1 for the run (in memory, so the
+figure is this machine's loopback and CPU, not a network). Median of `--repeats` checkpoints.
+
+The table is printed and appended to benchmarks/RESULTS.md (`--results PATH`, `--no-results`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import urllib.request
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
+
+
+def _moto() -> subprocess.Popen | None:
+    """Point AWS_ENDPOINT_URL at a fresh moto server unless one is configured; returns it."""
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        return None
+    from pipeline.net import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H",
+                             "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"], timeout=1)
+            return proc
+        except Exception:
+            time.sleep(0.1)
+    raise RuntimeError("moto_server did not start (pip install 'moto[server]')")
+
+
+def _bucket() -> str:
+    import boto3
+
+    name = f"ckpt-bench-{os.getpid()}"
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def measure(variant: str, zero: int, dests: dict[str, str], repeats: int) -> list[dict]:
+    import torch
+
+    from pipeline import storage
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.loop import build_model_and_engine
+    from pipeline.train.step import train_step
+    from train_step import bench_config  # noqa: E402  (benchmarks/train_step.py)
+
+    args = types.SimpleNamespace(variant=variant, image_size=32 if variant.startswith("pico") else 224,
+                                 num_classes=10, head="finetune", grad_checkpointing=False,
+                                 device="cpu", batch=1, zero=zero, precision="fp32")
+    cfg = bench_config(args)
+    engine, _, _ = build_model_and_engine(cfg, world_size=1)
+    x = torch.zeros(1, 3, args.image_size, args.image_size)
+    train_step(engine, [(x, torch.zeros(1, dtype=torch.long))])  # AdamW state exists
+    params = sum(p.numel() for p in engine.module.parameters())
+    rows = []
+    for name, dest in dests.items():
+        saves, persists, mb = [], [], 0.0
+        for i in range(repeats):
+            local = tempfile.mkdtemp(prefix="ckpt-bench-")
+            try:
+                t0 = time.perf_counter()
+                ckpt.save(engine, local, ckpt.TrainState(step=i + 1), cfg.to_dict())
+                t1 = time.perf_counter()
+                written = storage.upload_dir(local, storage.join(dest, f"checkpoint_{i:08d}"))
+                t2 = time.perf_counter()
+            finally:
+                shutil.rmtree(local, ignore_errors=True)
+            storage.rmtree(storage.join(dest, f"checkpoint_{i:08d}"))
+            saves.append(t1 - t0)
+            persists.append(t2 - t1)
+            mb = written / 1e6
+        save, persist = statistics.median(saves), statistics.median(persists)
+        rows.append({"variant": variant, "zero": zero, "params": params, "dest": name, "mb": mb,
+                     "save_s": save, "persist_s": persist, "mb_s": mb / persist,
+                     "blocked_s": save + persist})
+        print(f"{variant} -> {name}: {mb:.1f} MB, save {save:.2f} s, persist {persist:.2f} s "
+              f"({mb / persist:.0f} MB/s), blocked {save + persist:.2f} s", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", action="append", help="model variant (repeatable; default pico/8)")
+    ap.add_argument("--dest", action="append", choices=["local", "s3"], help="storage (repeatable; default both)")
+    ap.add_argument("--zero", type=int, default=0, help="ZeRO stage of the engine (default 0)")
+    ap.add_argument("--repeats", type=int, default=3)
+    add_results_args(ap)
+    args = ap.parse_args()
+    variants, dest_kinds = args.variant or ["pico/8"], args.dest or ["local", "s3"]
+    moto = _moto() if "s3" in dest_kinds else None
+    tmp = tempfile.mkdtemp(prefix="ckpt-bench-store-")
+    try:
+        dests = {k: os.path.join(tmp, "store") if k == "local" else _bucket() for k in dest_kinds}
+        rows = [r for v in variants for r in measure(v, args.zero, dests, args.repeats)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moto:
+            moto.terminate()
+    table = "\n".join(["| variant | ZeRO | params | storage | MB | save s | persist s | MB/s | blocked s |",
+                       "|---|---|---|---|---|---|---|---|---|"] +
+                      [f"| {r['variant']} | {r['zero']} | {r['params'] / 1e6:.1f}M | {r['dest']} | {r['mb']:.1f} | "
+                       f"{r['save_s']:.3f} | {r['persist_s']:.3f} | {r['mb_s']:.0f} | {r['blocked_s']:.3f} |"
+                       for r in rows])
+    print(table)
+    append_result(args.results, "Checkpoint I/O (`benchmarks/checkpoint_io.py`)", table,
+                  notes="save = checkpoint.save into a local temp dir; persist = the copy to storage "
+                        "(what Ray Train's report does); s3 = moto on 127.0.0.1 unless AWS_ENDPOINT_URL is set.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
