@@ -1,10 +1,7 @@
-"""Local path or URI (s3://, gs://, file://): the one module that decides, and reads or writes either.
+"""Local path or URI (s3://, gs://, file://): the one module that decides, reads and writes either.
 
-Owns is_uri / filesystem / join / exists / abspath, whole-file reads and writes (bytes, JSON),
-listings with sizes, directory copies between local disk and storage (`local_copy`, `upload_dir`)
-and removal. Object storage has no rename: a write is one PUT (all or nothing); local writes go
-through a temporary name. S3 endpoint and credentials come from the environment
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION), as for boto3.
+Object storage has no rename: a write is one PUT; local writes go through a temporary name. The S3
+endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
 A sink: imports nothing from `pipeline` and never torch or ray; pyarrow is imported lazily.
 """
 from __future__ import annotations

@@ -76,15 +76,15 @@ def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch
 
 
 def _pick_checkpoint(cfg: ExperimentConfig, reported):
-    """The checkpoint to resume from: the newest one in the run's storage whose completion
+    """(checkpoint, its path or URI) to resume from: the newest one in the run's storage whose completion
     markers are all present (local disk or object storage), else Ray's latest registered one.
     A worker killed inside `ray.train.report` leaves a checkpoint that every rank finished
     writing but Ray never registered; the markers make it safe to use, so no work is lost."""
     newest = ckpt.latest_complete_checkpoint(cfg)
     if newest is None:
-        return reported
+        return reported, reported.path if reported else None
     fs, inner = storage.filesystem(newest)
-    return ray.train.Checkpoint(inner, filesystem=fs)
+    return ray.train.Checkpoint(inner, filesystem=fs), newest
 
 
 def checkpoint_io(rank_bytes: int, save_s: float, persist_s: float, device) -> dict[str, float]:
@@ -111,12 +111,12 @@ def train_per_worker(config: dict[str, Any]) -> None:
     engine, _, _ = build_model_and_engine(cfg, world)
 
     state = ckpt.TrainState()
-    restored = _pick_checkpoint(cfg, ray.train.get_checkpoint())
+    restored, where = _pick_checkpoint(cfg, ray.train.get_checkpoint())
     if restored is not None:
         with restored.as_directory() as d:
             state = ckpt.load(engine, d)
         if rank == 0:
-            print(f"[{cfg.run_name}] resumed from {restored.path} at step {state.step}", flush=True)
+            print(f"[{cfg.run_name}] resumed from {where} at step {state.step}", flush=True)
     elif cfg.train.resume == "must":
         raise RuntimeError(
             f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "

@@ -227,7 +227,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     sweeps_root = storage.join(spec.work_dir, "sweeps")
     path = storage.join(sweeps_root, spec.name)
-    if storage.exists(path) and not resume and tune.Tuner.can_restore(path):
+    # Tune keeps its state through the same filesystem (S3 endpoint) as the rest of the pipeline
+    fs, inner = storage.filesystem(path)
+    if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
     first_trial_cfg, _ = trial_config(spec, {k: v[0] for k, v in spec.space.items()})
@@ -250,10 +252,10 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     t0 = time.time()
     try:
         if resume:
-            if not tune.Tuner.can_restore(path):
+            if not tune.Tuner.can_restore(inner, storage_filesystem=fs):
                 raise FileNotFoundError(f"--resume: no sweep state at {path}; start it without --resume")
-            tuner = tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True)
+            tuner = tune.Tuner.restore(inner, trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True, storage_filesystem=fs)
         else:
             scheduler = None
             if spec.scheduler == "asha":
@@ -266,7 +268,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                             num_samples=spec.num_samples,
                                             max_concurrent_trials=concurrency),
-                run_config=tune.RunConfig(name=spec.name, storage_path=sweeps_root,
+                run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
+                                          storage_filesystem=fs,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
                                           verbose=1),
             )
