@@ -1,4 +1,5 @@
-"""Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipe and the upload size.
+"""Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipes and the upload size,
+and insert `--set` into the entrypoint's shell text (never re-quoting what the spec wrote).
 
 A spec's keys are `JobSubmissionClient.submit_job`'s keyword arguments. Must not submit (jobs.py
 talks to the cluster), print secret values, or import torch.
@@ -9,6 +10,7 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +20,9 @@ from pipeline.storage import is_uri
 from pipeline.tracking.redact import REDACTED, is_secret_key, redact_text
 
 # submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
-SPEC_KEYS = {
-    "entrypoint": str,
-    "submission_id": str,
-    "runtime_env": dict,
-    "metadata": dict,
-    "entrypoint_num_cpus": (int, float),
-    "entrypoint_num_gpus": (int, float),
-    "entrypoint_memory": int,
-    "entrypoint_resources": dict,
-    "entrypoint_label_selector": dict,
-}
+SPEC_KEYS = {"entrypoint": str, "submission_id": str, "runtime_env": dict, "metadata": dict,
+             "entrypoint_num_cpus": (int, float), "entrypoint_num_gpus": (int, float),
+             "entrypoint_memory": int, "entrypoint_resources": dict, "entrypoint_label_selector": dict}
 # vitp subcommands whose first positional argument is a recipe name.
 RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot"}
 # Options of those subcommands that take a value (so the value is not mistaken for the recipe).
@@ -36,7 +30,6 @@ _VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri", "--
                   "--space", "--scheduler", "--experiment", "--sweep", "--tag", "--filter",
                   "--format", "--plot", "--recipe"}
 _GLOBAL_FLAGS = {"--debug"}  # vitp's own options, given before the subcommand
-_SHELL_OPS = {"&&", "||", ";", "|"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -47,7 +40,7 @@ class VitpCall:
     subcommand: str
     recipe: str | None
     overrides: list[str]
-    segment: int  # index of the shell segment it came from
+    end: int  # offset in the entrypoint where this command's words end (`--set` goes there)
 
 
 @dataclass
@@ -85,90 +78,146 @@ class JobSpec:
 
 
 # ------------------------------------------------------------------------------- parsing
+# The entrypoint is shell text run by the cluster's shell: it is scanned (never re-quoted), so
+# $VARS expand there and operators and redirections stay as written. `--set` is inserted as text.
 
 
-def _segments(entrypoint: str) -> list[list[str]]:
-    """Split a shell command line into commands at &&, ||, ; and | (quotes respected)."""
-    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=";&|")
-    lexer.whitespace_split = True
-    segments: list[list[str]] = [[]]
-    for tok in lexer:
-        if tok in _SHELL_OPS:
-            segments.append([])
+def _skip_quoted(text: str, i: int, close: str) -> int:
+    """Index after the `close` that ends the quoted or nested part starting at text[i]."""
+    opener, depth = {")": "(", "}": "{"}.get(close), 0
+    while i < len(text):
+        c = text[i]
+        if close == "'":
+            if c == "'":
+                return i + 1
+        elif c == "\\":
+            i += 1
+        elif c == close and depth == 0:
+            return i + 1
+        elif opener and c in (opener, close):
+            depth += 1 if c == opener else -1
+        elif c == "`" or (c in "'\"" and close != '"'):
+            i = _skip_quoted(text, i + 1, c) - 1
+        elif c == "$" and text[i + 1:i + 2] in ("(", "{"):
+            i = _skip_quoted(text, i + 2, ")" if text[i + 1] == "(" else "}") - 1
+        i += 1
+    raise ConfigError(f"entrypoint {redact_text(text)!r}: unbalanced {close!r}: close the quote or bracket")
+
+
+def command_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each simple command of a shell command line, split at && || ; | & ( ) and
+    newlines; quotes, escapes, $(...), ${...}, `...` and comments respected; trailing blanks cut."""
+    spans, start, i, n = [], 0, 0, len(text)
+    while i < n:
+        c, nxt = text[i], text[i + 1:i + 2]
+        if c == "\\":
+            i += 2
+        elif c in "'\"`":
+            i = _skip_quoted(text, i + 1, c)
+        elif c == "$" and nxt in ("(", "{"):
+            i = _skip_quoted(text, i + 2, ")" if nxt == "(" else "}")
+        elif c == "#" and (i == 0 or text[i - 1] in " \t\n;&|()"):
+            spans.append((start, i))  # a comment runs to the end of the line
+            start = i = n if text.find("\n", i) < 0 else text.find("\n", i)
+        elif c in ";&|()\n" and not (c in "&|" and text[i - 1:i] in ("<", ">")) and not (c == "&" and nxt == ">"):
+            spans.append((start, i))  # `>&`, `<&`, `>|` and `&>` are redirections, not operators
+            i += 2 if text[i:i + 2] in ("&&", "||", ";;", "|&") else 1
+            start = i
         else:
-            segments[-1].append(tok)
-    return [s for s in segments if s]
+            i += 1
+    spans.append((start, n))
+    out = []
+    for s, e in spans:
+        while e > s and (text[e - 2:e] == "\\\n" or (text[e - 1].isspace() and text[e - 2:e - 1] != "\\")):
+            e -= 2 if text[e - 2:e] == "\\\n" else 1  # blanks and line continuations
+        if text[s:e].strip():
+            out.append((s, e))
+    return out
 
 
-def _vitp_args(tokens: list[str]) -> list[str] | None:
+_REDIRECT = re.compile(r"^\d*(&>>?|>>?|<<?|>&|<&|>\|)(.*)$")
+_PREFIX_WORDS = {"if", "then", "elif", "else", "do", "while", "until", "{", "!", "time", "exec", "command", "env"}
+
+
+def _words(text: str) -> list[str]:
+    """The words of one simple command, less redirections, leading keywords and VAR=value."""
+    try:
+        tokens = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"entrypoint {redact_text(text)!r}: {e}: fix the quoting") from None
+    words, skip = [], False
+    for tok in tokens:
+        m = _REDIRECT.match(tok)
+        if skip or m:
+            skip = not skip and bool(m) and not m.group(2)  # `> file`: the next word is the target
+            continue
+        words.append(tok)
+    while words and (words[0] in _PREFIX_WORDS or re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0])):
+        words = words[1:]
+    return words
+
+
+def _vitp_args(words: list[str]) -> list[str] | None:
     """The arguments after `vitp` / `python -m pipeline.cli`, or None for another command."""
-    i = 0
-    while i < len(tokens) and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", tokens[i]):
-        i += 1  # leading VAR=value assignments
-    rest = tokens[i:]
-    if rest and os.path.basename(rest[0]) == "vitp":
-        return rest[1:]
-    if len(rest) >= 3 and os.path.basename(rest[0]).startswith("python") and rest[1:3] == ["-m", "pipeline.cli"]:
-        return rest[3:]
+    if words and os.path.basename(words[0]) == "vitp":
+        return words[1:]
+    if len(words) >= 3 and os.path.basename(words[0]).startswith("python") and words[1:3] == ["-m", "pipeline.cli"]:
+        return words[3:]
     return None
 
 
 def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
-    """Every vitp call in the entrypoint, with its recipe and `--set` overrides."""
+    """Every vitp call in the entrypoint, with its recipe, `--set` overrides and where it ends."""
     calls = []
-    for n, tokens in enumerate(_segments(entrypoint)):
-        args = _vitp_args(tokens)
+    for start, end in command_spans(entrypoint):
+        args = _vitp_args(_words(entrypoint[start:end]))
         while args and args[0] in _GLOBAL_FLAGS:  # `vitp --debug pretrain ...`
             args = args[1:]
         if not args:
             continue
         sub, recipe, overrides = args[0], None, []
-        i = 1
-        while i < len(args):
-            a = args[i]
-            if a == "--set" and i + 1 < len(args):
-                overrides.append(args[i + 1])
-                i += 2
-                continue
-            if a.startswith("--set="):
-                overrides.append(a[len("--set="):])
-            elif a == "--recipe" and sub == "compare" and i + 1 < len(args):
-                recipe = args[i + 1]  # `vitp compare --recipe R` reads R's MLflow store
-                i += 1
+        rest = iter(args[1:])
+        for a in rest:
+            if a == "--set" or a.startswith("--set="):
+                overrides.extend([a[len("--set="):]] if a.startswith("--set=") else islice(rest, 1))
+            elif a == "--recipe" and sub == "compare":
+                recipe = next(rest, None)  # `vitp compare --recipe R` reads R's MLflow store
             elif a in _VALUE_OPTIONS:
-                i += 1
+                next(rest, None)
             elif not a.startswith("-") and recipe is None and sub in RECIPE_COMMANDS:
                 recipe = a
-            i += 1
-        calls.append(VitpCall(sub, recipe, overrides, n))
+        calls.append(VitpCall(sub, recipe, overrides, end))
     return calls
 
 
+_SCOPED = re.compile(r"^([A-Za-z0-9_]+):([^=]+=.*)$")
+_SHELL_REF = re.compile(r"\$[A-Za-z_{(]")
+
+
 def add_overrides(entrypoint: str, overrides: list[str]) -> str:
-    """Append `--set k=v` to the entrypoint's one recipe command; error if there is not exactly one."""
-    if not overrides:
-        return entrypoint
-    calls = [c for c in parse_entrypoint(entrypoint) if c.recipe]
-    if len(calls) != 1:
-        raise ConfigError(
-            f"--set needs exactly one `vitp <command> RECIPE` in the entrypoint, found {len(calls)} "
-            f"in {redact_text(entrypoint)!r}: put the overrides into the spec's entrypoint instead"
-        )
-    segments = _segments(entrypoint)
-    ops = [t for t in _op_tokens(entrypoint)]
-    target = segments[calls[0].segment]
+    """Append `--set k=v` to every `vitp <command> RECIPE` of the entrypoint (`RECIPE:k=v`: to that
+    recipe's calls only). The entrypoint's text is kept as written; only the values are quoted."""
+    calls = [c for c in parse_entrypoint(entrypoint) if c.subcommand in RECIPE_COMMANDS and c.recipe]
+    if overrides and not calls:
+        raise ConfigError(f"--set needs a `vitp <command> RECIPE` in the entrypoint, found none in "
+                          f"{redact_text(entrypoint)!r}: put the overrides into the spec's entrypoint instead")
+    inserts: dict[int, list[str]] = {}
     for item in overrides:
-        target += ["--set", item]
-    out = shlex.join(segments[0])
-    for op, seg in zip(ops, segments[1:]):
-        out += f" {op} {shlex.join(seg)}"
-    return out
-
-
-def _op_tokens(entrypoint: str) -> list[str]:
-    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=";&|")
-    lexer.whitespace_split = True
-    return [t for t in lexer if t in _SHELL_OPS]
+        if _SHELL_REF.search(item):
+            raise ConfigError(
+                f"--set {redact_text(item)}: a $VARIABLE in a --set value reaches the job as literal text "
+                "(values are quoted, not expanded on the cluster): let your shell expand it (double "
+                "quotes, not single), or write the reference into the spec's entrypoint")
+        m = _SCOPED.match(item)
+        targets = [c for c in calls if not m or c.recipe == m.group(1)]
+        if not targets:
+            raise ConfigError(f"--set {redact_text(item)}: the entrypoint runs no recipe {m.group(1)!r}; "
+                              f"its recipes: {', '.join(sorted({c.recipe for c in calls}))}")
+        for c in targets:
+            inserts.setdefault(c.end, []).append(m.group(2) if m else item)
+    for end in sorted(inserts, reverse=True):
+        entrypoint = entrypoint[:end] + "".join(f" --set {shlex.quote(kv)}" for kv in inserts[end]) + entrypoint[end:]
+    return entrypoint
 
 
 # ----------------------------------------------------------------------------- loading
@@ -242,7 +291,7 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
             want = " or ".join(t.__name__ for t in (tp if isinstance(tp, tuple) else (tp,)))
             raise ConfigError(f"{path}: {key} must be {want}, got {type(raw[key]).__name__}")
     kwargs = {k: v for k, v in raw.items() if v is not None}
-    kwargs["entrypoint"] = add_overrides(" ".join(str(raw["entrypoint"]).split()), list(overrides))
+    kwargs["entrypoint"] = add_overrides(str(raw["entrypoint"]).strip(), list(overrides))
     secrets: list[str] = []
     runtime_env = dict(kwargs.get("runtime_env") or {})
     if "env_vars" in runtime_env:

@@ -1,7 +1,9 @@
 """Static checks of everything under jobs/ and cluster/, and of `vitp submit`'s pre-flight:
-spec validation, recipe resolution, secret masking and the working_dir upload limit."""
+spec validation, recipe resolution, secret masking and the working_dir upload limit; and that
+the Kubernetes manifests, launchers and Dockerfile hold together when applied."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +27,7 @@ ENV = {"VITP_STORE": "s3://bucket/vit", "PRETRAINED": "s3://bucket/vit/h14_i21k/
 def test_there_is_a_job_spec_per_stage():
     names = {p.stem for p in JOBS}
     assert {"debug_pretrain", "preprocess_i21k", "pretrain_b16_i21k", "pretrain_l16_i21k",
-            "pretrain_h14_i21k", "finetune_sweep", "fewshot"} <= names
+            "pretrain_h14_i21k", "preprocess_downstream", "finetune_sweep", "fewshot"} <= names
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
@@ -99,7 +101,7 @@ def test_kuberay_manifests_name_the_crd_required_fields(path):
         _check_cluster_spec(doc["spec"], path.name)
     else:
         assert doc["kind"] == "RayJob"
-        assert doc["spec"]["entrypoint"].startswith("vitp ")
+        assert doc["spec"]["entrypoint"].startswith("bash -c 'vitp ")  # see test_jobspec_shell.py
         yaml.safe_load(doc["spec"]["runtimeEnvYAML"])
         _check_cluster_spec(doc["spec"]["rayClusterSpec"], path.name)
         env = [e for c in doc["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
@@ -110,7 +112,7 @@ def test_kuberay_manifests_name_the_crd_required_fields(path):
 def test_there_is_a_rayjob_per_stage_and_they_are_up_to_date():
     kinds = {yaml.safe_load(p.read_text())["kind"] for p in KUBERAY}
     assert kinds == {"RayCluster", "RayJob"}
-    assert len([p for p in KUBERAY if p.name.startswith("rayjob-")]) == 6
+    assert len([p for p in KUBERAY if p.name.startswith("rayjob-")]) == 7
     out = subprocess.run([sys.executable, str(ROOT / "cluster" / "kuberay" / "generate.py"), "--check"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -155,12 +157,12 @@ def test_spec_errors_name_the_key_and_the_fix(tmp_path):
         load_spec(str(p))
 
 
-def test_set_overrides_go_into_the_one_recipe_command():
+def test_set_overrides_go_into_every_recipe_command():
     ep = add_overrides("OMP_NUM_THREADS=1 vitp pretrain debug --set a.b=1", ["work_dir=/tmp/x y"])
     (call,) = parse_entrypoint(ep)
     assert call.recipe == "debug" and call.overrides == ["a.b=1", "work_dir=/tmp/x y"]
-    with pytest.raises(ConfigError, match="exactly one"):
-        add_overrides("vitp pretrain debug && vitp pretrain debug", ["x=1"])
+    calls = parse_entrypoint(add_overrides("vitp pretrain debug && vitp compare --recipe debug", ["x=1"]))
+    assert [c.overrides for c in calls] == [["x=1"], []]  # compare takes no --set
     calls = parse_entrypoint("python -m pipeline.cli sweep debug_finetune --from s3://b/x --space optim.lr=1,2")
     assert [(c.subcommand, c.recipe) for c in calls] == [("sweep", "debug_finetune")]
 
@@ -250,3 +252,168 @@ def test_vitp_debug_before_the_command_still_names_the_recipe():
     assert (call.subcommand, call.recipe, call.overrides) == ("pretrain", "debug", ["optim.lr=0.01"])
     ep = add_overrides("python -m pipeline.cli --debug finetune debug_finetune --from scratch", ["x.y=1"])
     assert ep.endswith("--set x.y=1")
+
+
+# -------------------------------------------------- the cluster configs work when applied
+
+
+def _k8s_docs() -> list[tuple[Path, dict]]:
+    return [(p, d) for p in sorted((ROOT / "cluster").glob("*/*.yaml"))
+            for d in yaml.safe_load_all(p.read_text()) if isinstance(d, dict) and d.get("kind")]
+
+
+def _readme_cluster_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## Run on a cluster"):text.index("\n## ", text.index("## Run on a cluster") + 3)]
+
+
+def _admits(policy: dict, policy_ns: str, pod_ns: str, pod_labels: dict, port: int) -> bool:
+    """Whether a NetworkPolicy's ingress rules admit a pod (Kubernetes semantics, matchLabels only;
+    a namespace matches kubernetes.io/metadata.name, the label the API server sets on every one)."""
+    def matches(selector, labels):
+        assert set(selector) <= {"matchLabels"}, "extend _admits for matchExpressions"
+        return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+    def peer_admits(peer):
+        ns_ok = (matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod_ns})
+                 if "namespaceSelector" in peer else pod_ns == policy_ns)
+        return ns_ok and matches(peer.get("podSelector", {}), pod_labels)
+
+    return any((not rule.get("from") or any(peer_admits(p) for p in rule["from"]))
+               and (not rule.get("ports") or any(p.get("port") == port for p in rule["ports"]))
+               for rule in policy["spec"].get("ingress", []))
+
+
+def test_networkpolicy_admits_the_kuberay_operator_on_the_dashboard_port():
+    readme = _readme_cluster_section()
+    (op_ns,) = re.findall(r"helm install kuberay-operator\b.*--namespace (\S+)", readme)
+    policy = yaml.safe_load((ROOT / "cluster" / "kuberay" / "networkpolicy.yaml").read_text())
+    (ns,) = set(re.findall(r"kubectl -n (\S+) apply -f cluster/kuberay/", readme))
+    # The operator polls and stops RayJobs through the head's dashboard port (KubeRay's Helm chart
+    # labels its pod app.kubernetes.io/name=kuberay-operator).
+    operator = {"app.kubernetes.io/name": "kuberay-operator"}
+    assert _admits(policy, ns, op_ns, operator, 8265)
+    assert _admits(policy, ns, ns, {"ray.io/node-type": "worker"}, 6379)  # the cluster's own pods
+    assert not _admits(policy, ns, "default", {"app": "anything"}, 8265)  # nobody else
+    assert not _admits(policy, ns, op_ns, operator, 6379)  # the operator only needs 8265
+
+
+def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
+    readme = _readme_cluster_section()
+    namespace = {d: ns for ns, d in re.findall(r"kubectl -n (\S+) apply -f cluster/(\w+)/", readme)}
+    defined = {(namespace[p.parent.name], d["kind"], d["metadata"]["name"]) for p, d in _k8s_docs()}
+    kinds = {"secret": "Secret", "configmap": "ConfigMap", "serviceaccount": "ServiceAccount"}
+    created = {(ns, kinds[kind], name) for ns, kind, name in
+               re.findall(r"kubectl -n (\S+) create (secret|configmap|serviceaccount)(?: generic)? (\S+)", readme)}
+    refs = set()
+
+    def walk(node, ns):
+        if isinstance(node, dict):
+            for key, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap"),
+                              ("secretRef", "Secret"), ("configMapRef", "ConfigMap"), ("configMap", "ConfigMap")):
+                if isinstance(node.get(key), dict) and "name" in node[key]:
+                    refs.add((ns, kind, node[key]["name"]))
+            if isinstance(node.get("secret"), dict):
+                refs.add((ns, "Secret", node["secret"]["secretName"]))
+            if "serviceAccountName" in node:
+                refs.add((ns, "ServiceAccount", node["serviceAccountName"]))
+            if "claimName" in node:
+                refs.add((ns, "PersistentVolumeClaim", node["claimName"]))
+            refs.update((ns, "Secret", s["name"]) for s in node.get("imagePullSecrets", []))
+            for v in node.values():
+                walk(v, ns)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, ns)
+
+    for p, d in _k8s_docs():
+        walk(d, namespace[p.parent.name])
+    assert {r[1] for r in refs} >= {"Secret", "ConfigMap", "ServiceAccount"}  # the walk finds them
+    assert refs - defined - created == set()
+
+
+def test_mlflow_image_has_the_sql_driver_and_s3_client_its_stores_need():
+    dep = next(d for _, d in _k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow")
+    dockerfile = (ROOT / "cluster" / "Dockerfile").read_text()
+    (tag,) = set(re.findall(r"docker build -f cluster/Dockerfile -t (\S+) \.", dockerfile))
+    assert {c["image"] for c in dep["spec"]["template"]["spec"]["containers"]} == {tag}
+    installs = " ".join(line for line in dockerfile.splitlines() if "pip install" in line)
+    secret_help = (ROOT / "cluster" / "mlflow" / "mlflow.yaml").read_text()
+    assert "BACKEND_STORE_URI='postgresql://" in secret_help and "psycopg2-binary" in installs
+    assert any(a.startswith("--artifacts-destination=s3://") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "boto3" in installs
+
+
+def _dockerignored(patterns: list[str], path: str) -> bool:
+    """Docker's rule: a path is excluded when it or a parent matches the last matching pattern."""
+    def rx(p):
+        p = p.strip("/")
+        return re.compile("^" + re.escape(p).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+                          .replace(r"\?", "[^/]") + "$")
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for p in patterns:
+        neg = p.startswith("!")
+        if any(rx(p.lstrip("!")).match(x) for x in prefixes):
+            excluded = not neg
+    return excluded
+
+
+def test_dockerfile_context_and_layer_order():
+    ignore = ROOT / "cluster" / "Dockerfile.dockerignore"  # BuildKit: <Dockerfile>.dockerignore
+    patterns = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    for path in (".git/HEAD", ".venv/bin/python", "work/debug/mlflow.db", "pipeline/__pycache__/x.pyc",
+                 ".pytest_cache/v", "vit_pipeline.egg-info/PKG-INFO"):
+        assert _dockerignored(patterns, path), path
+    for path in ("pipeline/cli/__init__.py", "pyproject.toml", "README.md", "jobs/fewshot.yaml"):
+        assert not _dockerignored(patterns, path), path
+    lines = [line for line in (ROOT / "cluster" / "Dockerfile").read_text().splitlines() if not line.startswith("#")]
+    text = "\n".join(lines)
+    copy_all = next(i for i, line in enumerate(lines) if re.match(r"COPY .*\s\.\s", line))
+    torch = next(i for i, line in enumerate(lines) if "torch==" in line)
+    assert torch < copy_all  # a source edit does not reinstall torch / DeepSpeed
+    # torch 2.13 is built for CUDA 12.6, 13.0 and 13.2 (no cu128 wheels, per the issue)
+    index = re.search(r"download\.pytorch\.org/whl/(cu\d+)", text).group(1)
+    assert re.search(r'"torch==2\.13\.\d+"', text) and index in {"cu126", "cu130", "cu132"}
+
+
+@pytest.mark.parametrize("path", LAUNCHER, ids=lambda p: p.name)
+def test_launcher_host_commands_use_rays_docker_mount_path(path):
+    from ray.autoscaler.sdk import get_docker_host_mount_location
+
+    config = yaml.safe_load(path.read_text())
+    assert config.get("docker")  # with docker, file_mounts land under Ray's host mount directory
+    host_root = get_docker_host_mount_location(config["cluster_name"])
+    init = " ".join(config["initialization_commands"])  # run on the host, before the container
+    for target in config["file_mounts"]:
+        host_path = f"{host_root}/{target.lstrip('/')}"
+        assert target not in init.replace(host_path, ""), f"{target}: on the host it is {host_path}"
+    assert any(f"{host_root}/" in c and "chmod 600" in c for c in config["initialization_commands"])
+    starts = " ".join(config["head_start_ray_commands"] + config["worker_start_ray_commands"])
+    token_paths = set(re.findall(r"RAY_AUTH_TOKEN_PATH=(\S+)", starts))
+    assert token_paths and token_paths <= set(config["file_mounts"])  # the container sees the target
+
+
+def test_gcp_scheduling_is_an_object_and_gpu_vms_terminate_on_maintenance():
+    config = yaml.safe_load((ROOT / "cluster" / "gcp.yaml").read_text())
+    for name, node_type in config["available_node_types"].items():
+        scheduling = node_type["node_config"].get("scheduling", {})
+        assert isinstance(scheduling, dict), f"{name}: Compute API's Instance.scheduling is an object"
+        if node_type.get("resources", {}).get("GPU"):
+            assert scheduling.get("onHostMaintenance") == "TERMINATE", name
+
+
+def test_sweep_and_fewshot_read_the_shards_the_downstream_spec_writes():
+    from pipeline import recipes
+    from pipeline.data.ingest import shards_dir
+
+    def prepared(stem):
+        spec = load_spec(str(ROOT / "jobs" / f"{stem}.yaml"), environ=ENV)
+        cfgs = [recipes.resolve(c.recipe, c.overrides, check_paths=False) for c in spec.calls]
+        return {(c.data.source, c.data.path, shards_dir(c)) for c in cfgs}
+
+    made = prepared("preprocess_downstream")
+    assert {s for s, _, _ in made} == {"cifar10", "cifar100", "pets", "flowers", "imagenet"}
+    assert prepared("finetune_sweep") <= made and prepared("fewshot") <= made
+    assert "jobs/preprocess_downstream.yaml" in _readme_cluster_section()
