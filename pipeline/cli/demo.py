@@ -7,11 +7,10 @@ module that owns it; configs change through typed values, never `--set` strings.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import time
 from typing import Any, Callable
 
+from pipeline import storage
 from pipeline.cli.args import Handler, add_address
 from pipeline.config import set_values, validate
 from pipeline.recipes import get_recipe
@@ -41,10 +40,10 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     t0 = time.time()
     work = work_dir or ("work/demo-quick" if quick else "work/demo")
-    if fresh and os.path.exists(work):
+    if fresh and storage.exists(work):
         log(f"[demo] --fresh: removing {work}")
-        shutil.rmtree(work)
-    work = os.path.abspath(work)
+        storage.rmtree(work)
+    work = storage.abspath(work)
     pre = validate(set_values(get_recipe("demo"), {"work_dir": work, **(QUICK_PRETRAIN if quick else {})}),
                    check_paths=False)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
@@ -69,7 +68,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     log(f"[demo] 2/5 pre-training {pre.model.variant} for {pre.train.steps} steps with DeepSpeed "
         f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers (resumes if interrupted)")
     summary = run_training(pre)
-    export_dir = os.path.join(work, "export")
+    export_dir = storage.join(work, "export")
     export(summary.checkpoint, export_dir)
     stage("pre-training", t)
 
@@ -91,14 +90,14 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
                       sources=[export_dir, "scratch"])
     for cfg in dataset_configs(spec):
         ensure_shards(cfg, log=log)
-    resume = os.path.exists(os.path.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
+    resume = storage.exists(storage.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
     sweep = run_sweep(spec, resume=resume, log=log)
     stage("sweep", t)
 
     log("[demo] 5/5 comparison from MLflow")
     uri = resolve_tracking_uri(ft)
     rows = compare_rows(uri, spec.experiment, sweep=spec.name)
-    plot_path = os.path.join(work, "compare.png")
+    plot_path = storage.join(work, "compare.png")
     plot_compare(uri, rows, plot_path)
     log_plot_to_parent(uri, sweep["parent_run_id"], plot_path)
     print(format_table(rows))

@@ -6,9 +6,9 @@ Must not contain logic; torch, ray and mlflow are imported inside the handler th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from pipeline import storage
 from pipeline.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value
 from pipeline.errors import InputError
 from pipeline.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
@@ -79,18 +79,18 @@ def cmd_attention(args: argparse.Namespace) -> int:
                                           plot_attention_distance, save_rollout_png)
     from pipeline.train.export import load_model  # lazy: keeps vitp --help fast (torch)
 
-    with open(args.image, "rb") as f:  # a missing image fails before the model loads
-        data = f.read()
+    if not storage.isfile(args.image):  # a missing image fails before the model loads
+        raise InputError(f"{args.image}: no such image file; give a JPEG or PNG (a path or URI)")
+    data = storage.read_bytes(args.image)
     model = load_model(args.checkpoint)
     try:
         arr = resize_center_crop(decode_image(data), model.image_size)  # (S, S, 3) uint8, as evaluation
     except DecodeError as e:
         raise InputError(f"{args.image}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
     x = normalize(torch.tensor(arr)[None]).contiguous()  # (1, 3, S, S); a copy: arr is read-only
-    os.makedirs(args.out, exist_ok=True)
-    roll = attention_rollout(model, x)[0]
-    p1 = save_rollout_png(arr, roll, os.path.join(args.out, "rollout.png"))
-    p2 = plot_attention_distance(mean_attention_distance(model, x), os.path.join(args.out, "attention_distance.png"))
+    roll = attention_rollout(model, x)[0]  # the writers make --out (a directory or URI prefix)
+    p1 = save_rollout_png(arr, roll, storage.join(args.out, "rollout.png"))
+    p2 = plot_attention_distance(mean_attention_distance(model, x), storage.join(args.out, "attention_distance.png"))
     print(f"wrote {p1} and {p2}")
     return 0
 
@@ -98,8 +98,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
 def _add_attention(sub) -> Handler:
     p = sub.add_parser("attention", help="attention rollout PNG and mean attention distance plot")
     p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
-    p.add_argument("image", help="an image file")
-    p.add_argument("--out", default="attention", help="output directory (default ./attention)")
+    p.add_argument("image", help="an image file (path or URI)")
+    p.add_argument("--out", default="attention", help="output directory or URI (default ./attention)")
     return cmd_attention
 
 

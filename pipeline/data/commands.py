@@ -6,11 +6,10 @@ and the progress/summary lines. Must not parse CLI arguments or touch models.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from typing import Callable, Optional
 
+from .. import storage
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
@@ -24,12 +23,12 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
     into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.train.seed."""
     d = cfg.data
-    out = out_dir or os.path.join(cfg.work_dir, "synth")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    out = out_dir or storage.join(cfg.work_dir, "synth")
+    if storage.listdir(out) and not overwrite:
         raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
                               "or choose another output directory")
-    if overwrite and os.path.isdir(out):
-        shutil.rmtree(out)
+    if overwrite:
+        storage.rmtree(out)
     t0 = time.time()
     res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
                           cfg.train.seed, out)

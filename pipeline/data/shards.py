@@ -34,8 +34,12 @@ MANIFEST_VERSION = 1
 
 
 def _write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """Write to `<path>.tmp` then rename, so no reader ever sees a partial file (the temp name
-    has no .parquet/.json extension, and on object stores the final key appears whole)."""
+    """No reader ever sees a partial file: on local disk write `<path>.tmp` (no .parquet/.json
+    extension) then rename; object stores have no rename, and one PUT appears whole."""
+    if fs.type_name != "local":
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
     tmp = path + ".tmp"
     with fs.open_output_stream(tmp) as f:
         f.write(data)

@@ -7,11 +7,14 @@ background and point count. A pure function of (seed, class, index); knows no sh
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from typing import Optional
 
 import numpy as np
 from PIL import Image
+
+from .. import storage
 
 
 def _rng(*parts: int) -> np.random.Generator:
@@ -124,12 +127,16 @@ def _render_batch(batch: dict, seed: int, size: int, out_dir: str) -> dict:
         if cls not in systems:
             systems[cls] = class_system(seed, cls)
         img = render(seed, cls, idx, size, systems[cls])
-        d = os.path.join(out_dir, class_name(cls))
-        os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, f"{idx:06d}.png")
-        tmp = path + f".tmp{os.getpid()}"
-        Image.fromarray(img).save(tmp, format="PNG")
-        os.replace(tmp, path)
+        path = storage.join(out_dir, class_name(cls), f"{idx:06d}.png")
+        if storage.is_uri(path):  # one PUT: the object appears whole
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, format="PNG")
+            storage.write_bytes(path, buf.getvalue())
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + f".tmp{os.getpid()}"
+            Image.fromarray(img).save(tmp, format="PNG")
+            os.replace(tmp, path)
         paths.append(path)
     return {"path": np.array(paths, dtype=object)}
 
@@ -139,18 +146,18 @@ def generate_corpus(num_classes: int, images_per_class: int, image_size: int, se
     """Render the corpus as an ImageFolder tree out_dir/fractal_00000/000000.png in parallel
     with Ray Data; returns {"images", "classes", "out_dir", "fingerprint"}.
 
-    Same arguments -> byte-identical files (PNG encoding is deterministic). out_dir is local
-    (a shared file system on a cluster); the `synthetic` source renders straight into shards
-    for object stores.
+    Same arguments -> byte-identical files (PNG encoding is deterministic). out_dir is a path
+    every worker can write (a shared file system on a cluster) or a storage URI; the `synthetic`
+    source needs no corpus at all: preprocess renders it straight into shards.
     """
     import ray  # lazy: ray (render / class_system run without it, in preprocess workers)
 
     rows = [{"cls": c, "index": i} for c in range(num_classes) for i in range(images_per_class)]
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     n_blocks = blocks or max(1, min(len(rows) // 64, 256))  # ~64 images per task
     ds = ray.data.from_items(rows, override_num_blocks=n_blocks).map_batches(
         _render_batch, batch_size=64, fn_kwargs={"seed": seed, "size": image_size,
-                                                  "out_dir": os.path.abspath(out_dir)})
+                                                  "out_dir": storage.abspath(out_dir)})
     written = sum(len(b["path"]) for b in ds.iter_batches(batch_size=None))
     return {"images": written, "classes": num_classes, "out_dir": out_dir,
             "fingerprint": corpus_fingerprint(num_classes, images_per_class, image_size, seed)}

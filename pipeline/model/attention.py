@@ -5,13 +5,14 @@ canvas; no global pyplot state). Must not know about Ray, DeepSpeed or MLflow.
 """
 from __future__ import annotations
 
-import os
+import io
 from typing import Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
+from .. import storage
 from ..data.ingest import normalize
 from .vit import ViT
 
@@ -127,8 +128,9 @@ def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -
     colour = colormaps["inferno"](heat)[..., :3] * 255.0  # (H, W, 3)
     overlay = (1 - alpha) * img.astype(np.float64) + alpha * colour
     both = np.concatenate([img, np.clip(overlay, 0, 255).astype(np.uint8)], axis=1)  # (H, 2W, 3)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Image.fromarray(both).save(path, format="PNG")
+    buf = io.BytesIO()
+    Image.fromarray(both).save(buf, format="PNG")
+    storage.write_bytes(path, buf.getvalue())  # a path or URI
     return path
 
 
@@ -150,7 +152,7 @@ def write_rollout_pngs(model: ViT, images_uint8, labels: Sequence[int], out_dir:
             model.train(was_training)
     paths = []
     for i, label in enumerate(labels):
-        path = os.path.join(out_dir, f"rollout_{i}_label{int(label)}_pred{pred[i]}.png")
+        path = storage.join(out_dir, f"rollout_{i}_label{int(label)}_pred{pred[i]}.png")
         paths.append(save_rollout_png(images[i], rollout[i], path))
     return paths
 
@@ -179,6 +181,8 @@ def plot_attention_distance(dist, path: str, title: str = "") -> str:
     if H <= 16:
         ax.legend(fontsize=6, ncol=2, loc="lower right")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
+    buf = io.BytesIO()
+    name = storage.basename(path)
+    fig.savefig(buf, format=name.rpartition(".")[2].lower() if "." in name else "png")
+    storage.write_bytes(path, buf.getvalue())  # a path or URI
     return path

@@ -2,21 +2,21 @@
 
 Owns the key maps and tensor re-layouts and inferring the variant from tensor shapes; our export
 format itself is read and written by `weights.py`. Must not know about Ray or DeepSpeed, and never
-downloads anything: sources are local files.
+downloads from the internet: sources are local files or storage URIs (pipeline.storage).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
+import io
 import math
-import os
 import re
 from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from .. import storage
 from ..config import ExperimentConfig
 from ..errors import InputError
 from .variants import VARIANTS
@@ -96,7 +96,7 @@ _JAX_BLOCK_NAMES = {
 def _load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
     if isinstance(src, Mapping):
         return {k: np.asarray(v) for k, v in src.items()}
-    with np.load(src, allow_pickle=False) as z:
+    with storage.local_copy(src) as local, np.load(local, allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
@@ -283,16 +283,15 @@ def _read_any(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     one (an HF save_pretrained dir also yields its config.json as side info)."""
     side: dict[str, Any] = {}
     path = src
-    if os.path.isdir(src):
+    if storage.isdir(src):
         names = (WEIGHTS, "pytorch_model.bin", "model.pt", "model.npz")
-        path = next((os.path.join(src, n) for n in names if os.path.exists(os.path.join(src, n))), "")
+        path = next((storage.join(src, n) for n in names if storage.exists(storage.join(src, n))), "")
         if not path:
             raise InputError(f"{src}: no {', '.join(names[:-1])} or {names[-1]} inside; point at "
                              "the weights file itself")
-        if os.path.exists(os.path.join(src, CONFIG)):  # ours, or HF's (heads)
-            with open(os.path.join(src, CONFIG)) as f:
-                side["config"] = json.load(f)
-    if not os.path.exists(path):
+        if storage.exists(storage.join(src, CONFIG)):  # ours, or HF's (heads)
+            side["config"] = storage.read_json(storage.join(src, CONFIG))
+    if not storage.exists(path):
         raise InputError(f"{path}: no such file")
     if path.endswith(".npz"):
         return _load_npz(path), side
@@ -381,7 +380,7 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
                          f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
 
     return write_export(out_dir, model.state_dict(), cfg.to_dict(),
-                        {"source": os.path.abspath(src), "format": info["format"], "imported": info,
+                        {"source": storage.abspath(src), "format": info["format"], "imported": info,
                          "notes": notes})
 
 
@@ -391,9 +390,11 @@ def export_timm(export_dir: str, out_path: str) -> str:
     if not out_path.endswith(WEIGHT_FILES):
         raise InputError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
     sd = to_timm(read_weights(export_dir))
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     if out_path.endswith(".safetensors"):
-        save_file(sd, out_path)
+        data = save(sd)
     else:
-        torch.save(sd, out_path)
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        data = buf.getvalue()
+    storage.write_bytes(out_path, data)  # a path or URI; parents made, written whole
     return out_path

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -55,19 +57,9 @@ class SourceInfo:
         return ((self.config or {}).get("data") or {}).get("image_size")
 
 
-def _is_dir(path: str) -> bool:
-    if not storage.is_uri(path):
-        return os.path.isdir(path)
-    import pyarrow.fs as pafs  # lazy: pyarrow, only for URIs
-
-    fs, inner = storage.filesystem(path)
-    return fs.get_file_info(inner).type == pafs.FileType.Directory
-
-
 def _read_json(path: str) -> dict[str, Any]:
     try:
-        with storage.open_input(path) as f:
-            return json.loads(f.read())
+        return storage.read_json(path)
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: unreadable ({e}); is it still being written?") from None
 
@@ -88,12 +80,12 @@ def source_info(source: str) -> SourceInfo:
     if not storage.exists(source):
         raise _missing(source)
     path = storage.abspath(source)
-    if _is_dir(path):
+    if storage.isdir(path):
         d = path
         kind = ("export" if storage.exists(storage.join(d, WEIGHTS)) else
                 "checkpoint" if storage.exists(storage.join(d, CHECKPOINT_META)) else "directory")
     else:
-        d, kind = os.path.dirname(path), "file"  # "/"-split: URIs too
+        d, kind = storage.dirname(path), "file"
     if storage.exists(storage.join(d, CONFIG)):
         config = _read_json(storage.join(d, CONFIG))
         extra = config.pop("_export", None) or {}
@@ -127,7 +119,7 @@ def read_weights(path: str) -> dict[str, "torch.Tensor"]:
 
     if not storage.exists(path):
         raise _missing(path)
-    if _is_dir(path):
+    if storage.isdir(path):
         if storage.exists(storage.join(path, WEIGHTS)):
             path = storage.join(path, WEIGHTS)
         elif storage.exists(storage.join(path, CHECKPOINT_META)):
@@ -144,11 +136,9 @@ def read_weights(path: str) -> dict[str, "torch.Tensor"]:
 
         if not storage.is_uri(path):
             return dict(load_file(path))
-        with storage.open_input(path) as f:
-            return dict(load(f.read()))
+        return dict(load(storage.read_bytes(path)))
     if storage.is_uri(path):
-        with storage.open_input(path) as f:
-            obj = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(storage.read_bytes(path)), map_location="cpu", weights_only=True)
     else:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "model", "module"):  # common checkpoint wrappers
@@ -164,7 +154,7 @@ def write_export(out_dir: str, state_dict: Mapping[str, "torch.Tensor"], cfg_dic
     """Write `out_dir/model.safetensors` and `out_dir/config.json` ({**cfg_dict, "_export":
     export_meta}); returns out_dir. The scalar entries of export_meta (step, source, format,
     MLflow run id) also go into the safetensors header."""
-    from safetensors.torch import save, save_file  # lazy: torch (source_info / read_config need none)
+    from safetensors.torch import save_file  # lazy: torch (source_info / read_config need none)
 
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
     header = {k: str(v) for k, v in export_meta.items()
@@ -176,10 +166,13 @@ def write_export(out_dir: str, state_dict: Mapping[str, "torch.Tensor"], cfg_dic
         with open(os.path.join(out_dir, CONFIG), "w") as f:
             f.write(text)
         return out_dir
-    fs, inner = storage.filesystem(out_dir)
-    fs.create_dir(inner, recursive=True)
-    with fs.open_output_stream(f"{inner}/{WEIGHTS}") as f:
-        f.write(save(tensors, metadata=header))
-    with fs.open_output_stream(f"{inner}/{CONFIG}") as f:
-        f.write(text.encode())
+    # Object storage: the weights go through a local temporary file and are streamed up (a
+    # ViT-H state in memory twice would not fit small drivers); config.json goes last, so a
+    # reader never finds a config without its weights.
+    with tempfile.TemporaryDirectory(prefix="vitp-export-") as tmp:
+        local = os.path.join(tmp, WEIGHTS)
+        save_file(tensors, local, metadata=header)
+        with open(local, "rb") as src, storage.open_output(storage.join(out_dir, WEIGHTS)) as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+    storage.write_bytes(storage.join(out_dir, CONFIG), text.encode())
     return out_dir

@@ -5,13 +5,14 @@ logs the PNG to a sweep's parent run. No torch, no ray.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable
 
 from mlflow.exceptions import MlflowException
 
+from pipeline import storage
 from pipeline.tracking.compare import best_per_dataset, metric_history
 from pipeline.tracking.store import TrackingError, get_client
 
@@ -114,15 +115,16 @@ def plot_compare(tracking_uri: str, rows: Iterable[dict[str, Any]], path: str | 
         ax.legend(fontsize=7, title="source", title_fontsize=7, loc="upper center",
                   bbox_to_anchor=(0.5, -0.1), ncols=min(2, len(sources)))
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
-    return str(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    storage.write_bytes(os.fspath(path), buf.getvalue())  # a path or URI, parents made
+    return os.fspath(path)
 
 
 def log_plot_to_parent(tracking_uri: str, parent_run_id: str, path: str | os.PathLike) -> str:
     """Log the PNG at `path` as an artifact of the sweep parent run; returns its artifact path."""
-    if not os.path.isfile(path):
+    path = os.fspath(path)
+    if not storage.isfile(path):
         raise TrackingError(f"plot {path!s} does not exist: write it with plot_compare first")
     client = get_client(tracking_uri)
     try:
@@ -132,5 +134,6 @@ def log_plot_to_parent(tracking_uri: str, parent_run_id: str, path: str | os.Pat
             f"parent run {parent_run_id!r} not found in {client.tracking_uri}: pass the run id of the "
             "sweep's parent (the `parent` column of `vitp compare`)"
         ) from e
-    client.log_artifact(parent_run_id, str(path), PLOT_ARTIFACT_DIR)
-    return f"{PLOT_ARTIFACT_DIR}/{Path(path).name}"
+    with storage.local_copy(path) as local:  # MLflow uploads only local files
+        client.log_artifact(parent_run_id, local, PLOT_ARTIFACT_DIR)
+    return f"{PLOT_ARTIFACT_DIR}/{storage.basename(path)}"

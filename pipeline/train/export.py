@@ -6,8 +6,11 @@ Must not write the export format itself: weights.write_export / read_weights own
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import tempfile
+from typing import Iterator
 
 import torch
 
@@ -27,20 +30,35 @@ def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     if not ok:
         raise InputError(f"cannot export an incomplete checkpoint: {reason}")
     meta = ckpt.read_meta(checkpoint_dir)
-    if meta["zero_stage"] == 0:
-        # Without ZeRO the full module state sits in rank 0's model-states file (fp32 master
-        # weights for fp32 runs; bf16 runs keep their fp32 copy in the optimizer file).
-        files = glob.glob(os.path.join(checkpoint_dir, meta["tag"], "*optim_states.pt"))
-        bf16_master = [f for f in files if os.path.basename(f).startswith("bf16_")]
-        if not bf16_master:
-            states = torch.load(os.path.join(checkpoint_dir, meta["tag"], "mp_rank_00_model_states.pt"),
-                                map_location="cpu", weights_only=False)
-            return {k: v.float().contiguous() for k, v in states["module"].items()}
-    # ZeRO 1-3 (and bf16 stage 0): rebuild fp32 weights from the per-rank optimizer partitions.
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: deepspeed
+    with _local_checkpoint(checkpoint_dir, meta["tag"]) as local:
+        if meta["zero_stage"] == 0:
+            # Without ZeRO the full module state sits in rank 0's model-states file (fp32 master
+            # weights for fp32 runs; bf16 runs keep their fp32 copy in the optimizer file).
+            files = glob.glob(os.path.join(local, meta["tag"], "*optim_states.pt"))
+            bf16_master = [f for f in files if os.path.basename(f).startswith("bf16_")]
+            if not bf16_master:
+                states = torch.load(os.path.join(local, meta["tag"], "mp_rank_00_model_states.pt"),
+                                    map_location="cpu", weights_only=False)
+                return {k: v.float().contiguous() for k, v in states["module"].items()}
+        # ZeRO 1-3 (and bf16 stage 0): rebuild fp32 weights from the per-rank optimizer partitions.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: deepspeed
 
-    sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=meta["tag"])
-    return {k: v.float().contiguous() for k, v in sd.items()}
+        sd = get_fp32_state_dict_from_zero_checkpoint(local, tag=meta["tag"])
+        return {k: v.float().contiguous() for k, v in sd.items()}
+
+
+@contextlib.contextmanager
+def _local_checkpoint(checkpoint_dir: str, tag: str) -> Iterator[str]:
+    """A local directory holding `checkpoint_dir/<tag>` (DeepSpeed's files, which torch.load and
+    DeepSpeed read only from disk): the directory itself when local, else a temporary copy of
+    only that part (not the RNG states or markers), deleted on exit."""
+    if not storage.is_uri(checkpoint_dir):
+        yield checkpoint_dir
+        return
+    with storage.local_copy(storage.join(checkpoint_dir, tag)) as state, \
+            tempfile.TemporaryDirectory(prefix="vitp-export-") as tmp:
+        os.symlink(state, os.path.join(tmp, tag))  # DeepSpeed looks for <dir>/<tag>/...
+        yield tmp
 
 
 def export(checkpoint_dir: str, out_dir: str) -> str:

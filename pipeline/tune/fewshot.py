@@ -7,7 +7,6 @@ sources only through `pipeline.model.weights` / `pipeline.train.export`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -157,7 +156,7 @@ def _source_name(weights: str, info: SourceInfo) -> str:
             return ExperimentConfig.from_dict(info.config).run_name
         except ValueError:
             return info.recipe
-    return os.path.basename(os.path.normpath(weights)) or "weights"
+    return storage.basename(storage.abspath(weights)) or "weights"
 
 
 def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
@@ -170,6 +169,7 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
     source's step, and a `source_run_id` tag when the source's export records one.
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
     """
+    weights = storage.abspath(weights)  # the feature actors run in other working directories
     src = source_info(weights)
     train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)
     test_x, test_y = extract_features(weights, cfg, "val", concurrency=concurrency)
@@ -182,14 +182,14 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
     from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
 
     name = f"fewshot-{_source_name(weights, src)}-{cfg.data.source}"
-    tags = {"kind": "fewshot", "source": storage.abspath(weights)}
+    tags = {"kind": "fewshot", "source": weights}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
     with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name,
                          resume_by_name=False, tags=tags) as logger:
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
                                        "dataset": cfg.data.source, "shards": cfg.data.shards,
-                                       "source": storage.abspath(weights),
+                                       "source": weights,
                                        "feature_dim": int(train_x.shape[1]),
                                        "train_examples": len(train_y), "test_examples": len(test_y)}})
         logger.log_metrics(metrics, step=src.step)
