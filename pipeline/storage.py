@@ -240,6 +240,9 @@ def local_copy(path: str) -> Iterator[str]:
     import pyarrow.fs as pafs
 
     fs, inner = filesystem(path)
+    if isinstance(fs, pafs.LocalFileSystem):  # file:// is already on this disk
+        yield inner
+        return
     with tempfile.TemporaryDirectory(prefix="vitp-copy-") as tmp:
         target = os.path.join(tmp, basename(path) or "data")
         if fs.get_file_info(inner).type == pafs.FileType.File:
