@@ -21,7 +21,8 @@ EXIT_CODES = """exit codes:
   1    the work failed: a submitted job FAILED, preprocess wrote nothing; or an internal error
        (a bug: one line, `vitp --debug CMD ...` shows the traceback)
   2    bad input you can fix: usage, config, paths and files, job specs, MLflow queries
-  3    the Ray cluster or its Jobs API cannot be reached or refused the request
+  3    the Ray cluster or its Jobs API cannot be reached or refused the request; or a
+       `vitp doctor` check failed
   4    a submitted job was STOPPED
   130  interrupted (Ctrl-C)
   141  stdout closed early (e.g. `vitp config debug | head -3`): the rest is not printed

@@ -1,8 +1,8 @@
-"""`vitp` commands that talk to a cluster or serve one: submit, jobs, mlflow-server.
+"""`vitp` commands that talk to a cluster or serve one: submit, jobs, doctor, mlflow-server.
 
-Each parser sits beside its handler. Spec checks live in pipeline/cluster/jobspec.py, the Jobs
-API client in pipeline/cluster/jobs.py, the server in pipeline/tracking/server.py. Must not contain
-logic, print a secret value, or bind beyond 127.0.0.1 by default.
+Each parser sits beside its handler. Spec checks live in pipeline/cluster/jobspec.py, the Jobs API
+client in pipeline/cluster/jobs.py, the checks in pipeline/cluster/doctor.py, the server in
+pipeline/tracking/server.py. Must not contain logic, print a secret value, or bind beyond 127.0.0.1 by default.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from pipeline.cli.args import Handler, add_address, add_set
+from pipeline.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from
 from pipeline.errors import ConfigError
 
 # What `vitp submit` exits with once the job has ended (3, cluster unreachable, is ClusterError's).
@@ -107,6 +107,35 @@ def _add_jobs(sub) -> Handler:
     return cmd_jobs
 
 
+# ------------------------------------------------------------------------------ doctor
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pipeline.cluster import doctor  # lazy: keeps vitp --help fast (ray, mlflow)
+
+    cfg = config_from(args, check_paths=False)  # data.path may live on the cluster only
+    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True))
+    return doctor.exit_code(checks)
+
+
+def _add_doctor(sub) -> Handler:
+    p = sub.add_parser("doctor", help="preflight: check the cluster, token, storage, MLflow and shards",
+                       description="Before a long job: check that the cluster answers at --address and "
+                                   "accepts the token, that work_dir can be written, listed, read and "
+                                   "deleted from this machine and from the cluster's other nodes, that "
+                                   "MLflow accepts a run, and that the recipe's shards exist. One line "
+                                   "per check ('ok' or 'FAIL ... -> fix'). Exit 0 when all pass, 3 when "
+                                   "any fails, 2 bad recipe or --set.")
+    add_recipe(p)
+    p.add_argument("--address", help="Ray dashboard / Jobs API address http://<head>:8265 (default "
+                                     "$RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, then http://127.0.0.1:8265), "
+                                     "or a GCS host:port / ray:// address; a token from $RAY_AUTH_TOKEN "
+                                     "or $RAY_AUTH_TOKEN_PATH is sent when set")
+    add_tracking(p, can_disable=False, help="MLflow tracking URI to check (default: the config's, "
+                                            "sqlite in work_dir)")
+    return cmd_doctor
+
+
 # ----------------------------------------------------------------------- mlflow-server
 
 
@@ -156,4 +185,5 @@ def _add_mlflow_server(sub) -> Handler:
 
 def add_parsers(sub) -> dict[str, Handler]:
     """Add this group's subcommands to `sub`; returns {command name: handler}."""
-    return {"submit": _add_submit(sub), "jobs": _add_jobs(sub), "mlflow-server": _add_mlflow_server(sub)}
+    return {"submit": _add_submit(sub), "jobs": _add_jobs(sub), "doctor": _add_doctor(sub),
+            "mlflow-server": _add_mlflow_server(sub)}

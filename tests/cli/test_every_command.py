@@ -27,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VITP = Path(sys.executable).parent / "vitp"  # the console script the venv installed
 COMMANDS = ("config", "model", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
-            "fewshot", "import", "attention", "compare", "submit", "jobs", "mlflow-server", "demo")
+            "fewshot", "import", "attention", "compare", "submit", "jobs", "mlflow-server", "doctor",
+            "demo")
 
 
 def vitp_env() -> dict[str, str]:

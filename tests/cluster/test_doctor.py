@@ -1,0 +1,179 @@
+"""`vitp doctor` against real components: a two-node local Ray cluster with token auth, the moto S3
+server, an MLflow server with basic auth. It passes on the healthy setup and names the fix for a
+missing token, an unreachable address, an unwritable bucket and a wrong MLflow password."""
+import threading
+import uuid
+
+import pytest
+
+from pipeline.cluster.doctor import EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, storage_fix, timed
+from pipeline.tracking.server import AuthSettings, start_server
+
+from .conftest import LocalCluster, free_ports, vitp
+
+PASSWORD = f"doctor-{uuid.uuid4().hex}"  # the MLflow admin's; never printed
+
+
+def lines_of(out) -> dict[str, str]:
+    """{check name: its whole line} of a doctor run; every stdout line is one check."""
+    found = {}
+    for line in out.stdout.splitlines():
+        assert line.startswith(("ok   ", "FAIL ")), f"not a check line: {line!r}\n{out.stdout}{out.stderr}"
+        found[line[5:].split(":", 1)[0]] = line
+    return found
+
+
+# --------------------------------------------------------------------------- fast: formatting and exit code
+
+
+def test_lines_and_exit_code():
+    good, bad = Check("cluster", True, "2 node(s) alive"), Check("mlflow", False, "login rejected", "set X")
+    assert good.line() == "ok   cluster: 2 node(s) alive"
+    assert bad.line() == "FAIL mlflow: login rejected -> set X"
+    assert exit_code([good, good]) == 0 and exit_code([good, bad]) == EXIT_FAILED == 3 and exit_code([]) == 3
+
+
+def test_a_check_that_raises_or_hangs_is_a_fail_line_not_a_traceback():
+    def boom():
+        raise RuntimeError("first line\nsecond line")
+
+    raised = timed("cluster", boom, 5, "the fix")
+    assert raised.line() == "FAIL cluster: RuntimeError: first line -> the fix"
+    never = threading.Event()
+    hung = timed("mlflow", lambda: never.wait(), 0.2, "start the server")
+    assert not hung.ok and "no answer within" in hung.detail and hung.fix == "start the server"
+    never.set()
+
+
+def test_probe_on_a_local_directory_leaves_nothing(tmp_path):
+    shared = tmp_path / PROBE_DIR / "shared-x"
+    shared.parent.mkdir()
+    shared.write_text("abc")
+    assert probe_storage(str(tmp_path), "here", str(shared), "abc") == {"where": "here", "ok": True}
+    assert [p.name for p in (tmp_path / PROBE_DIR).iterdir()] == ["shared-x"]
+    unshared = probe_storage(str(tmp_path), "node", str(tmp_path / "missing"), "abc")
+    assert not unshared["ok"] and unshared["step"] == "read what this machine wrote"
+    assert "not shared between the nodes" in storage_fix(str(tmp_path), unshared["error"], unshared["step"])
+
+
+# --------------------------------------------------------------------------- e2e: real cluster, S3, MLflow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Head + one worker node with token authentication."""
+    c = LocalCluster(tmp_path_factory.mktemp("doctor-cluster"), workers=1, num_cpus=1, auth=True)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(s3, tmp_path_factory):
+    """An MLflow server with basic auth (user admin) and its artifacts on S3."""
+    tmp = tmp_path_factory.mktemp("doctor-mlflow")
+    handle = start_server(f"sqlite:///{tmp}/m.db", f"{s3.bucket('mlflow')}/artifacts",
+                          auth=AuthSettings(admin_password=PASSWORD), log_path=tmp / "server.log")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(s3, cluster, mlflow_server):
+    """The arguments and environment of a healthy doctor run."""
+    work_dir = f"{s3.bucket('doctor')}/vit"
+    env = {"RAY_AUTH_TOKEN_PATH": str(cluster.token_path), "MLFLOW_TRACKING_USERNAME": "admin",
+           "MLFLOW_TRACKING_PASSWORD": PASSWORD}
+    args = ["doctor", "debug", "--address", cluster.address, "--set", f"work_dir={work_dir}",
+            "--tracking-uri", mlflow_server.uri]
+    return args, env, work_dir
+
+
+def run(args, env, **changes):
+    out = vitp(*args, env={**env, **changes}, timeout=400)
+    print(f"$ vitp {' '.join(args)}  (exit {out.returncode})\n{out.stdout}")  # shown by pytest -rA
+    return out
+
+
+@pytest.mark.e2e
+def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, monkeypatch):
+    args, env, work_dir = setup
+    out = run(args, env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = lines_of(out)
+    assert set(found) == {"cluster", "storage here", "storage on cluster", "mlflow", "data"}
+    assert all(line.startswith("ok   ") for line in found.values()), out.stdout
+    assert "token accepted" in found["cluster"] and "2 node(s) alive" in found["cluster"]
+    # The job's driver and a task on the other node both wrote, listed, read and deleted.
+    assert "job driver" in found["storage on cluster"] and "node " in found["storage on cluster"]
+    assert work_dir in found["storage on cluster"]
+    assert "accepted a run as 'admin'" in found["mlflow"]
+    # Nothing left behind: no probe object in the bucket, the doctor's run deleted.
+    bucket = work_dir.split("/")[2]
+    keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not [k for k in keys if "probe-" in k or "shared-" in k], keys
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.get_experiment_by_name("vit-pipeline-debug")
+    assert client.search_runs([exp.experiment_id]) == []  # no active run left
+    deleted = client.search_runs([exp.experiment_id], run_view_type=ViewType.DELETED_ONLY)
+    assert [r.info.run_name for r in deleted] == ["vitp-doctor"]
+    secret = cluster.token_path.read_text().strip()
+    assert secret not in out.stdout + out.stderr and PASSWORD not in out.stdout + out.stderr
+
+
+@pytest.mark.e2e
+def test_no_token_and_a_wrong_token_name_the_token_variables(setup):
+    args, env, _ = setup
+    env = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"}
+    out = run(args, env)
+    assert out.returncode == EXIT_FAILED, out.stdout + out.stderr
+    found = lines_of(out)
+    assert found["cluster"].startswith("FAIL cluster:") and "requires a token" in found["cluster"]
+    assert "-> export RAY_AUTH_TOKEN_PATH=" in found["cluster"]
+    assert found["storage on cluster"].startswith("FAIL")  # not checked without a cluster
+    wrong = lines_of(run(args, env, RAY_AUTH_TOKEN="not-the-token"))
+    assert "rejected the token" in wrong["cluster"] and "RAY_AUTH_TOKEN_PATH" in wrong["cluster"]
+
+
+@pytest.mark.e2e
+def test_unwritable_bucket_names_the_bucket_fix(setup, s3):
+    args, env, _ = setup
+    missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/vit"
+    out = run([a.replace(setup[2], missing) for a in args], env)
+    assert out.returncode == EXIT_FAILED, out.stdout + out.stderr
+    found = lines_of(out)
+    assert found["cluster"].startswith("ok")
+    for name in ("storage here", "storage on cluster"):  # from this machine and from the nodes
+        assert found[name].startswith(f"FAIL {name}:"), out.stdout
+        assert f"aws s3 mb {missing.rsplit('/', 1)[0]}" in found[name] and "AWS_ENDPOINT_URL" in found[name]
+
+
+@pytest.mark.e2e
+def test_wrong_mlflow_password_names_the_password_variable(setup):
+    args, env, _ = setup
+    out = run(args, env, MLFLOW_TRACKING_PASSWORD="not-the-password")
+    assert out.returncode == EXIT_FAILED, out.stdout + out.stderr
+    found = lines_of(out)
+    assert found["mlflow"].startswith("FAIL mlflow:") and "rejected the login of user 'admin'" in found["mlflow"]
+    assert "-> export MLFLOW_TRACKING_PASSWORD=" in found["mlflow"]
+    assert all(found[n].startswith("ok") for n in ("cluster", "storage here", "storage on cluster"))
+
+
+@pytest.mark.e2e
+def test_unreachable_address_fails_fast_with_the_fix(tmp_path):
+    (port,) = free_ports(1)
+    out = vitp("doctor", "debug", "--address", f"http://127.0.0.1:{port}", "--set", f"work_dir={tmp_path}",
+               timeout=120)
+    assert out.returncode == EXIT_FAILED, out.stdout + out.stderr
+    found = lines_of(out)
+    assert found["cluster"].startswith(f"FAIL cluster: no Ray dashboard answers at http://127.0.0.1:{port}")
+    assert "start the cluster" in found["cluster"] and "--address" in found["cluster"]
+    assert found["storage here"].startswith("ok") and found["mlflow"].startswith("ok")
+    # A GCS address that nothing listens on fails the same way, before Ray's own retries.
+    gcs = lines_of(vitp("doctor", "debug", "--address", f"127.0.0.1:{port}", "--set", f"work_dir={tmp_path}",
+                        timeout=120))
+    assert gcs["cluster"].startswith(f"FAIL cluster: nothing answers at 127.0.0.1:{port}")
