@@ -62,7 +62,9 @@ def _add_submit(sub) -> Handler:
                                    "FAILED, 4 STOPPED, 3 cluster unreachable or refused, 2 bad spec.")
     p.add_argument("spec", help="job spec YAML, e.g. jobs/pretrain_h14_i21k.yaml")
     add_address(p, jobs_api=True)
-    add_set(p, help="config override appended to the spec's vitp command (repeatable)")
+    add_set(p, help="config override appended to every `vitp COMMAND RECIPE` of the spec's entrypoint "
+                    "(no re-quoting: $VARS and shell operators stay as written); RECIPE:KEY=VALUE "
+                    "for one recipe's command (repeatable)")
     p.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     p.add_argument("--no-wait", action="store_true", help="return once submitted")
     return cmd_submit
