@@ -128,7 +128,8 @@ def test_compare_plot_written_to_a_uri_is_logged_to_mlflow(s3, tmp_path):
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking)
-    parent = client.create_run(client.create_experiment("uri")).info.run_id
+    parent = client.create_run(client.create_experiment(
+        "uri", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id  # not ./mlruns
     store = storage.join(s3.bucket(), "vit")
     out = plot_compare(tracking, [], storage.join(store, "plots", "compare.png"))  # the placeholder
     assert out == storage.join(store, "plots", "compare.png") and _png(out)[0] > 0
