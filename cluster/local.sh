@@ -8,6 +8,11 @@
 #
 # Every node runs `ray start --block` in its own process group, recorded in DIR/pids; `stop` ends
 # exactly those groups (never `ray stop`, which would kill every Ray on the machine).
+# Nodes share no directory, as on a real cluster: node i (0 = head) has DIR/node-i/ray (Ray's
+# --temp-dir: sessions, logs, object spilling, Train's local staging), DIR/node-i/work (the cwd of
+# its raylet, hence of its workers and, on the head, of job drivers without a working_dir) and
+# DIR/node-i/tmp (TMPDIR). Everything else (AWS_ENDPOINT_URL, VITP_STORE, MLFLOW_TRACKING_URI, ...)
+# is inherited from the environment `start` runs in, by every node, worker and job driver.
 # --auth turns on token authentication (RAY_AUTH_MODE=token) with a fresh token in DIR/auth_token;
 # clients then need RAY_AUTH_TOKEN_PATH=DIR/auth_token (printed on start). Without --auth the
 # cluster runs with RAY_AUTH_MODE=disabled explicitly, so a stray ~/.ray/auth_token does not
@@ -22,6 +27,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PYTHON")"
 
 cmd="${1:-}"; shift || true
+case "$cmd" in -h|--help) sed -n '2,19p' "$0"; exit 0 ;; esac
 workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,7 +38,7 @@ while [ $# -gt 0 ]; do
     --auth) auth=1; shift ;;
     --state-dir) state_dir="$2"; shift 2 ;;
     --timeout) timeout="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "cluster/local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -98,6 +104,32 @@ EOF
   return 1
 }
 
+start_worker() {
+  # Worker node $1 joins the head; its `ray start` leader pid goes to worker_pids[$1 - 1]
+  # (start_cluster's array; the same port settings as the head's, see there).
+  local i="$1"
+  local args=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
+              --dashboard-agent-listen-port "$(free_port)" --min-worker-port 0 --max-worker-port 0 --block)
+  node_dirs "$i"
+  # --temp-dir on a worker node: its own sessions/sockets/spill dir (without it a joining node
+  # uses the head's temp dir, which only works where they share a disk).
+  (cd "$state_dir/node-$i/work" && TMPDIR="$state_dir/node-$i/tmp" exec setsid "$BIN/ray" start \
+    --address "127.0.0.1:$port" --temp-dir "$state_dir/node-$i/ray" "${args[@]}" \
+    > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null) &
+  worker_pids[$((i - 1))]=$!
+}
+
+write_pids() {
+  # head first, then the workers: `stop` ends them in reverse order
+  printf '%s\n' "$head_pid" ${worker_pids[@]+"${worker_pids[@]}"} > "$state_dir/pids"
+}
+
+node_dirs() {
+  # Node $1's private directories (see the header); 700, like the state dir.
+  mkdir -p "$state_dir/node-$1/ray" "$state_dir/node-$1/work" "$state_dir/node-$1/tmp"
+  chmod 700 "$state_dir/node-$1"
+}
+
 start_cluster() {
   if [ -f "$state_dir/pids" ]; then
     echo "cluster/local.sh: a cluster is already recorded in $state_dir: run 'cluster/local.sh stop --state-dir $state_dir' first" >&2
@@ -123,37 +155,48 @@ start_cluster() {
     export RAY_AUTH_MODE=disabled
     echo "cluster/local.sh: token authentication is off (pass --auth to turn it on)" >&2
   fi
-  : > "$state_dir/pids"
   # Every raylet here would hand out worker ports from the same default range (10002-19999);
   # 0/0 lets the OS pick each worker's port, so nodes on one machine never collide.
-  local worker_ports=(--min-worker-port 0 --max-worker-port 0)
   local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-                --dashboard-agent-listen-port "$(free_port)" "${worker_ports[@]}" --block)
-  setsid "$BIN/ray" start --head --port "$port" --dashboard-host 127.0.0.1 \
-    --dashboard-port "$dash_port" --include-dashboard true \
-    --ray-client-server-port "$(free_port)" --temp-dir "$state_dir/tmp" "${common[@]}" \
-    > "$state_dir/logs/head.log" 2>&1 < /dev/null &
-  echo $! >> "$state_dir/pids"
+                --dashboard-agent-listen-port "$(free_port)" --min-worker-port 0 --max-worker-port 0 --block)
+  local head_pid worker_pids=()
+  node_dirs 0
+  (cd "$state_dir/node-0/work" && TMPDIR="$state_dir/node-0/tmp" exec setsid "$BIN/ray" start --head \
+    --port "$port" --dashboard-host 127.0.0.1 --dashboard-port "$dash_port" --include-dashboard true \
+    --ray-client-server-port "$(free_port)" --temp-dir "$state_dir/node-0/ray" "${common[@]}" \
+    > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
+  head_pid=$!
+  write_pids
   if ! wait_nodes 1; then
     echo "cluster/local.sh: head did not come up within ${timeout}s; log $state_dir/logs/head.log:" >&2
     tail -n 30 "$state_dir/logs/head.log" >&2
     stop_cluster >&2; exit 1
   fi
-  for i in $(seq 1 "$workers"); do
-    common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-            --dashboard-agent-listen-port "$(free_port)" "${worker_ports[@]}" --block)
-    setsid "$BIN/ray" start --address "127.0.0.1:$port" "${common[@]}" \
-      > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null &
-    echo $! >> "$state_dir/pids"
-  done
+  for i in $(seq 1 "$workers"); do start_worker "$i"; done
+  write_pids
   if ! wait_nodes $((workers + 1)); then
-    echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
-    tail -n 30 "$state_dir"/logs/worker-*.log >&2
-    stop_cluster >&2; exit 1
+    # A joining `ray start` gives up when its raylet takes over 30 s to register (a limit fixed
+    # in Ray), which a loaded machine can hit: start such a node once more before failing.
+    local retried=0
+    for i in $(seq 1 "$workers"); do
+      if ! kill -0 "${worker_pids[$((i - 1))]}" 2>/dev/null; then
+        echo "cluster/local.sh: worker node $i exited during start-up; starting it again" >&2
+        kill -KILL -- "-${worker_pids[$((i - 1))]}" 2>/dev/null || true
+        mv "$state_dir/logs/worker-$i.log" "$state_dir/logs/worker-$i.failed.log"
+        start_worker "$i"; retried=1
+      fi
+    done
+    write_pids
+    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)); then
+      echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
+      tail -n 30 "$state_dir"/logs/worker-*.log >&2
+      stop_cluster >&2; exit 1
+    fi
   fi
   echo "local Ray cluster: head + $workers worker node(s), $num_cpus CPUs each, on 127.0.0.1"
   echo "  RAY_ADDRESS=127.0.0.1:$port"
   echo "  dashboard / jobs API: http://127.0.0.1:$dash_port"
+  echo "  node directories (Ray temp dir, cwd, TMPDIR): $state_dir/node-{0..$workers}/{ray,work,tmp}"
   if [ "$auth" = 1 ]; then
     echo "  token auth on: export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$state_dir/auth_token"
   fi

@@ -98,6 +98,30 @@ def _auth_env(auth: AuthSettings, log_file: Path, env: dict[str, str]) -> dict[s
     return out
 
 
+def _artifact_store_env(artifact_root: str, env: dict[str, str]) -> dict[str, str]:
+    """What the server needs to proxy an s3:// artifact store: boto3, and the endpoint.
+
+    MLflow reads an S3-compatible endpoint (MinIO, Ceph, a test server) only from
+    MLFLOW_S3_ENDPOINT_URL; the rest of the pipeline reads AWS_ENDPOINT_URL. Without the former,
+    the pipeline's (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL) is handed on, so one setting
+    serves both.
+    """
+    if not artifact_root.startswith("s3:"):
+        return {}
+    try:
+        import boto3  # noqa: F401  (the server's S3 artifact repository needs it)
+    except ImportError:
+        raise TrackingError(
+            f"artifacts destination {artifact_root} needs boto3 in this environment: "
+            "pip install boto3 (or use a local --artifacts-destination)"
+        ) from None
+    merged = {**os.environ, **env}
+    endpoint = merged.get("AWS_ENDPOINT_URL_S3") or merged.get("AWS_ENDPOINT_URL")
+    if not merged.get("MLFLOW_S3_ENDPOINT_URL") and endpoint:
+        return {"MLFLOW_S3_ENDPOINT_URL": endpoint}
+    return {}
+
+
 @dataclass
 class ServerHandle:
     """A running `mlflow server`; `.uri` is what MlflowClient / RunLogger take."""
@@ -166,8 +190,9 @@ def start_server(
     """Launch `python -m mlflow server` from this interpreter and return once /health answers.
 
     backend_store_uri: a DB URI or a path (".db" -> SQLite). artifact_root: local dir or object-store
-    URI that the server proxies artifacts to (--serve-artifacts), so clients need no storage
-    credentials. port=0 picks a free port. jobs=False turns off MLflow's GenAI job executor
+    URI (s3://bucket/prefix: credentials and endpoint from the environment, see
+    _artifact_store_env) that the server proxies artifacts to (--serve-artifacts), so clients
+    need no storage credentials. port=0 picks a free port. jobs=False turns off MLflow's GenAI job executor
     (8 extra processes that this pipeline never uses; on 2 cores it triples start-up time).
     auth: basic auth (refuses the old default admin password). A host beyond loopback needs
     auth unless allow_unauthenticated=True (e.g. behind an authenticating proxy).
@@ -186,6 +211,7 @@ def start_server(
     if not is_uri(artifact_root):
         artifact_root = str(Path(artifact_root).expanduser().resolve())
         Path(artifact_root).mkdir(parents=True, exist_ok=True)
+    store_env = _artifact_store_env(artifact_root, env or {})
     if host not in _LOOPBACK and not allowed_hosts:
         log.warning(
             "mlflow server binds %s with the default Host allow-list: pass allowed_hosts "
@@ -215,6 +241,7 @@ def start_server(
             env={
                 **os.environ,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
+                **store_env,
                 **(env or {}),
                 **auth_env,
             },

@@ -1,10 +1,12 @@
-"""Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped."""
+"""Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped; the
+rehearsal's cluster additionally shares nothing but an S3 bucket (moto) and an MLflow server."""
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -25,17 +27,25 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def vitp(*args, env=None, timeout=600):
-    """Run `vitp ...` with this interpreter (the venv), returning the CompletedProcess."""
+def vitp_env(env=None) -> dict[str, str]:
+    """This process's environment without Ray's connection settings, plus `env`."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     base["PATH"] = f"{Path(sys.executable).parent}:{base.get('PATH', '')}"
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env={**base, **(env or {})},
+    return {**base, **(env or {})}
+
+
+def vitp(*args, env=None, timeout=600):
+    """Run `vitp ...` with this interpreter (the venv), returning the CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=vitp_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
 class LocalCluster:
-    def __init__(self, tmp: Path, workers: int, num_cpus: int, auth: bool):
+    """`cluster/local.sh start` on free ports; `env` is added to the environment every node (and
+    so every worker and job driver) inherits. Node i's own directories are node_dirs[i]."""
+
+    def __init__(self, tmp: Path, workers: int, num_cpus: int, auth: bool, env: dict[str, str] | None = None):
         self.port, self.dash_port = free_ports(2)
         # fresh and short (Ray's socket paths are length-limited), never a stale run's directory
         self.state_dir = Path(tempfile.mkdtemp(prefix="vitp-t", dir="/tmp"))
@@ -43,13 +53,15 @@ class LocalCluster:
         cmd = [str(LOCAL_SH), "start", "--workers", str(workers), "--num-cpus", str(num_cpus),
                "--port", str(self.port), "--dashboard-port", str(self.dash_port),
                "--state-dir", str(self.state_dir)] + (["--auth"] if auth else [])
-        env = {**os.environ, "PYTHON": sys.executable}
+        env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
         env.pop("RAY_ADDRESS", None)
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"cluster/local.sh start failed:\n{out.stdout}\n{out.stderr}")
         self.token_path = self.state_dir / "auth_token" if auth else None
+        # head first: Ray temp dir (ray/), working directory (work/) and TMPDIR (tmp/) of each node
+        self.node_dirs = [self.state_dir / f"node-{i}" for i in range(workers + 1)]
 
     def stop(self):
         subprocess.run([str(LOCAL_SH), "stop", "--state-dir", str(self.state_dir)],
@@ -73,3 +85,55 @@ def auth_cluster(tmp_path_factory):
     cluster = LocalCluster(tmp_path_factory.mktemp("auth-cluster"), workers=0, num_cpus=2, auth=True)
     yield cluster
     cluster.stop()
+
+
+# ----------------------------------------------------------------------------- rehearsal
+
+
+@dataclass
+class Rehearsal:
+    """The rehearsal's world: a two-node cluster, its bucket and its MLflow server."""
+
+    cluster: LocalCluster
+    bucket: str  # s3://name
+    mlflow: object  # pipeline.tracking.server.ServerHandle
+    env: dict[str, str] = field(default_factory=dict)  # what the user's shell exports
+
+    @property
+    def store(self) -> str:
+        return self.env["VITP_STORE"]
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every object key in the bucket under `prefix`."""
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        name = self.bucket.split("/")[-1]
+        out: list[str] = []
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name, Prefix=prefix):
+            out += [o["Key"] for o in page.get("Contents", [])]
+        return out
+
+
+@pytest.fixture(scope="module")
+def rehearsal(s3, tmp_path_factory):
+    """Head + one worker node (3 logical CPUs each, like two_node_cluster), each with its own
+    temp, working and TMPDIR directories; VITP_STORE=s3://<bucket>/vit and MLFLOW_TRACKING_URI (a
+    real `mlflow server`: SQLite here, artifacts in s3://<bucket>/mlflow) in every node's
+    environment and in the submitting shell's."""
+    from pipeline.tracking.server import start_server
+
+    bucket = s3.bucket("rehearsal")
+    tmp = tmp_path_factory.mktemp("rehearsal-mlflow")
+    server = start_server(f"sqlite:///{tmp}/mlflow.db", f"{bucket}/mlflow", log_path=tmp / "mlflow.log")
+    env = {"VITP_STORE": f"{bucket}/vit", "MLFLOW_TRACKING_URI": server.uri}
+    try:
+        cluster = LocalCluster(tmp, workers=1, num_cpus=3, auth=False, env=env)
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        yield Rehearsal(cluster, bucket, server, env)
+    finally:
+        cluster.stop()
+        server.stop()

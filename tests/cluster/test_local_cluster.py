@@ -1,5 +1,6 @@
 """A real two-node local Ray cluster: the debug pre-training job through `vitp submit`, where its
-Train workers ran, its MLflow run, and a failing job's exit status and error."""
+Train workers ran, its MLflow run, a failing job's exit status and error, and that the nodes share
+no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in."""
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -51,3 +52,51 @@ def test_failing_job_makes_submit_exit_nonzero_with_the_jobs_error(two_node_clus
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "FAILED" in out.stderr
     assert "no-such-corpus" in out.stderr and "does not exist" in out.stderr
+
+
+PROBE = '''
+import json, os, sys, tempfile, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+def where():
+    node = ray._private.worker._global_node
+    return {"node": ray.get_runtime_context().get_node_id(), "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
+            "ray_tmp": node.get_temp_dir_path(), "endpoint": os.environ.get("AWS_ENDPOINT_URL")}
+
+ray.init()
+probe = ray.remote(num_cpus=0)(where)
+tasks = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+         for n in ray.nodes() if n["Alive"]]
+print("PROBE " + json.dumps({"driver": where(), "tasks": ray.get(tasks)}))
+'''
+
+
+def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
+    """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
+    drivers run); the environment cluster/local.sh started in reaches every task on every node."""
+    import json
+    import os
+    import sys
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    client = JobSubmissionClient(two_node_cluster.address)
+    job = client.submit_job(entrypoint=f"{sys.executable} {script}")
+    deadline = time.time() + 300
+    while not client.get_job_status(job).is_terminal() and time.time() < deadline:
+        time.sleep(1)
+    logs = client.get_job_logs(job)
+    assert client.get_job_status(job) == "SUCCEEDED", logs[-3000:]
+    seen = json.loads(next(line for line in logs.splitlines() if line.startswith("PROBE "))[6:])
+    head, worker = two_node_cluster.node_dirs
+    assert seen["driver"]["cwd"] == str(head / "work") and seen["driver"]["tmp"] == str(head / "tmp")
+    by_dir = {}
+    for t in seen["tasks"]:
+        node_dir = next(d for d in (head, worker) if t["cwd"] == str(d / "work"))
+        assert (t["tmp"], t["ray_tmp"]) == (str(node_dir / "tmp"), str(node_dir / "ray")), t
+        assert t["endpoint"] == os.environ["AWS_ENDPOINT_URL"]
+        by_dir[node_dir] = t["node"]
+    assert len(by_dir) == 2 and len(set(by_dir.values())) == 2, seen

@@ -1,5 +1,6 @@
 """`vitp mlflow-server` / start_server with basic auth: refuses the default admin password,
-requires a login, rejects Host headers outside --allowed-hosts. Real mlflow server processes."""
+requires a login, rejects Host headers outside --allowed-hosts; with its artifact store on S3
+(moto), what clients log lands in the bucket. Real mlflow server processes."""
 import base64
 import urllib.error
 import urllib.request
@@ -7,7 +8,7 @@ import urllib.request
 import pytest
 
 from pipeline.tracking.store import TrackingError
-from pipeline.tracking.server import AuthSettings, start_server
+from pipeline.tracking.server import AuthSettings, _artifact_store_env, start_server
 
 from .conftest import vitp
 
@@ -58,3 +59,35 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
     finally:
         handle.stop()
     assert not handle.alive()
+
+
+def test_server_with_artifacts_on_s3_stores_what_clients_log_in_the_bucket(s3, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    bucket = s3.bucket("mlflow")
+    handle = start_server(f"sqlite:///{tmp_path}/m.db", f"{bucket}/mlflow", log_path=tmp_path / "server.log")
+    try:
+        assert handle.command[handle.command.index("--artifacts-destination") + 1] == f"{bucket}/mlflow"
+        client = MlflowClient(handle.uri)
+        run = client.create_run(client.create_experiment("s3-artifacts")).info
+        (tmp_path / "note.txt").write_text("logged through the server")
+        client.log_artifact(run.run_id, str(tmp_path / "note.txt"), "docs")
+        client.set_terminated(run.run_id)
+        # The client never saw the bucket: the server proxied the upload (mlflow-artifacts:/ URI).
+        assert client.get_run(run.run_id).info.artifact_uri.startswith("mlflow-artifacts:")
+        assert [f.path for f in client.list_artifacts(run.run_id, "docs")] == ["docs/note.txt"]
+    finally:
+        handle.stop()
+    name = bucket.split("/")[-1]
+    keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket=name).get("Contents", [])]
+    assert any(k.startswith("mlflow/") and k.endswith(f"{run.run_id}/artifacts/docs/note.txt") for k in keys), keys
+    body = s3.client().get_object(Bucket=name, Key=next(k for k in keys if k.endswith("note.txt")))["Body"].read()
+    assert body == b"logged through the server"
+
+
+def test_an_s3_artifact_store_gets_the_pipelines_endpoint_when_mlflows_is_unset(monkeypatch):
+    monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert _artifact_store_env("s3://b/mlflow", {}) == {"MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:9"}
+    assert _artifact_store_env("s3://b/mlflow", {"MLFLOW_S3_ENDPOINT_URL": "http://h:1"}) == {}
+    assert _artifact_store_env("/local/artifacts", {}) == {}

@@ -1,0 +1,322 @@
+"""The rehearsal (issue 12): the shipped job specs, submitted with `vitp submit` and debug-scale
+`--set` overrides to a two-node cluster whose nodes share nothing but an S3 bucket (moto) and an
+MLflow server (artifacts in the bucket): raw corpus -> preprocess -> pretrain (2 Train workers, one
+per node, one SIGKILLed mid-run and resumed from S3 in the same MLflow run) -> export to S3 ->
+downstream preparation -> fine-tune sweep from the S3 export -> few-shot -> `vitp compare`."""
+import io
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import recipes, storage
+from pipeline.cluster.jobspec import load_spec
+from pipeline.data.synth import render
+
+from .conftest import ROOT, vitp, vitp_env
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
+
+# Debug scale, as the `debug` / `debug_finetune` recipes shrink b16_i21k / finetune_cifar10 (see
+# pipeline/recipes.py), given at submit time: the specs themselves stay the production ones.
+DATA = ["data.image_size=32", "data.storage_size=40", "data.shard_mb=4", "data.val_fraction=0.1",
+        "data.crop_scale_min=0.35"]
+PRETRAIN = DATA + [
+    "data.num_classes=10", "model.variant=pico/8", "model.num_classes=10", "model.dropout=0.0",
+    # 2 CPUs per Train worker on 3-CPU nodes: one worker per node
+    "parallel.num_workers=2", "parallel.cpus_per_worker=2", "parallel.use_gpu=false",
+    "parallel.gpus_per_worker=0", "parallel.global_batch=32", "parallel.micro_batch=16",
+    "parallel.grad_accum=1", "parallel.precision=fp32", "parallel.zero_stage=2",
+    "train.steps=40", "train.log_every=2", "train.eval_every=10", "train.checkpoint_every=20",
+    "train.keep_checkpoints=2", "optim.warmup_steps=5",
+]
+# The kill lands after step CHECKPOINT_EVERY + 2 (the checkpoint at CHECKPOINT_EVERY complete in
+# the bucket) with most of the way to the next checkpoint left: resume is from the bucket's.
+CHECKPOINT_EVERY = 20
+FINETUNE = ["data.image_size=32", "data.storage_size=32", "data.shard_mb=4",
+            "parallel.num_workers=1", "parallel.cpus_per_worker=1", "parallel.use_gpu=false",
+            "parallel.gpus_per_worker=0", "parallel.global_batch=16", "parallel.micro_batch=16",
+            "parallel.grad_accum=1", "parallel.precision=fp32", "parallel.zero_stage=0",
+            "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=0",
+            "optim.warmup_steps=1", 'tune.space={"optim.lr":[0.03]}']
+LOCAL_ONLY = ("*.parquet", "meta.json", "*.safetensors", "checkpoint_*")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def submit(rehearsal, spec: str, overrides: list[str], env=None, timeout=900):
+    """`vitp submit SPEC --address ... --set ... --follow` (waits for the end, prints the logs)."""
+    return vitp("submit", spec, "--address", rehearsal.cluster.address, "--follow", *sets(overrides),
+                env={**rehearsal.env, **(env or {})}, timeout=timeout)
+
+
+def succeeded(r, what: str) -> str:
+    assert r.returncode == 0 and " SUCCEEDED" in r.stdout, (
+        f"{what}: exit {r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-4000:]}")
+    return r.stdout
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def find_spec(*words: str) -> str:
+    """The shipped spec whose file name or metadata.stage mentions one of `words`."""
+    import yaml
+
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        stage = str((yaml.safe_load(path.read_text()).get("metadata") or {}).get("stage", ""))
+        if any(w in path.stem or w in stage for w in words):
+            return str(path.relative_to(ROOT))
+    pytest.fail(f"no job spec in jobs/ for {'/'.join(words)} (issue 12, Build 4: a spec that "
+                "prepares the downstream datasets)", pytrace=False)
+
+
+def png(img: np.ndarray, fmt: str = "PNG") -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(img).save(b, fmt)
+    return b.getvalue()
+
+
+def fractal(cls: int, i: int, size: int = 40) -> np.ndarray:
+    return render(7, cls, i, size)
+
+
+def write_raw(source: str, uri: str, per_class: int = 6) -> None:
+    """A small corpus of `source`'s real on-disk layout at `uri` (fractal images: the shape is
+    the class), written locally and uploaded; what a user copies into the bucket first."""
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        if source == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            rows = [(f"c{c}/{i}", str(c), png(fractal(c, i))) for c in range(10) for i in range(per_class)]
+            pq.write_table(pa.table({"key": [r[0] for r in rows], "label": [r[1] for r in rows],
+                                     "image": [r[2] for r in rows]}), root / "part-00000.parquet")
+        elif source in ("cifar10", "cifar100"):
+            classes = 10 if source == "cifar10" else 100
+            used = range(10)  # CIFAR-100: ten of its classes are enough
+            def batch(split, n):
+                imgs = [fractal(c, i + (1000 if split == "val" else 0), 32) for c in used for i in range(n)]
+                return {b"data": np.stack([im.transpose(2, 0, 1).reshape(-1) for im in imgs]),
+                        (b"labels" if classes == 10 else b"fine_labels"): [c for c in used for _ in range(n)]}
+            if classes == 10:
+                train = batch("train", per_class * 5)  # 25+ shots per class for few-shot
+                for k in range(5):
+                    part = {key: v[k::5] for key, v in train.items()}
+                    pickle.dump(part, open(root / f"data_batch_{k + 1}", "wb"))
+                pickle.dump(batch("val", per_class), open(root / "test_batch", "wb"))
+                pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, open(root / "batches.meta", "wb"))
+            else:
+                pickle.dump(batch("train", per_class), open(root / "train", "wb"))
+                pickle.dump(batch("val", 2), open(root / "test", "wb"))
+                pickle.dump({b"fine_label_names": [f"f{i}".encode() for i in range(100)]}, open(root / "meta", "wb"))
+        elif source == "pets":
+            (root / "images").mkdir()
+            (root / "annotations").mkdir()
+            lines = {"trainval.txt": [], "test.txt": []}
+            for c, breed in enumerate(("Abyssinian", "great_pyrenees", "Bengal")):
+                for i in range(per_class + 2):
+                    name = f"{breed}_{i + 1}"
+                    (root / "images" / f"{name}.jpg").write_bytes(png(fractal(c, i), "JPEG"))
+                    lines["test.txt" if i >= per_class else "trainval.txt"].append(f"{name} {c + 1} 1 1")
+            for fname, ls in lines.items():
+                (root / "annotations" / fname).write_text("\n".join(ls) + "\n")
+        elif source == "flowers":
+            from scipy.io import savemat
+
+            (root / "jpg").mkdir()
+            labels, trn, tst = [], [], []
+            for n in range(1, 3 * (per_class + 2) + 1):
+                c = (n - 1) % 3
+                (root / "jpg" / f"image_{n:05d}.jpg").write_bytes(png(fractal(c, n), "JPEG"))
+                labels.append(c + 1)
+                (tst if n > 3 * per_class else trn).append(n)
+            savemat(root / "imagelabels.mat", {"labels": np.array([labels])})
+            savemat(root / "setid.mat", {"trnid": np.array([trn]), "valid": np.array([tst[:1]]),
+                                         "tstid": np.array([tst[1:]])})
+        elif source == "imagenet":
+            for split, n in (("train", per_class), ("val", 2)):
+                for c, wnid in enumerate(("n01440764", "n01443537", "n01484850")):
+                    (root / split / wnid).mkdir(parents=True)
+                    for i in range(n):
+                        (root / split / wnid / f"{wnid}_{split}_{i}.JPEG").write_bytes(png(fractal(c, i), "JPEG"))
+        else:
+            pytest.fail(f"the rehearsal has no raw corpus for data.source={source!r}", pytrace=False)
+        storage.upload_dir(str(root), uri)
+
+
+def raw_inputs(spec: str, overrides: list[str], env: dict[str, str]) -> dict[str, str]:
+    """{data.path: data.source} of every preprocess command in the spec (after the overrides)."""
+    out = {}
+    for call in load_spec(spec, overrides, environ={**os.environ, **env}).calls:
+        if call.subcommand == "preprocess" and call.recipe:
+            cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
+            out[cfg.data.path] = cfg.data.source
+    return out
+
+
+def node_files(dirs: list[Path], patterns=LOCAL_ONLY) -> list[str]:
+    """Files (or checkpoint_* dirs) matching `patterns` anywhere under the nodes' directories."""
+    hits = []
+    for d in dirs:
+        for pat in patterns:
+            hits += [str(p) for p in d.rglob(pat)]
+    return sorted(hits)
+
+
+# --------------------------------------------------------------------------- the kill
+
+
+def wait_for_progress(client, run_name: str, store_keys, min_step: int, job, timeout=600):
+    """The MLflow run `run_name` once it logged train/loss at >= min_step with a checkpoint in
+    the bucket; fails if the job ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert job.poll() is None, "the pre-training job ended before a worker could be killed"
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  f"attributes.run_name = '{run_name}'")
+        if runs:
+            steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
+            if steps and max(steps) >= min_step and any("checkpoint_" in k for k in store_keys()):
+                return runs[0], steps
+        time.sleep(0.5)
+    pytest.fail(f"no train/loss at step {min_step} of {run_name} within {timeout}s")
+
+
+def train_workers(address: str, job_submission_id: str, alive: bool = False) -> list:
+    """The job's RayTrainWorker actors (Ray's state API), dead ones too unless `alive`."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
+
+    driver = JobSubmissionClient(address).get_job_info(job_submission_id).driver_info
+    filters = [("class_name", "=", "RayTrainWorker"), ("job_id", "=", driver.id)]
+    return list_actors(address=address, detail=True, limit=1000,
+                       filters=filters + ([("state", "=", "ALIVE")] if alive else []))
+
+
+def kill_train_worker_on_worker_node(address: str, job_submission_id: str):
+    """SIGKILL the RayTrainWorker actor's process on the non-head node; returns (pid, node_id)."""
+    from ray.util.state import list_nodes
+
+    head = next(n.node_id for n in list_nodes(address=address, detail=True) if n.is_head_node)
+    workers = train_workers(address, job_submission_id, alive=True)
+    assert len(workers) == 2 and len({w.node_id for w in workers}) == 2, workers
+    victim = next(w for w in workers if w.node_id != head)
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim.pid, victim.node_id
+
+
+# --------------------------------------------------------------------------- the test
+
+
+@pytest.mark.timeout(3600)  # cluster + MLflow start, 9 jobs: far over the default 30 min on a busy machine
+def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehearsal, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    env, store, address = rehearsal.env, rehearsal.store, rehearsal.cluster.address
+    client = MlflowClient(rehearsal.mlflow.uri)
+    bucket_name = rehearsal.bucket.split("/")[-1]
+    vit_prefix = store.split("/", 3)[3] + "/"  # "vit/"
+
+    # 0. The raw corpus in the bucket (the user's upload), in the layout the preprocess spec reads.
+    pre_spec = "jobs/preprocess_i21k.yaml"
+    for path, source in raw_inputs(pre_spec, DATA, env).items():
+        write_raw(source, path)
+
+    # 1. preprocess: raw Parquet -> shards + manifest, in the bucket
+    out = succeeded(submit(rehearsal, pre_spec, DATA + ["data.num_classes=10"]), "preprocess")
+    shard_keys = [k for k in rehearsal.keys(vit_prefix) if k.endswith(".parquet")]
+    assert shard_keys and any(k.endswith("manifest.json") for k in rehearsal.keys(vit_prefix)), out
+
+    # 2. pretrain on 2 Train workers (one per node); SIGKILL the one on the worker node mid-run.
+    call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls[0]
+    pre_cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
+    log = open(tmp_path / "pretrain.log", "w+")
+    job = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
+                            "--address", address, "--follow", *sets(PRETRAIN)],
+                           cwd=ROOT, env=vitp_env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        ckpt_keys = lambda: rehearsal.keys(vit_prefix)  # noqa: E731
+        run, before = wait_for_progress(client, pre_cfg.run_name, ckpt_keys, CHECKPOINT_EVERY + 2, job)
+        log.flush()
+        submission_id = re.search(r"^submitted (\S+) to ", Path(log.name).read_text(), re.M).group(1)
+        pid, node = kill_train_worker_on_worker_node(address, submission_id)
+        job.wait(timeout=900)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = Path(log.name).read_text()
+    killed = f"RayTrainWorker pid {pid} on node {node[:8]} killed after step {max(before)}"
+    assert job.returncode == 0 and " SUCCEEDED" in out, f"pretrain, {killed}:\n{out[-8000:]}"
+    assert len(train_workers(address, submission_id)) > 2, f"{killed}, but no worker was replaced"
+
+    # ... resumed from the checkpoint in the bucket, into the same MLflow run, one value per step
+    runs = client.search_runs([run.info.experiment_id], f"attributes.run_name = '{pre_cfg.run_name}'")
+    assert [r.info.run_id for r in runs] == [run.info.run_id] and runs[0].info.status == "FINISHED"
+    resumed = re.findall(rf"\[{re.escape(pre_cfg.run_name)}\] resumed from (\S+) at step (\d+)", out)
+    assert resumed and int(resumed[-1][1]) >= CHECKPOINT_EVERY, f"{killed}:\n{out[-6000:]}"
+    assert bucket_name in resumed[-1][0] and str(rehearsal.cluster.state_dir) not in resumed[-1][0]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert len(steps) == len(set(steps)), f"train/loss logged twice for some steps: {sorted(steps)}"
+    assert max(steps) == pre_cfg.train.steps and set(before) <= set(steps)
+    assert client.get_metric_history(run.info.run_id, "train/resumed_from"), "the resume is not recorded"
+    checkpoint = re.search(r"^\s*checkpoint:\s+(\S+)", out, re.M).group(1)
+    assert storage.is_uri(checkpoint) and checkpoint.startswith(rehearsal.bucket), checkpoint
+
+    # 3. export from the driver, straight to the bucket
+    export = storage.join(store, "b16_i21k", "export")
+    r = vitp("export", checkpoint, "--out", export, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert storage.isfile(storage.join(export, "model.safetensors"))
+    pretrained = {"PRETRAINED": export}
+
+    # 4. downstream preparation: raw downstream corpora in the bucket -> shards
+    prep_spec = find_spec("downstream", "prepare")
+    for path, source in raw_inputs(prep_spec, FINETUNE, {**env, **pretrained}).items():
+        write_raw(source, path)
+    succeeded(submit(rehearsal, prep_spec, FINETUNE, env=pretrained), "downstream preparation")
+
+    # 5. the fine-tune sweep from the S3 export, 6. few-shot, on the cluster
+    out = succeeded(submit(rehearsal, "jobs/finetune_sweep.yaml", FINETUNE, env=pretrained, timeout=1500),
+                    "fine-tune sweep")
+    succeeded(submit(rehearsal, "jobs/fewshot.yaml", [o for o in FINETUNE if not o.startswith("tune.")],
+                     env=pretrained), "few-shot")
+
+    # 7. compare from the driver: every stage's runs, read back from the MLflow server
+    r = vitp("compare", "--tracking-uri", rehearsal.mlflow.uri, "--format", "json", env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    assert any(row["run_id"] == run.info.run_id and row["status"] == "FINISHED" for row in rows), rows
+    sweep_recipes = {c.recipe for c in load_spec("jobs/finetune_sweep.yaml", FINETUNE,
+                                                 environ={**os.environ, **env, **pretrained}).calls}
+    trials = [row for row in rows if row["recipe"] in sweep_recipes and row["sweep"]]
+    assert {row["recipe"] for row in trials} == sweep_recipes, rows
+    assert all(row["status"] == "FINISHED" and row["best_top1"] is not None for row in trials), trials
+    assert all(row["source"] and bucket_name in row["source"] for row in trials), trials  # from the S3 export
+    assert any(row["fewshot_1"] is not None for row in rows), rows
+
+    # Nothing another node would need was left on a node: no shard, checkpoint or export in any
+    # node's Ray temp dir, working directory or TMPDIR; all of it (and MLflow's artifacts) is in
+    # the bucket.
+    assert node_files(rehearsal.cluster.node_dirs) == []
+    keys = rehearsal.keys()
+    for pattern in (r"\.parquet$", r"/meta\.json$", r"\.safetensors$", r"/checkpoint_[^/]+/"):
+        assert any(re.search(pattern, k) for k in keys if k.startswith(vit_prefix)), pattern
+    assert any(k.startswith("mlflow/") for k in keys), "no MLflow artifact reached the bucket"
