@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -148,6 +149,11 @@ def train_per_worker(config: dict[str, Any]) -> None:
         return iter_device_batches(shard, cfg.parallel.micro_batch, device, mean=cfg.data.mean,
                                    std=cfg.data.std, drop_last=False)
 
+    # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
+    # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
+    staging = os.path.join(tempfile.gettempdir(), "vitp-ckpt-staging", cfg.run_name)
+    shutil.rmtree(staging, ignore_errors=True)
+
     t_start, start_step = time.time(), state.step
 
     def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
@@ -162,7 +168,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
     def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
         st.epoch, st.epoch_offset = divmod(st.samples_seen, max(epoch_rows, 1))
         t0 = time.perf_counter()
-        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-")
+        os.makedirs(staging, exist_ok=True)
+        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-", dir=staging)
         try:
             ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
                       mlflow_run_id=(config.get("mlflow") or {}).get("run_id"), metrics=metrics)
