@@ -235,6 +235,12 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     bucket_name = rehearsal.bucket.split("/")[-1]
     vit_prefix = store.split("/", 3)[3] + "/"  # "vit/"
 
+    # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server
+    r = vitp("doctor", "debug", "--address", address, "--set", f"work_dir={storage.join(store, 'doctor')}",
+             "--tracking-uri", rehearsal.mlflow.uri, env=env)
+    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 node(s) alive" in r.stdout and "storage on cluster" in r.stdout, r.stdout
+
     # 0. The raw corpus in the bucket (the user's upload), in the layout the preprocess spec reads.
     pre_spec = "jobs/preprocess_i21k.yaml"
     for path, source in raw_inputs(pre_spec, DATA, env).items():
