@@ -229,6 +229,8 @@ def _vitp(*args: str, cwd: str) -> subprocess.CompletedProcess:
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
+# S3 only: file:// sources take the same readers, which the export and attention tests run on both
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
 def test_fewshot_and_finetune_from_a_uri_export(store, trained, tmp_path):
     """The export and the digits shards live on the URI; the run's work_dir is local."""
     _, ex_local = trained
