@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
 	touch $(STAMP)
 
-# The default suite (~10 min on 2 cores); the multi-minute end-to-end scenarios run in test-e2e.
+# The default suite (~14 min on 2 cores); the multi-minute end-to-end scenarios run in test-e2e.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e" $(PYTEST_ARGS)
 
