@@ -133,14 +133,14 @@ def train_per_worker(config: dict[str, Any]) -> None:
         logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
 
     # Data position: this attempt's stream starts where the restored checkpoint stopped, epoch
-    # and offset (TrainDatasetFactory), so nothing consumed is read again. Checkpoints written
-    # before offsets were recorded start at their epoch: skip what that epoch already gave.
+    # and offset (TrainDatasetFactory, from the same newest complete checkpoint), so nothing
+    # consumed is read again. Checkpoints written before offsets were recorded start at their
+    # epoch: skip what that epoch already gave.
     epoch_rows = train_rows_per_epoch(cfg)
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  device, mean=cfg.data.mean, std=cfg.data.std)
     if restored is not None:
-        epoch, offset = ckpt.data_position(cfg)
-        consumed = state.samples_seen - epoch * epoch_rows - offset
+        consumed = state.samples_seen - state.epoch * epoch_rows - state.epoch_offset
         for _ in range(max(0, consumed) // (world * cfg.parallel.micro_batch)):
             next(stream, None)
 
