@@ -13,7 +13,7 @@ from pipeline import recipes
 from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
                                typed_changes)
 from pipeline.config import ExperimentConfig, parse_value, set_values, valid_keys, validate
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError
 from pipeline.storage import abspath
 from pipeline.train.transfer import finetune_config
 
@@ -121,7 +121,9 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
     cfg = config_from(args)
     connect_ray(cfg, args.address)
-    summary = run_preprocess(cfg, overwrite=args.overwrite, out_dir=args.out)
+    if args.overwrite and args.resume:
+        raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
+    summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 
 
@@ -130,7 +132,9 @@ def _add_preprocess(sub) -> Handler:
     add_recipe(p)
     p.add_argument("--out", type=abspath,
                    help="shard directory or URI (default data.shards or <work_dir>/shards/<source>)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing shards")
+    p.add_argument("--overwrite", action="store_true", help="replace existing shards, start over")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an unfinished (killed) run there: write only the shards it lacks")
     add_address(p)
     return cmd_preprocess
 

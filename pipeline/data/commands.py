@@ -14,7 +14,7 @@ from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
 from .preprocess import preprocess
-from .sources import list_source
+from .sources import plan_source
 from .synth import generate_corpus
 
 
@@ -42,26 +42,29 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
 
 
 def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
-                   max_pixels: int = DEFAULT_MAX_PIXELS, log: Callable[[str], None] = print) -> dict:
+                   max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False,
+                   rows_per_task: int = 128, log: Callable[[str], None] = print) -> dict:
     """Source (cfg.data.source, cfg.data.path) -> shards at shards_dir(cfg); returns the summary
-    dict (input, written, quarantined, reasons, shards, bytes, images_per_sec) and prints it."""
+    dict (input, written, quarantined, reasons, shards, bytes, images_per_sec) and prints it.
+    resume=True finishes an unfinished run there, writing only the shards it lacks."""
     d = cfg.data
     out = out_dir or shards_dir(cfg)
     t0 = time.time()
-    listing = list_source(d.source, d.path, synth_classes=d.synth_classes,
-                          synth_images_per_class=d.synth_images_per_class, seed=cfg.train.seed)
-    listing.info["source"] = d.source
-    log(f"preprocess: {len(listing.items)} inputs, {len(listing.classes)} classes from "
-        f"{d.source}{' ' + d.path if d.path else ''} (listed in {time.time() - t0:.1f}s) -> {out}")
-    if d.num_classes and len(listing.classes) > d.num_classes:
-        log(f"preprocess: warning: the source has {len(listing.classes)} classes but "
+    plan = plan_source(d.source, d.path, synth_classes=d.synth_classes,
+                       synth_images_per_class=d.synth_images_per_class, seed=cfg.train.seed)
+    plan.info["source"] = d.source
+    what = f"{len(plan.units)} listing units" if plan.units else f"{len(plan.items)} inputs"
+    log(f"preprocess: {what} from {d.source}{' ' + d.path if d.path else ''} "
+        f"(planned in {time.time() - t0:.1f}s) -> {out}")
+    if d.num_classes and plan.classes is not None and len(plan.classes) > d.num_classes:
+        log(f"preprocess: warning: the source has {len(plan.classes)} classes but "
             f"data.num_classes={d.num_classes}; labels >= {d.num_classes} will be quarantined "
-            f"(set --set data.num_classes={len(listing.classes)})")
+            f"(set --set data.num_classes={len(plan.classes)})")
     return preprocess(
-        listing, out, size=d.storage_size, storage_format=d.storage_format,
+        plan, out, size=d.storage_size, storage_format=d.storage_format,
         jpeg_quality=d.jpeg_quality, shard_mb=d.shard_mb, val_fraction=d.val_fraction,
-        num_classes=d.num_classes or len(listing.classes),
-        overwrite=overwrite, max_pixels=max_pixels, synth_seed=cfg.train.seed,
+        num_classes=d.num_classes or None, overwrite=overwrite, resume=resume,
+        max_pixels=max_pixels, synth_seed=cfg.train.seed, rows_per_task=rows_per_task,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
 
 

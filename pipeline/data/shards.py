@@ -1,8 +1,9 @@
 """The on-disk shard format: D/{train,val}/part-NNNNN.parquet, classes.json, quarantine.parquet
 (path, reason, detail, key) and manifest.json, written last (without it readers refuse D).
+While a run is unfinished D also holds _run.json, _records/ and _quarantine/ (see below).
 
-Owns writing (shard size, row groups sized for streaming, checksums, write-to-temp then rename)
-and reading the manifest back. Must not decode images or know about Ray.
+Owns the file formats (row groups sized for streaming, checksums, write-to-temp then rename,
+per-shard commit records) and reading the manifest back. Must not decode images or know Ray.
 """
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ SHARD_SCHEMA = pa.schema([
 QUARANTINE_SCHEMA = pa.schema([("path", pa.string()), ("reason", pa.string()),
                                ("detail", pa.string()), ("key", pa.string())])
 SPLITS = ("train", "val")
-OUR_ENTRIES = {"train", "val", "manifest.json", "classes.json", "quarantine.parquet"}
+RECORDS = "_records"              # <split>-part-NNNNN.json per committed shard: its commit mark
+QUARANTINE_PARTS = "_quarantine"  # <split>-part-NNNNN.parquet: the rows each shard task refused
+RUN_FILE = "_run.json"            # the settings an unfinished run was started with (--resume)
+OUR_ENTRIES = {"train", "val", "manifest.json", "classes.json", "quarantine.parquet", RECORDS,
+               QUARANTINE_PARTS, RUN_FILE}
 ROW_GROUP_BYTES = 8 << 20  # ~8 MB row groups: a reader streams a shard in pieces
 MANIFEST_VERSION = 1
 
 
-def _write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     """No reader ever sees a partial file: on local disk write `<path>.tmp` (no .parquet/.json
     extension) then rename; object stores have no rename, and one PUT appears whole."""
     if fs.type_name != "local":
@@ -46,92 +51,119 @@ def _write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     fs.move(tmp, path)
 
 
-def prepare_output(root: str, overwrite: bool) -> tuple[pafs.FileSystem, str]:
-    """Make `root` ready for a fresh set of shards; refuse to clobber without `overwrite`.
+def _entries(fs: pafs.FileSystem, base: str) -> list[str]:
+    return [e.base_name for e in fs.get_file_info(pafs.FileSelector(base))]
+
+
+def prepare_output(root: str, overwrite: bool, resume: bool = False) -> tuple[pafs.FileSystem, str]:
+    """Make `root` ready for shards; refuse to clobber without `overwrite`.
 
     With overwrite, only our own entries are removed; a directory holding anything else is
     refused either way (a mistyped --set data.shards=~ must not delete a home directory).
+    With resume, an unfinished run's committed shards stay (see committed_records).
     """
     fs, base = filesystem(root)
     info = fs.get_file_info(base)
     if info.type == pafs.FileType.File:
         raise FileExistsError(f"{root}: is a file; data.shards must be a directory")
     if info.type == pafs.FileType.Directory:
-        entries = [e.base_name for e in fs.get_file_info(pafs.FileSelector(base))]
+        entries = _entries(fs, base)
         foreign = sorted(e for e in entries if e not in OUR_ENTRIES and not e.endswith(".tmp"))
         if foreign:
             raise FileExistsError(
                 f"{root}: holds files that are not shards ({', '.join(foreign[:5])}); "
                 "choose an empty directory with --set data.shards=DIR")
-        if entries and not overwrite:
+        if entries and not (overwrite or resume):
+            state = "finished shards" if "manifest.json" in entries else "an unfinished preprocess run"
             raise FileExistsError(
-                f"{root}: already holds shards; pass --overwrite to replace them "
-                "or choose another --set data.shards=DIR")
-        for e in entries:
-            p = join(base, e)
-            if fs.get_file_info(p).type == pafs.FileType.Directory:
-                fs.delete_dir(p)
-            else:
-                fs.delete_file(p)
+                f"{root}: already holds {state}; pass --resume to finish an unfinished run, "
+                "--overwrite to replace them, or choose another --set data.shards=DIR")
+        if overwrite:
+            for e in entries:
+                p = join(base, e)
+                if fs.get_file_info(p).type == pafs.FileType.Directory:
+                    fs.delete_dir(p)
+                else:
+                    fs.delete_file(p)
     fs.create_dir(base, recursive=True)
-    for s in SPLITS:
+    for s in SPLITS + (RECORDS, QUARANTINE_PARTS):
         fs.create_dir(join(base, s), recursive=True)
     return fs, base
 
 
-class ShardWriter:
-    """Buffers rows of one split and writes `part-XXXXX.parquet` each time ~target_bytes
-    accumulate. Rows are written in the order added, so the same input gives the same files."""
-
-    def __init__(self, fs: pafs.FileSystem, base: str, split: str, target_bytes: int):
-        self.fs, self.base, self.split = fs, base, split
-        self.target = max(1, int(target_bytes))
-        self.cols: dict[str, list] = {n: [] for n in SHARD_SCHEMA.names}
-        self.nbytes = 0
-        self.shards: list[dict] = []
-
-    def add(self, image: bytes, height: int, width: int, label: int, key: str) -> None:
-        for n, v in zip(SHARD_SCHEMA.names, (image, height, width, label, key)):
-            self.cols[n].append(v)
-        self.nbytes += len(image) + len(key) + 16
-        if self.nbytes >= self.target:
-            self.flush()
-
-    def flush(self) -> None:
-        n = len(self.cols["key"])
-        if n == 0:
-            return
-        table = pa.table(self.cols, schema=SHARD_SCHEMA)
-        per_row = max(1, self.nbytes // n)
-        buf = pa.BufferOutputStream()
-        # no compression on the image column: raw pixels barely compress and JPEG not at all,
-        # and decompression would cost ingest CPU; dictionary-free for the same reason
-        rg_rows = max(1, ROW_GROUP_BYTES // per_row)
-        pq.write_table(table, buf, row_group_size=rg_rows,
-                       compression="none", use_dictionary=False, write_statistics=["label"])
-        data = buf.getvalue().to_pybytes()
-        rel = f"{self.split}/part-{len(self.shards):05d}.parquet"
-        _write_atomic(self.fs, join(self.base, rel), data)
-        labels = self.cols["label"]
-        self.shards.append({"file": rel, "rows": n, "bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest(),
-                            "labels": [int(min(labels)), int(max(labels))],
-                            # rows per row group: ingest plans its read units from these
-                            "row_groups": [min(rg_rows, n - i) for i in range(0, n, rg_rows)]})
-        self.cols = {k: [] for k in SHARD_SCHEMA.names}
-        self.nbytes = 0
+def begin_run(fs: pafs.FileSystem, base: str, root: str, settings: dict) -> None:
+    """Record what defines this run's shards (RUN_FILE). A resumed run must have the same
+    settings and inputs, else its committed shards would not belong to the new ones."""
+    path = join(base, RUN_FILE)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        with fs.open_input_stream(path) as f:
+            before = json.loads(f.read().decode())
+        diff = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+        if diff:
+            raise InputError(f"{root}: the unfinished run there was started with other "
+                             f"{', '.join(diff)}; pass --overwrite to start over")
+        return
+    write_atomic(fs, path, json.dumps(settings, indent=1).encode())
 
 
-def write_quarantine(fs: pafs.FileSystem, base: str, rows: list[dict]) -> None:
-    """quarantine.parquet: one row per input that was not written (written even when empty)."""
+def encode_shard(cols: dict) -> tuple[bytes, list[int]]:
+    """SHARD_SCHEMA columns -> (Parquet file bytes, rows per row group). The same rows give
+    the same bytes."""
+    n = len(cols["key"])
+    table = pa.table({k: cols[k] for k in SHARD_SCHEMA.names}, schema=SHARD_SCHEMA)
+    per_row = max(1, sum(len(b) + 16 for b in cols["image"]) // max(n, 1))
+    rg_rows = max(1, ROW_GROUP_BYTES // per_row)
+    buf = pa.BufferOutputStream()
+    # no compression on the image column: raw pixels barely compress and JPEG not at all,
+    # and decompression would cost ingest CPU; dictionary-free for the same reason
+    pq.write_table(table, buf, row_group_size=rg_rows,
+                   compression="none", use_dictionary=False, write_statistics=["label"])
+    return buf.getvalue().to_pybytes(), [min(rg_rows, n - i) for i in range(0, n, rg_rows)]
+
+
+def quarantine_bytes(rows: list[dict]) -> bytes:
     cols = {n: [str(r.get(n, "")) for r in rows] for n in QUARANTINE_SCHEMA.names}
     buf = pa.BufferOutputStream()
     pq.write_table(pa.table(cols, schema=QUARANTINE_SCHEMA), buf)
-    _write_atomic(fs, join(base, "quarantine.parquet"), buf.getvalue().to_pybytes())
+    return buf.getvalue().to_pybytes()
+
+
+def merge_quarantine(root: str, parts: list[str]) -> int:
+    """quarantine.parquet from the per-shard parts (written even when empty), rows sorted by
+    key; returns the row count. Runs where the parts are (a Ray task), not on the driver."""
+    fs, base = filesystem(root)
+    rows: list[dict] = []
+    for rel in parts:
+        with fs.open_input_file(join(base, rel)) as f:
+            rows.extend(pq.read_table(f).to_pylist())
+    rows.sort(key=lambda r: (r["key"], r["path"], r["reason"]))
+    write_atomic(fs, join(base, "quarantine.parquet"), quarantine_bytes(rows))
+    return len(rows)
+
+
+def committed_records(fs: pafs.FileSystem, base: str) -> dict[str, dict]:
+    """{group: record} of the shards an earlier attempt committed (its record is written after
+    the shard and its quarantine part, so a record means all three are complete)."""
+    out = {}
+    for fi in fs.get_file_info(pafs.FileSelector(join(base, RECORDS), allow_not_found=True)):
+        if fi.type == pafs.FileType.File and fi.base_name.endswith(".json"):
+            with fs.open_input_stream(fi.path) as f:
+                rec = json.loads(f.read().decode())
+            out[rec["group"]] = rec
+    return out
+
+
+def remove_run_state(fs: pafs.FileSystem, base: str) -> None:
+    """After the manifest: the records, quarantine parts and run file are no longer needed."""
+    for d in (RECORDS, QUARANTINE_PARTS):
+        if fs.get_file_info(join(base, d)).type == pafs.FileType.Directory:
+            fs.delete_dir(join(base, d))
+    if fs.get_file_info(join(base, RUN_FILE)).type == pafs.FileType.File:
+        fs.delete_file(join(base, RUN_FILE))
 
 
 def write_json(fs: pafs.FileSystem, base: str, name: str, obj) -> None:
-    _write_atomic(fs, join(base, name), json.dumps(obj, indent=2, sort_keys=False).encode())
+    write_atomic(fs, join(base, name), json.dumps(obj, indent=2, sort_keys=False).encode())
 
 
 def read_manifest(root: str) -> dict:

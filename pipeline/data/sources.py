@@ -1,20 +1,22 @@
-"""Input corpora -> a flat list of items (key, label, where the bytes are) plus the class names.
+"""Input corpora -> items (key, label, where the bytes are) plus the class names.
 
 Owns the layout of every source (ImageFolder, CSV, Parquet, WebDataset, CIFAR-10/100, digits,
 Pets, Flowers-102, ImageNet, synthetic), read through pipeline.storage (local, s3://, gs://).
-Listing runs on the driver and reads no pixels except in-memory sources; must not decode images.
+The sources that grow to cluster scale (ImageFolder, ImageNet, Parquet, WebDataset, synthetic)
+are *planned* on the driver, which lists only directories or files, into listing units that
+Ray tasks expand into items (`expand_unit`: a class directory, a Parquet file's key and label
+columns, a tar file's headers); the small ones (CSV, CIFAR, digits, Pets, Flowers) are listed
+on the driver as items. Must not decode images.
 """
 from __future__ import annotations
 
 import csv
 import io
 import os
-import pickle
 import tarfile
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -32,15 +34,21 @@ from .synth import class_name
 #   shape  "HxWxC" for raw pixels, else ""
 #   synth  image index for the synthetic source (rendered by the worker), else -1
 #   error  a quarantine reason found while listing ("bad_label: ..."), else ""
-ITEM_FIELDS = ("key", "label", "split", "path", "offset", "length", "data", "shape", "synth", "error")
+#   raw_label  the label as the source wrote it, when the class map comes from the labels
+#          found (Parquet, WebDataset): label is -1 until the driver maps it (resolve_labels)
+#   row_group, row  where a Parquet source's image is (row `row` of row group `row_group`)
+ITEM_FIELDS = ("key", "label", "split", "path", "offset", "length", "data", "shape", "synth",
+               "error", "raw_label", "row_group", "row")
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
 
 def item(key: str, label: int, split: str = "", path: str = "", offset: int = -1, length: int = -1,
-         data: bytes = b"", shape: str = "", synth: int = -1, error: str = "") -> dict:
+         data: bytes = b"", shape: str = "", synth: int = -1, error: str = "", raw_label: str = "",
+         row_group: int = -1, row: int = -1) -> dict:
     return {"key": key, "label": int(label), "split": split, "path": path, "offset": int(offset),
-            "length": int(length), "data": data, "shape": shape, "synth": int(synth), "error": error}
+            "length": int(length), "data": data, "shape": shape, "synth": int(synth), "error": error,
+            "raw_label": raw_label, "row_group": int(row_group), "row": int(row)}
 
 
 @dataclass
@@ -51,6 +59,23 @@ class Listing:
     classes: list[str]
     official_split: bool = False
     info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """A source as the driver sees it: listing units for Ray tasks (`expand_unit`) and/or items
+    listed here, the class names, or `label_order` when they come from the labels found:
+    "natural" (the distinct labels as text, numerically sorted when all are integers) or
+    "range" (0 .. the largest integer label). `decode_early`: the images are read in blocks
+    (Parquet row groups), so workers decode them before grouping rows into shards."""
+
+    classes: Optional[list[str]]
+    units: list[dict] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)
+    official_split: bool = False
+    info: dict = field(default_factory=dict)
+    label_order: str = ""
+    decode_early: bool = False
 
 
 # ------------------------------------------------------------------------ file systems
@@ -98,24 +123,46 @@ def _child_dirs(root: str) -> list[str]:
 # ----------------------------------------------------------------------------- sources
 
 
-def imagefolder(root: str, split: str = "", classes: Optional[list[str]] = None,
-                key_prefix: str = "") -> Listing:
-    """root/<class>/<file...>: every non-hidden file is an input (non-images get quarantined)."""
+def _folder_units(root: str, split: str, classes: list[str], key_prefix: str) -> list[dict]:
+    """One listing unit per child directory of `root` (its label, or why it has none) and one
+    for the files at the top level (inputs without a class)."""
+    index = {c: i for i, c in enumerate(classes)}
+    units = [{"kind": "top", "root": root, "split": split, "prefix": key_prefix}]
+    for d in _child_dirs(root):
+        label = index.get(d, -1)
+        units.append({"kind": "dir", "root": root, "dir": d, "label": label, "split": split,
+                      "prefix": key_prefix,
+                      "error": "" if label >= 0 else f"bad_label: class directory {d!r} is not in the class map"})
+    return units
+
+
+def _expand_folder(u: dict) -> list[dict]:
+    if u["kind"] == "top":
+        fs, base = filesystem(u["root"])
+        files = sorted(os.path.basename(fi.path) for fi in fs.get_file_info(pafs.FileSelector(base))
+                       if fi.type == pafs.FileType.File)
+        return [item(u["prefix"] + f, -1, u["split"], join(u["root"], f),
+                     error="bad_label: file at the top level, not inside a class directory")
+                for f in files if not f.startswith(".")]
+    d = join(u["root"], u["dir"])
+    return [item(f"{u['prefix']}{u['dir']}/{rel}", u["label"], u["split"], path, error=u["error"])
+            for rel, path in list_files(d)]
+
+
+def imagefolder_plan(root: str, split: str = "", classes: Optional[list[str]] = None,
+                     key_prefix: str = "") -> Plan:
+    """root/<class>/<file...>: every non-hidden file is an input (non-images get quarantined).
+    The driver lists the class directories; one Ray task lists each of them."""
     classes = classes if classes is not None else _child_dirs(root)
     if not classes:
         raise FileNotFoundError(f"{root}: no class directories; expected root/<class>/<image>")
-    index = {c: i for i, c in enumerate(classes)}
-    items = []
-    for rel, path in list_files(root):
-        parts = rel.split("/")
-        if len(parts) < 2:
-            items.append(item(key_prefix + rel, -1, split, path,
-                              error="bad_label: file at the top level, not inside a class directory"))
-            continue
-        label = index.get(parts[0], -1)
-        err = "" if label >= 0 else f"bad_label: class directory {parts[0]!r} is not in the class map"
-        items.append(item(key_prefix + rel, label, split, path, error=err))
-    return Listing(items, list(classes), official_split=bool(split))
+    return Plan(list(classes), _folder_units(root, split, classes, key_prefix),
+                official_split=bool(split))
+
+
+def imagefolder(root: str, split: str = "", classes: Optional[list[str]] = None,
+                key_prefix: str = "") -> Listing:
+    return expand_plan(imagefolder_plan(root, split, classes, key_prefix))
 
 
 def _natural(names: set[str]) -> list[str]:
@@ -144,54 +191,69 @@ def csv_list(csv_path: str) -> Listing:
     return Listing(items, classes)
 
 
-def parquet(root: str) -> Listing:
-    """Existing Parquet files (columns: image bytes, label; optional key/path). Rows are read
-    on the driver: fine up to a few million small images; shard beyond that."""
-    files = [(rel, p) for rel, p in list_files(root) if rel.endswith(".parquet")] \
-        if not root.endswith(".parquet") else [(os.path.basename(root), root)]
-    raw: list[tuple[str, object, bytes]] = []
-    for rel, path in files:
-        fs, inner = filesystem(path)
-        t = pq.read_table(inner, filesystem=fs)
-        names = t.column_names
-        img_col = "image" if "image" in names else ("bytes" if "bytes" in names else None)
+def _files_with(root: str, ext: str) -> list[tuple[str, str]]:
+    if root.endswith(ext):
+        return [(os.path.basename(root), root)]
+    return [(rel, p) for rel, p in list_files(root) if rel.endswith(ext)]
+
+
+def image_column(names: list[str]) -> Optional[str]:
+    return "image" if "image" in names else ("bytes" if "bytes" in names else None)
+
+
+def parquet_plan(root: str) -> Plan:
+    """Existing Parquet files (columns: image bytes, label; optional key/path). The driver lists
+    the files; a Ray task per file reads its key and label columns (never the images), and the
+    images are read by row group where they are decoded."""
+    units = [{"kind": "parquet", "path": p, "rel": rel} for rel, p in _files_with(root, ".parquet")]
+    return Plan(None, units, label_order="natural", decode_early=True)
+
+
+def _expand_parquet(u: dict) -> list[dict]:
+    path, rel = u["path"], u["rel"]
+    with open_input(path) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        img_col = image_column(names)
         if img_col is None or "label" not in names:
             raise InputError(f"{path}: Parquet source needs columns image (bytes) and label; "
                              f"found {', '.join(names)}")
-        keys = t.column("key").to_pylist() if "key" in names else (
-            t.column("path").to_pylist() if "path" in names else [f"{rel}/{i}" for i in range(t.num_rows)])
-        for k, lab, img in zip(keys, t.column("label").to_pylist(), t.column(img_col).to_pylist()):
-            if isinstance(img, dict):  # HF-style struct {"bytes": ..., "path": ...}
-                img = img.get("bytes")
-            raw.append((str(k), lab, img or b""))
-    classes = _natural({str(lab) for _, lab, _ in raw if lab is not None})
-    index = {c: i for i, c in enumerate(classes)}
-    items = [item(k, index.get(str(lab), -1), data=img,
-                  error="" if lab is not None else "bad_label: null label")
-             for k, lab, img in raw]
-    return Listing(items, classes)
+        key_col = "key" if "key" in names else ("path" if "path" in names else None)
+        out, first = [], 0
+        for g in range(pf.metadata.num_row_groups):
+            t = pf.read_row_group(g, columns=[c for c in ("label", key_col) if c])
+            labels = t.column("label").to_pylist()
+            keys = t.column(key_col).to_pylist() if key_col else \
+                [f"{rel}/{first + i}" for i in range(t.num_rows)]
+            for i, (k, lab) in enumerate(zip(keys, labels)):
+                out.append(item(str(k), -1, path=path, row_group=g, row=i,
+                                raw_label="" if lab is None else str(lab),
+                                error="" if lab is not None else "bad_label: null label"))
+            first += t.num_rows
+    return out
 
 
-def webdataset(root: str) -> Listing:
+def webdataset_plan(root: str) -> Plan:
     """WebDataset .tar shards: members key.jpg / key.png (image) + key.cls (class index text).
-    Only tar headers and .cls members are read here; workers read images by byte range."""
-    tars = [(rel, p) for rel, p in list_files(root) if rel.endswith(".tar")] \
-        if not root.endswith(".tar") else [(os.path.basename(root), root)]
+    A Ray task per tar reads its headers and .cls members; images are read by byte range."""
+    units = [{"kind": "tar", "path": p, "rel": rel} for rel, p in _files_with(root, ".tar")]
+    return Plan(None, units, label_order="range")
+
+
+def _expand_tar(u: dict) -> list[dict]:
+    path, rel = u["path"], u["rel"]
     samples: dict[str, dict] = {}
-    for rel, path in tars:
-        fs, inner = filesystem(path)
-        with fs.open_input_file(inner) as f, tarfile.open(fileobj=f, mode="r:") as tf:
-            for m in tf:
-                if not m.isfile():
-                    continue
-                stem, _, ext = m.name.partition(".")
-                s = samples.setdefault(f"{rel}/{stem}", {})
-                if ext.lower() in ("jpg", "jpeg", "png", "webp", "bmp"):
-                    s["image"] = (path, m.offset_data, m.size)
-                elif ext.lower() == "cls":
-                    s["cls"] = tf.extractfile(m).read().decode().strip()
-    labels = sorted({int(s["cls"]) for s in samples.values() if s.get("cls", "").lstrip("-").isdigit()})
-    n = (max(labels) + 1) if labels else 0
+    fs, inner = filesystem(path)
+    with fs.open_input_file(inner) as f, tarfile.open(fileobj=f, mode="r:") as tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            stem, _, ext = m.name.partition(".")
+            s = samples.setdefault(f"{rel}/{stem}", {})
+            if ext.lower() in ("jpg", "jpeg", "png", "webp", "bmp"):
+                s["image"] = (path, m.offset_data, m.size)
+            elif ext.lower() == "cls":
+                s["cls"] = tf.extractfile(m).read().decode().strip()
     items = []
     for key, s in sorted(samples.items()):
         cls = s.get("cls", "")
@@ -200,113 +262,100 @@ def webdataset(root: str) -> Listing:
         err = "" if ok else f"bad_label: no usable {key}.cls"
         if not path:
             err = "not_an_image: no image member for this sample"
-        items.append(item(key, int(cls) if ok else -1, "", path, off, size, error=err))
-    return Listing(items, [str(i) for i in range(n)])
+        items.append(item(key, -1, "", path, off, size, error=err, raw_label=str(int(cls)) if ok else ""))
+    return items
 
 
-def _unpickle(path: str) -> dict:
-    return pickle.loads(read_bytes(path), encoding="bytes")
-
-
-def cifar(root: str, which: str) -> Listing:
-    """CIFAR-10 (data_batch_1..5, test_batch, batches.meta) or CIFAR-100 (train, test, meta)
-    python batches; the official train/test split is kept (test -> val)."""
-    if which == "cifar10":
-        files = [(f"data_batch_{i}", "train") for i in range(1, 6)] + [("test_batch", "val")]
-        meta, lab_key, names_key = "batches.meta", b"labels", b"label_names"
-    else:
-        files = [("train", "train"), ("test", "val")]
-        meta, lab_key, names_key = "meta", b"fine_labels", b"fine_label_names"
-    classes = [n.decode() for n in _unpickle(join(root, meta))[names_key]]
-    items = []
-    for name, split in files:
-        d = _unpickle(join(root, name))
-        x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        for i, (img, lab) in enumerate(zip(x, d[lab_key])):  # img: (32, 32, 3)
-            items.append(item(f"{name}/{i:05d}", lab, split, data=np.ascontiguousarray(img).tobytes(),
-                              shape="32x32x3"))
-    return Listing(items, classes, official_split=True)
-
-
-def digits() -> Listing:
-    """scikit-learn's bundled digits: 1,797 8x8 greyscale images, 0..16 scaled to 0..255."""
-    from sklearn.datasets import load_digits  # lazy: scikit-learn, only this source needs it
-
-    d = load_digits()
-    imgs = np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)  # (N, 8, 8)
-    items = [item(f"digits/{i:04d}", lab, data=np.repeat(im[..., None], 3, axis=2).tobytes(),
-                  shape="8x8x3") for i, (im, lab) in enumerate(zip(imgs, d.target))]
-    return Listing(items, [str(i) for i in range(10)])
-
-
-def pets(root: str) -> Listing:
-    """Oxford-IIIT Pets: images/<Breed_Name>_<n>.jpg; annotations/trainval.txt -> train,
-    annotations/test.txt -> val (lines 'Abyssinian_100 1 1 1', class id 1-based)."""
-    rows = []
-    for fname, split in (("trainval.txt", "train"), ("test.txt", "val")):
-        for line in read_bytes(join(root, "annotations", fname)).decode().splitlines():
-            if not line.strip() or line.startswith("#"):
-                continue
-            name, cid = line.split()[:2]
-            rows.append((name, int(cid) - 1, split))
-    names: dict[int, str] = {}
-    for name, cid, _ in rows:
-        names.setdefault(cid, name.rsplit("_", 1)[0])
-    classes = [names[i] for i in sorted(names)]
-    items = [item(f"images/{n}.jpg", cid, split, join(root, "images", f"{n}.jpg")) for n, cid, split in rows]
-    return Listing(items, classes, official_split=True)
-
-
-def flowers(root: str) -> Listing:
-    """Oxford Flowers-102: jpg/image_XXXXX.jpg, imagelabels.mat (labels 1..102), setid.mat.
-    trnid + valid -> train (2,040 images, as the paper fine-tunes), tstid -> val."""
-    from scipy.io import loadmat  # lazy: scipy, only this source needs it
-
-    labels = loadmat(io.BytesIO(read_bytes(join(root, "imagelabels.mat"))))["labels"].ravel()
-    setid = loadmat(io.BytesIO(read_bytes(join(root, "setid.mat"))))
-    items = []
-    for key, split in (("trnid", "train"), ("valid", "train"), ("tstid", "val")):
-        for i in sorted(int(v) for v in setid[key].ravel()):
-            rel = f"jpg/image_{i:05d}.jpg"
-            items.append(item(rel, int(labels[i - 1]) - 1, split, join(root, rel)))
-    return Listing(items, [str(i) for i in range(1, 103)], official_split=True)
-
-
-def imagenet(root: str) -> Listing:
+def imagenet_plan(root: str) -> Plan:
     """ImageNet as ImageFolder: train/<wnid>/*.JPEG -> train, val/<wnid>/*.JPEG -> val; the
     class map comes from train's wnids (sorted)."""
     classes = _child_dirs(join(root, "train"))
-    tr = imagefolder(join(root, "train"), "train", classes, key_prefix="train/")
-    va = imagefolder(join(root, "val"), "val", classes, key_prefix="val/")
-    return Listing(tr.items + va.items, classes, official_split=True)
+    units = (_folder_units(join(root, "train"), "train", classes, "train/")
+             + _folder_units(join(root, "val"), "val", classes, "val/"))
+    return Plan(classes, units, official_split=True)
 
 
-def synthetic(num_classes: int, images_per_class: int, seed: int) -> Listing:
-    """The fractal corpus, rendered by the preprocess workers (no files in between)."""
-    items = [item(f"{class_name(c)}/{i:06d}", c, synth=i)
-             for c in range(num_classes) for i in range(images_per_class)]
-    return Listing(items, [class_name(c) for c in range(num_classes)],
-                   info={"synth_seed": seed, "synth_classes": num_classes,
-                         "synth_images_per_class": images_per_class})
+def synthetic_plan(num_classes: int, images_per_class: int, seed: int) -> Plan:
+    """The fractal corpus, rendered by the preprocess workers (no files in between): a
+    listing unit per class."""
+    units = [{"kind": "synth", "label": c, "n": images_per_class} for c in range(num_classes)]
+    return Plan([class_name(c) for c in range(num_classes)], units,
+                info={"synth_seed": seed, "synth_classes": num_classes,
+                      "synth_images_per_class": images_per_class})
 
 
-def list_source(source: str, path: str = "", *, synth_classes: int = 10,
-                synth_images_per_class: int = 64, seed: int = 0) -> Listing:
+def expand_unit(unit: dict) -> list[dict]:
+    """One listing unit -> its items (runs in a Ray task; also locally for `list_source`)."""
+    kind = unit["kind"]
+    if kind in ("top", "dir"):
+        return _expand_folder(unit)
+    if kind == "parquet":
+        return _expand_parquet(unit)
+    if kind == "tar":
+        return _expand_tar(unit)
+    if kind == "synth":
+        c = unit["label"]
+        return [item(f"{class_name(c)}/{i:06d}", c, synth=i) for i in range(unit["n"])]
+    raise ValueError(f"unknown listing unit kind {kind!r}")
+
+
+def classes_from_labels(raw_labels: set[str], order: str) -> list[str]:
+    """The class names of a source whose labels are data (Plan.label_order)."""
+    if order == "range":
+        ints = [int(x) for x in raw_labels]
+        return [str(i) for i in range(max(ints) + 1)] if ints else []
+    return _natural(raw_labels)
+
+
+def expand_plan(plan: Plan) -> Listing:
+    """The whole listing in this process (small corpora, tests); `preprocess` expands the
+    units in Ray tasks instead."""
+    items = list(plan.items)
+    for u in plan.units:
+        items.extend(expand_unit(u))
+    classes = plan.classes
+    if classes is None:
+        classes = classes_from_labels({it["raw_label"] for it in items if it["raw_label"]},
+                                      plan.label_order)
+        index = {c: i for i, c in enumerate(classes)}
+        for it in items:
+            if it["raw_label"]:
+                it["label"] = index.get(it["raw_label"], -1)
+    return Listing(items, classes, plan.official_split, dict(plan.info))
+
+
+def plan_source(source: str, path: str = "", *, synth_classes: int = 10,
+                synth_images_per_class: int = 64, seed: int = 0) -> Plan:
     """Dispatch on `data.source`. A `synthetic` source with a path reads that ImageFolder
     corpus (written by `vitp synth`); without one it renders in the workers."""
     if source == "synthetic":
         if path:
-            return imagefolder(path)
-        return synthetic(synth_classes, synth_images_per_class, seed)
+            return imagefolder_plan(path)
+        return synthetic_plan(synth_classes, synth_images_per_class, seed)
+    from . import datasets  # the named datasets with official layouts, listed here
+
     if source == "digits":
-        return digits()
+        return _listed(datasets.digits())
     if not path:
         raise InputError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
-    readers = {"imagefolder": imagefolder, "csv": csv_list, "parquet": parquet,
-               "webdataset": webdataset, "cifar10": lambda p: cifar(p, "cifar10"),
-               "cifar100": lambda p: cifar(p, "cifar100"), "pets": pets, "flowers": flowers,
-               "imagenet": imagenet}
-    if source in readers:
-        return readers[source](path)
+    planners = {"imagefolder": imagefolder_plan, "parquet": parquet_plan,
+                "webdataset": webdataset_plan, "imagenet": imagenet_plan}
+    listers = {"csv": csv_list, "cifar10": lambda p: datasets.cifar(p, "cifar10"),
+               "cifar100": lambda p: datasets.cifar(p, "cifar100"), "pets": datasets.pets,
+               "flowers": datasets.flowers}
+    if source in planners:
+        return planners[source](path)
+    if source in listers:
+        return _listed(listers[source](path))
     raise InputError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
                      "csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")
+
+
+def _listed(listing: Listing) -> Plan:
+    return Plan(listing.classes, items=listing.items, official_split=listing.official_split,
+                info=listing.info)
+
+
+def list_source(source: str, path: str = "", **kw) -> Listing:
+    """The source's whole listing in this process (see plan_source)."""
+    return expand_plan(plan_source(source, path, **kw))

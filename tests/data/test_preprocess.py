@@ -13,7 +13,7 @@ from PIL import Image
 from pipeline.data.commands import run_preprocess
 from pipeline.data.preprocess import preprocess
 from pipeline.data.shards import read_manifest, verify_checksums
-from pipeline.data.sources import csv_list, imagefolder
+from pipeline.data.sources import plan_source
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -141,9 +141,9 @@ def make_zoo(tmp_path):
 
 def test_bad_input_zoo_nothing_lost(ray_session, tmp_path, capsys):
     csv_path, rows, expect_q = make_zoo(tmp_path)
-    listing = csv_list(str(csv_path))
+    plan = plan_source("csv", str(csv_path))
     out = tmp_path / "zoo_shards"
-    res = preprocess(listing, str(out), size=S, val_fraction=0.0, max_pixels=100_000,
+    res = preprocess(plan, str(out), size=S, val_fraction=0.0, max_pixels=100_000,
                      rows_per_task=2)  # many small tasks: bad rows share blocks with good ones
     assert res["input"] == len(rows) == res["written"] + res["quarantined"]
     assert res["written"] == 8 and res["quarantined"] == 6
