@@ -36,7 +36,7 @@ class DataConfig:
     val_fraction: float = 0.02  # split by hash of the file identity, so it is stable
     storage_format: Literal["uint8", "jpeg"] = "uint8"
     jpeg_quality: int = 95
-    shard_mb: int = 256  # target shard size
+    shard_mb: float = 256  # target shard size (MB); the shard count is rounded up from it
     synth_classes: int = 1000  # synthetic fractal corpus: classes (one IFS each)
     synth_images_per_class: int = 1000
     augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"

@@ -345,9 +345,11 @@ def _finish(out_dir, fs, base, records, classes, ncls, n_in, plan, decode, t0, m
     sh.write_json(fs, base, "manifest.json", manifest)  # last: marks the run finished
     sh.remove_run_state(fs, base)
     res = _summary(out_dir, manifest, elapsed)
+    res["nodes"] = dict(Counter(r["node"] for r in recs if r["node"]))  # shard tasks per node
     reason_txt = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())) or "none"
     log(f"wrote {written} images in {res['shards']} shards ({res['bytes'] / 1e6:.1f} MB) to "
-        f"{out_dir}; quarantined {quarantined}: {reason_txt}; {res['images_per_sec']:.0f} images/s")
+        f"{out_dir}; quarantined {quarantined}: {reason_txt}; {res['images_per_sec']:.0f} images/s; "
+        f"written by {len(res['nodes'])} node(s)")
     return res
 
 

@@ -246,10 +246,13 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     for path, source in raw_inputs(pre_spec, DATA, env).items():
         write_raw(source, path)
 
-    # 1. preprocess: raw Parquet -> shards + manifest, in the bucket
-    out = succeeded(submit(rehearsal, pre_spec, DATA + ["data.num_classes=10"]), "preprocess")
+    # 1. preprocess: raw Parquet -> shards + manifest, in the bucket, written by the workers of
+    #    both nodes (small shards: several shard tasks, which Ray Data spreads over the nodes)
+    out = succeeded(submit(rehearsal, pre_spec, DATA + ["data.num_classes=10", "data.shard_mb=0.05"]),
+                    "preprocess")
     shard_keys = [k for k in rehearsal.keys(vit_prefix) if k.endswith(".parquet")]
     assert shard_keys and any(k.endswith("manifest.json") for k in rehearsal.keys(vit_prefix)), out
+    assert "written by 2 node(s)" in out, out[-3000:]
 
     # 2. pretrain on 2 Train workers (one per node); SIGKILL the one on the worker node mid-run.
     call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls[0]
