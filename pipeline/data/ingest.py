@@ -1,8 +1,9 @@
 """Training and eval ingest: Parquet shards -> Ray Data (shuffle, augment on CPU workers) -> device.
 
 Owns the epoch stream (deterministic shuffle and augmentation from (seed, epoch, key)), the eval
-transform, and the last hop: uint8 batches to the device, normalised there. Ray Train's
-`streaming_split(world, equal=True)` gives every worker the same batches. Must not know models.
+transform, and the last hop: uint8 batches to the device, normalised there. Every Train worker
+reads its own deterministic stream (build_train_dataset's rank/world), so a resume starts each
+rank right after the rows it consumed. Must not know models.
 """
 from __future__ import annotations
 
@@ -134,30 +135,31 @@ def epoch_order(num_units: int, seed: int, epoch: int) -> np.ndarray:
 class UnitReader:
     """Ray Data map_batches callable: ids of (epoch, unit) slots -> augmented rows.
 
-    Input rows are {"id": k} from ray.data.range: slot s = first_slot + k is unit
-    epoch_order(e)[s % U] of epoch e = start_epoch + s // U, so the whole multi-epoch stream is
-    one lazy operator and any slot can be recomputed anywhere with the same result. A resumed
-    stream starts mid-epoch: at the unit holding its data position, less that unit's first
-    `skip_rows` rows (in their shuffled order), so nothing consumed is read again.
+    Input rows are {"id": k} from ray.data.range. Rank `rank` of `world` reads the units at
+    positions rank, rank + world, ... of each epoch's unit order (its own n = len(order[rank::
+    world]) units per epoch): slot s = first_slot + k is unit s % n of that list in epoch
+    start_epoch + s // n, so the whole multi-epoch stream is one lazy operator and any slot can
+    be recomputed anywhere with the same result. A resumed stream starts mid-epoch: at the unit
+    holding its data position, less that unit's first `skip_rows` rows (in their shuffled
+    order), so nothing consumed is read again.
     """
 
     def __init__(self, units: list[tuple], start_epoch: int, shuffle: bool, seed: int, size: int,
                  mode: str, scale_min: float, hflip: bool, storage_format: str,
-                 first_slot: int = 0, skip_rows: int = 0):
+                 first_slot: int = 0, skip_rows: int = 0, rank: int = 0, world: int = 1):
         self.units, self.start, self.shuffle, self.seed = units, start_epoch, shuffle, seed
-        self.first_slot, self.skip_rows = first_slot, skip_rows
+        self.first_slot, self.skip_rows, self.rank, self.world = first_slot, skip_rows, rank, world
         self.kw = dict(size=size, mode=mode, scale_min=scale_min, hflip=hflip,
                        storage_format=storage_format)
         self._orders: dict[int, np.ndarray] = {}
 
     def unit_of(self, k: int) -> tuple[int, tuple]:
-        n = len(self.units)
         k += self.first_slot
+        n = units_per_rank(len(self.units), self.rank, self.world)
         epoch = self.start + k // n
-        if not self.shuffle:
-            return epoch, self.units[k % n]
         if epoch not in self._orders:
-            self._orders = {epoch: epoch_order(n, self.seed, epoch)}
+            self._orders = {epoch: rank_order(len(self.units), self.seed, epoch, self.rank,
+                                              self.world, self.shuffle)}
         return epoch, self.units[int(self._orders[epoch][k % n])]
 
     def __call__(self, batch: dict):
@@ -170,17 +172,45 @@ class UnitReader:
             yield rows
 
 
-def resume_point(units: list[tuple], seed: int, epoch: int, offset: int, shuffle: bool = True) -> tuple[int, int]:
-    """(first slot within `epoch`, rows of that slot to skip) for a stream that resumes after
-    `offset` rows of `epoch` were consumed."""
-    order = epoch_order(len(units), seed, epoch) if shuffle else np.arange(len(units))
-    done = 0
-    for j, u in enumerate(order):
-        rows = units[int(u)][2] - units[int(u)][1]
-        if done + rows > offset:
-            return j, offset - done
-        done += rows
-    return len(units), 0  # the epoch was used up: start at the next one
+def units_per_rank(num_units: int, rank: int, world: int) -> int:
+    return len(range(rank, num_units, world))
+
+
+def rank_order(num_units: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
+               shuffle: bool = True) -> np.ndarray:
+    """The units rank `rank` of `world` reads in `epoch`, in order: every world-th unit of the
+    epoch's order, so the ranks' streams are disjoint and together cover the epoch."""
+    order = epoch_order(num_units, seed, epoch) if shuffle else np.arange(num_units)
+    return order[rank::world]
+
+
+def resume_point(units: list[tuple], seed: int, epoch: int, offset: int, shuffle: bool = True,
+                 rank: int = 0, world: int = 1) -> tuple[int, int]:
+    """(first slot within `epoch`, rows of that slot to skip) for rank `rank`'s stream that
+    resumes after `offset` of its rows of `epoch` were consumed."""
+    order = rank_order(len(units), seed, epoch, rank, world, shuffle)
+    rows = np.fromiter((units[int(u)][2] - units[int(u)][1] for u in order), dtype=np.int64,
+                       count=len(order))
+    ends = np.cumsum(rows)
+    j = int(np.searchsorted(ends, offset, side="right"))
+    if j >= len(order):
+        return len(order), 0  # the epoch was used up: start at the next one
+    return j, offset - (int(ends[j - 1]) if j else 0)
+
+
+def rank_position(units: list[tuple], seed: int, consumed: int, shuffle: bool = True,
+                  rank: int = 0, world: int = 1) -> tuple[int, int, int]:
+    """(epoch, first slot in it, rows to skip) of rank `rank` after it consumed `consumed` rows
+    of its own stream (every rank consumes the same number per step: samples_seen / world)."""
+    epoch = 0
+    while True:
+        order = rank_order(len(units), seed, epoch, rank, world, shuffle)
+        rows = sum(units[int(u)][2] - units[int(u)][1] for u in order)
+        if consumed < rows or rows == 0:
+            slot, skip = resume_point(units, seed, epoch, consumed, shuffle, rank, world)
+            return epoch, slot, skip
+        consumed -= rows
+        epoch += 1
 
 
 def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: bool, seed: int,
@@ -209,27 +239,39 @@ def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
 
 
 def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
-            unit_rows: int, start_offset: int = 0):
+            unit_rows: Optional[int], start_offset: int = 0, rank: int = 0, world: int = 1,
+            consumed: Optional[int] = None):
     import ray  # lazy: ray (shards_dir / normalize are used without it)
 
     d = cfg.data
     root = shards_dir(cfg)
     manifest = sh.read_manifest(root)
+    rows_per_epoch = manifest["counts"][split]
+    if unit_rows is None:  # at least 4 units per rank, so every rank has data
+        unit_rows = max(1, min(UNIT_ROWS, rows_per_epoch // (4 * world)))
     units = plan_units(root, split, manifest, unit_rows)
     if not units:
         raise InputError(f"{root}: manifest lists no {split} shards ({manifest['counts']}); "
                          "check data.val_fraction or the source")
-    if num_epochs is None:
-        num_epochs = epochs_needed(manifest["counts"][split], cfg.train.steps,
-                                   cfg.parallel.global_batch) if train else 1
-    first_slot, skip_rows = resume_point(units, cfg.train.seed, start_epoch, start_offset,
-                                         shuffle=train) if start_offset else (0, 0)
-    total = len(units) * num_epochs - first_slot
+    if len(units) < world:
+        raise InputError(f"{root}: {rows_per_epoch} {split} images cannot feed {world} workers; "
+                         "lower parallel.num_workers or add data")
+    if consumed is not None:  # a rank's data position: rows it already consumed
+        start_epoch, first_slot, skip_rows = rank_position(units, cfg.train.seed, consumed,
+                                                           shuffle=train, rank=rank, world=world)
+    else:
+        first_slot, skip_rows = resume_point(units, cfg.train.seed, start_epoch, start_offset,
+                                             shuffle=train, rank=rank, world=world) \
+            if start_offset else (0, 0)
+    if num_epochs is None:  # +1: a rank's share of an epoch is up to one unit short of 1/world
+        num_epochs = epochs_needed(rows_per_epoch, cfg.train.steps, cfg.parallel.global_batch) + \
+            (1 if world > 1 else 0) if train else 1
+    total = units_per_rank(len(units), rank, world) * num_epochs - first_slot
     reader = UnitReader(units, start_epoch, shuffle=train, seed=cfg.train.seed,
                         size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
                         storage_format=manifest["storage"]["format"],
-                        first_slot=first_slot, skip_rows=skip_rows)
+                        first_slot=first_slot, skip_rows=skip_rows, rank=rank, world=world)
     return ray.data.range(total, override_num_blocks=num_read_tasks(total, unit_rows)).map_batches(
         reader, batch_size=None, batch_format="numpy")
 
@@ -255,19 +297,22 @@ def num_read_tasks(total_slots: int, unit_rows: int) -> int:
 
 
 def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = None,
-                        unit_rows: int = UNIT_ROWS, start_offset: int = 0):
-    """The training stream: epochs start_epoch .. start_epoch + num_epochs - 1 back to back,
-    beginning `start_offset` rows into start_epoch's order (a resume's data position).
+                        unit_rows: Optional[int] = None, start_offset: int = 0, rank: int = 0,
+                        world: int = 1, consumed: Optional[int] = None):
+    """The training stream of rank `rank` of `world` (each rank its own disjoint share of every
+    epoch): epochs start_epoch .. start_epoch + num_epochs - 1 back to back, beginning
+    `start_offset` rows into start_epoch's order, or, given `consumed` (rows this rank already
+    took: a resume's data position), right after them.
 
     Rows: {"image" uint8 (S, S, 3), "label" int64, "epoch" int64, "key" str}. Default
-    num_epochs covers train.steps x parallel.global_batch rows. Pass it as
-    TorchTrainer(datasets={"train": ds}); each worker reads `ray.train.get_dataset_shard`.
+    num_epochs covers train.steps x parallel.global_batch rows. Training hands rank r its
+    stream through RankStreams (pipeline.train.worker).
     """
     return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
-                   start_offset=start_offset)
+                   start_offset=start_offset, rank=rank, world=world, consumed=consumed)
 
 
-def build_eval_dataset(cfg, split: str = "val", unit_rows: int = UNIT_ROWS):
+def build_eval_dataset(cfg, split: str = "val", unit_rows: Optional[int] = UNIT_ROWS):
     """Eval rows: resize + centre crop to S, shard order, no randomness; same columns (epoch 0)."""
     return _stream(cfg, split, 0, 1, train=False, unit_rows=unit_rows)
 

@@ -176,14 +176,8 @@ def latest_complete_checkpoint(cfg: ExperimentConfig) -> str | None:
     return None
 
 
-def data_position(cfg: ExperimentConfig) -> tuple[int, int]:
-    """(epoch, images of that epoch already consumed) where a (re)started attempt streams from:
-    the data position of the newest complete checkpoint, (0, 0) for a fresh run.
-
-    Called by the dataset factory (in the Train controller) and by every worker, so all agree.
-    """
+def samples_consumed(cfg: ExperimentConfig) -> int:
+    """Images the run consumed (all ranks) up to its newest complete checkpoint, 0 for a fresh
+    run: where a (re)started attempt's streams start (each rank its share, see RankStreams)."""
     latest = latest_complete_checkpoint(cfg)
-    if not latest:
-        return 0, 0
-    st = read_meta(latest)["train_state"]
-    return int(st["epoch"]), int(st.get("epoch_offset", 0))
+    return int(read_meta(latest)["train_state"]["samples_seen"]) if latest else 0

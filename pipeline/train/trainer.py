@@ -6,7 +6,6 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
-import copy
 import tempfile
 import time
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from typing import Any, Optional
 import numpy as np
 import ray.train
 from ray.data import DataContext
-from ray.train import DataConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from .. import storage
@@ -27,7 +25,7 @@ from ..tracking.runs import RunLogger
 from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
 from .export import consolidate
-from .worker import EvalDatasetFactory, TrainDatasetFactory, train_per_worker
+from .worker import EvalDatasetFactory, RankStreams, train_per_worker, train_placeholder
 
 
 @dataclass
@@ -51,12 +49,9 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
     if p.use_gpu:
         resources["GPU"] = p.gpus_per_worker
     cfg_dict = cfg.to_dict()
-    datasets: dict[str, Any] = {"train": TrainDatasetFactory(cfg_dict)}
+    datasets: dict[str, Any] = {"train": train_placeholder}
     if with_val:
         datasets["val"] = EvalDatasetFactory(cfg_dict)
-    # The train stream in slot order: a resume starts at a data position in that order.
-    ordered = copy.deepcopy(DataContext.get_current().execution_options)
-    ordered.preserve_order = True
     # Ray Train reads and writes checkpoints through the same filesystem (S3 endpoint) as the rest.
     fs, inner = storage.filesystem(ckpt.storage_path(cfg))
     return TorchTrainer(
@@ -74,7 +69,7 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
             callbacks=callbacks or None,
         ),
         datasets=datasets,
-        dataset_config=DataConfig(execution_options={"train": ordered}),
+        dataset_config=RankStreams(cfg_dict),
     )
 
 

@@ -5,6 +5,7 @@ Runs inside Ray Train; the driver (trainer.py) hands it a config dict. Must not 
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -16,6 +17,7 @@ from typing import Any, Iterator
 import ray.train
 import torch
 from ray.data import DataContext
+from ray.train import DataConfig
 
 from .. import storage
 from ..config import ExperimentConfig
@@ -27,18 +29,39 @@ from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .step import all_reduce_max, all_reduce_sum
 
 
-class TrainDatasetFactory:
-    """Picklable `() -> Dataset` for Train: called on every worker-group (re)start, it streams
-    from the data position (epoch and offset) of the newest complete checkpoint."""
+def train_placeholder():
+    """Train's "train" dataset entry; RankStreams builds the streams the workers read."""
+    import ray.data
+
+    return ray.data.range(0)
+
+
+class RankStreams(DataConfig):
+    """How Train hands out data: rank r of W reads its own deterministic stream (every W-th
+    unit of each epoch's order, build_train_dataset(rank, world)), starting right after the
+    rows it consumed before the newest complete checkpoint (samples_seen / W each: every rank
+    takes micro_batch x grad_accum rows a step). So a resumed attempt reads nothing twice and
+    skips nothing, for any number of workers; "val" is split as Train does by default."""
 
     def __init__(self, cfg_dict: dict[str, Any]):
+        ordered = copy.deepcopy(DataContext.get_current().execution_options)
+        ordered.preserve_order = True  # a rank's stream in slot order: its position is a prefix
+        super().__init__(datasets_to_split=["val"], execution_options={"train": ordered})
         self.cfg_dict = cfg_dict
 
-    def __call__(self):
-        DataContext.get_current().enable_progress_bars = False  # the split runs in this process
-        cfg = ExperimentConfig.from_dict(self.cfg_dict)
-        epoch, offset = ckpt.data_position(cfg)
-        return build_train_dataset(cfg, start_epoch=epoch, start_offset=offset)
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        rest = {k: v for k, v in datasets.items() if k != "train"}
+        out = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs) \
+            if rest else [{} for _ in range(world_size)]
+        if "train" in datasets:
+            DataContext.get_current().enable_progress_bars = False
+            cfg = ExperimentConfig.from_dict(self.cfg_dict)
+            per_rank = ckpt.samples_consumed(cfg) // world_size
+            for r in range(world_size):
+                ds = build_train_dataset(cfg, rank=r, world=world_size, consumed=per_rank)
+                ds.context.execution_options = self._resolve_execution_options("train")
+                out[r]["train"] = ds.iterator()
+        return out
 
 
 class EvalDatasetFactory:
@@ -132,17 +155,11 @@ def train_per_worker(config: dict[str, Any]) -> None:
     if logger and restored is not None:
         logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
 
-    # Data position: this attempt's stream starts where the restored checkpoint stopped, epoch
-    # and offset (TrainDatasetFactory, from the same newest complete checkpoint), so nothing
-    # consumed is read again. Checkpoints written before offsets were recorded start at their
-    # epoch: skip what that epoch already gave.
+    # This rank's stream starts right after what it consumed before the restored checkpoint
+    # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
     epoch_rows = train_rows_per_epoch(cfg)
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  device, mean=cfg.data.mean, std=cfg.data.std)
-    if restored is not None:
-        consumed = state.samples_seen - state.epoch * epoch_rows - state.epoch_offset
-        for _ in range(max(0, consumed) // (world * cfg.parallel.micro_batch)):
-            next(stream, None)
 
     def eval_batches():
         shard = ray.train.get_dataset_shard("val")

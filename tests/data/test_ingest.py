@@ -232,3 +232,25 @@ def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
                         first_slot=slot, skip_rows=skip)
     first = next(reader({"id": np.array([0])}))
     assert [(0, k) for k in first["key"]] == full[(3 * n) // 4:(3 * n) // 4 + len(first["key"])]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_streams_partition_each_epoch_and_resume_at_any_count(shards, world):
+    """Each rank reads its own share of every epoch (disjoint, together the whole epoch) and a
+    rank resumed after `consumed` of its rows continues its uninterrupted stream exactly, across
+    an epoch boundary too: no row read twice, none skipped."""
+    cfg, res = shards
+    n = res["train"]
+    full = [_ordered_keys(build_train_dataset(cfg, num_epochs=2, rank=r, world=world, unit_rows=8))
+            for r in range(world)]
+    for epoch in (0, 1):
+        keys = [k for f in full for e, k in f if e == epoch]
+        assert len(keys) == len(set(keys)) == n, epoch  # a partition of the epoch
+    assert full[0][:3] != full[1][:3]
+    for r in range(world):
+        own = len([1 for e, _ in full[r] if e == 0])  # this rank's rows in epoch 0
+        for consumed in (5, own - 1, own + 3):  # mid-unit, the epoch's last row, into epoch 1
+            resumed = _ordered_keys(build_train_dataset(cfg, num_epochs=2, rank=r, world=world,
+                                                        unit_rows=8, consumed=consumed))
+            rest = full[r][consumed:]  # (epochs 0-1; a stream resumed in epoch 1 reads on into 2)
+            assert rest and resumed[:len(rest)] == rest, (r, consumed)

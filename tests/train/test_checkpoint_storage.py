@@ -42,13 +42,13 @@ def test_completeness_on_any_storage(work_dir):
     assert "no meta.json" in ckpt.verify(storage.join(work_dir, "nothing"))[1]
 
 
-def test_newest_complete_checkpoint_and_data_position(work_dir):
+def test_newest_complete_checkpoint_and_samples_consumed(work_dir):
     cfg = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r"])
-    assert ckpt.latest_complete_checkpoint(cfg) is None and ckpt.data_position(cfg) == (0, 0)
+    assert ckpt.latest_complete_checkpoint(cfg) is None and ckpt.samples_consumed(cfg) == 0
     run = ckpt.run_dir(cfg)
     assert run == storage.join(work_dir if storage.is_uri(work_dir) else storage.abspath(work_dir), "runs", "r")
     _write_checkpoint(run, 10, offset=80)
     newest_complete = _write_checkpoint(run, 20, offset=160)
     _write_checkpoint(run, 30, markers=[1])  # rank 0 died before its marker: never restored
     assert ckpt.latest_complete_checkpoint(cfg) == newest_complete
-    assert ckpt.data_position(cfg) == (0, 160)
+    assert ckpt.samples_consumed(cfg) == 20 * 8  # the newest complete one's samples_seen
