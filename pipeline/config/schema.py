@@ -106,6 +106,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     max_failures: int = 3  # Ray Train worker-group restarts before the run fails
+    record_samples: bool = False  # each rank's sample keys per step -> <run>/samples/ (audit)
     resume: Literal["auto", "never", "must"] = "auto"
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
     device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312

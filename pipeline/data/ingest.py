@@ -350,14 +350,15 @@ def normalize(images_uint8_bhwc, mean: Sequence[float] = (0.5, 0.5, 0.5),
 def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
                         mean: Sequence[float] = (0.5, 0.5, 0.5), std: Sequence[float] = (0.5, 0.5, 0.5),
                         drop_last: bool = True, prefetch_batches: int = 2,
-                        raw: bool = False) -> Iterator[tuple]:
+                        raw: bool = False, on_keys=None) -> Iterator[tuple]:
     """Yield (images (B, 3, S, S) `dtype` normalised on `device`, labels (B,) int64 on `device`).
 
     `data_iterator`: a Ray DataIterator (ray.train.get_dataset_shard("train")) or a Dataset.
     Only uint8 crosses to the device (4x fewer bytes than float32); pinned for CUDA copies.
     raw=True yields the (B, S, S, 3) uint8 images as they arrived, for a step that normalises
     inside its own compiled graph; on CPU they can share Ray's read-only object-store memory,
-    so treat them as read-only (normalise out of place).
+    so treat them as read-only (normalise out of place). on_keys: called with each batch's
+    sample keys as it is handed out.
     """
     import torch  # lazy: torch (vitp preprocess imports this module and needs none)
 
@@ -365,6 +366,8 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
     dtype = dtype or torch.float32
     for batch in data_iterator.iter_batches(batch_size=batch_size, batch_format="numpy",
                                             drop_last=drop_last, prefetch_batches=prefetch_batches):
+        if on_keys is not None:
+            on_keys(batch["key"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only Arrow buffers: we never write
             imgs = torch.from_numpy(np.ascontiguousarray(batch["image"]))  # (B, S, S, 3) uint8

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import os
 import shutil
@@ -71,6 +72,31 @@ class EvalDatasetFactory:
     def __call__(self):
         DataContext.get_current().enable_progress_bars = False
         return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
+
+
+class SampleRecorder:
+    """train.record_samples: the keys of every micro-batch this rank trains on, by step, written
+    beside the checkpoints (<run>/samples/rank_NNNNN/from_FFFFFFFF_upto_SSSSSSSS.jsonl: F the
+    step this attempt started from) each time one is saved, up to its step; so what a resumed
+    run trained on can be compared with an uninterrupted run. Where attempts overlap, the
+    later attempt (larger F) is what the run kept."""
+
+    def __init__(self, cfg: ExperimentConfig, rank: int, first_step: int):
+        self.dir = storage.join(ckpt.run_dir(cfg), "samples", f"rank_{rank:05d}")
+        self.accum, self.first, self.micro = cfg.parallel.grad_accum, first_step, 0
+        self.pending: list[tuple[int, list[str]]] = []
+
+    def __call__(self, keys) -> None:
+        self.pending.append((self.first + 1 + self.micro // self.accum, [str(k) for k in keys]))
+        self.micro += 1
+
+    def flush(self, upto: int) -> None:
+        done = [p for p in self.pending if p[0] <= upto]
+        self.pending = [p for p in self.pending if p[0] > upto]
+        if done:
+            lines = "\n".join(json.dumps({"step": s, "keys": k}) for s, k in done)
+            name = f"from_{self.first:08d}_upto_{upto:08d}.jsonl"
+            storage.write_bytes(storage.join(self.dir, name), lines.encode())
 
 
 def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_start: float, start_step: int) -> str:
@@ -158,8 +184,9 @@ def train_per_worker(config: dict[str, Any]) -> None:
     # This rank's stream starts right after what it consumed before the restored checkpoint
     # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
     epoch_rows = train_rows_per_epoch(cfg)
+    recorder = SampleRecorder(cfg, rank, state.step) if cfg.train.record_samples else None
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
-                                 device, mean=cfg.data.mean, std=cfg.data.std)
+                                 device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)
 
     def eval_batches():
         shard = ray.train.get_dataset_shard("val")
@@ -197,6 +224,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
             written = sum(storage.file_sizes(local).values())
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        if recorder:
+            recorder.flush(step)
         io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
         if rank == 0:
             print(f"[{cfg.run_name}] checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, "

@@ -3,6 +3,7 @@
 The debug recipe on the synthetic fractal corpus; ZeRO stages, driver restart, export,
 and a run on object storage continued with more steps (a worker kill: tests/cluster/test_rehearsal.py).
 """
+import json
 import os
 import signal
 import subprocess
@@ -238,3 +239,55 @@ def test_run_on_object_storage_resumes_continues_and_measures_checkpoints(tmp_pa
     assert run.data.params["train.steps"] == "20"
     assert run.data.params["train.steps.continued_at_20"] == "30"
     assert run.info.status == "FINISHED"
+
+
+def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
+    """({(rank, step): keys trained on}, steps attempts started from) from train.record_samples'
+    files; where attempts overlap, the later one's record counts."""
+    from pipeline.train.checkpoint import run_dir
+
+    root = os.path.join(run_dir(cfg), "samples")
+    out, starts = {}, set()
+    for rank_dir in sorted(os.listdir(root)):
+        for name in sorted(os.listdir(os.path.join(root, rank_dir))):  # by attempt, then step
+            starts.add(int(name.split("_")[1]))
+            steps = {}  # a step's micro-batches, in order
+            for line in open(os.path.join(root, rank_dir, name)):
+                rec = json.loads(line)
+                steps.setdefault((int(rank_dir.split("_")[1]), rec["step"]), []).extend(rec["keys"])
+            out.update(steps)
+    return out, starts
+
+
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.e2e), 2])
+def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, workers):
+    """A Train worker SIGKILLed after a checkpoint: the restarted workers resume at the data
+    position and train every step on the same samples as an uninterrupted run (each rank its
+    own stream; with 1 worker two micro-batches a step)."""
+    import threading
+
+    from pipeline.train.trainer import run_training
+
+    common = ["train.steps=16", "train.checkpoint_every=4", "train.eval_every=0",
+              "train.record_samples=true", f"parallel.num_workers={workers}",
+              f"parallel.grad_accum={3 - workers}", "train.max_failures=2"]
+    ref_cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=ref")
+    run_training(ref_cfg, tracking=False, with_val=False)
+    reference, starts = _samples(ref_cfg)
+    assert sorted({s for _, s in reference}) == list(range(1, 17)) and starts == {0}
+    assert all(len(k) == 32 // workers for k in reference.values())
+
+    cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=killed")
+    out = []
+    runner = threading.Thread(target=lambda: out.append(run_training(cfg, tracking=False, with_val=False)))
+    runner.start()
+    try:
+        _wait_for_checkpoint(cfg, alive=runner.is_alive)
+        os.kill(_worker_pids()[-1], signal.SIGKILL)
+    finally:
+        runner.join(timeout=600)
+    assert out and out[0].metrics["step"] == 16
+    got, starts = _samples(cfg)
+    assert max(starts) >= 4, f"no attempt resumed from a checkpoint: {starts}"
+    assert got == reference  # the same keys, in the same order, at every step of every rank
+    assert sum(len(k) for k in got.values()) == 16 * 32
