@@ -2,20 +2,22 @@
 
 Run (from the repository root):
 
-  .venv/bin/python benchmarks/resume_position.py --images-per-class 400 --cpus 2
+  .venv/bin/python benchmarks/resume_position.py --images-per-class 400 --cpus 2 --world 2
 
 Preprocesses the debug recipe's synthetic corpus (10 classes x --images-per-class, 40 px uint8
 shards) once into --workdir, then, on one local Ray with --cpus CPUs, times the first
-micro-batch (--batch rows, the training order: preserve_order as Train's DataConfig sets it) of:
+micro-batch (--batch rows, the training order: preserve_order as RankStreams sets it) of rank 0
+of --world Train workers (each rank reads its own share of every epoch):
 
-  fresh    a new run: the stream at epoch 0, offset 0
-  resumed  a run resumed at --at (default 75%) of epoch 0: `build_train_dataset(start_offset=...)`
-           starts at the unit holding the position and drops only that unit's consumed rows
-  replay   the same position reached the way resumes worked before offsets were recorded: the
-           stream from the epoch's start, every consumed row read, augmented and discarded
+  fresh    a new run: the rank's stream at epoch 0, nothing consumed
+  resumed  a run resumed at --at (default 90%) of epoch 0: `build_train_dataset(consumed=...)`
+           starts at the unit holding the rank's position and drops only that unit's consumed rows
+  replay   the same position reached by replay: the rank's stream from the epoch's start, every
+           consumed row read, augmented and discarded
 
 All three read, decode and augment with the same code on the same CPUs; only the position
-differs. The script checks that `resumed` and `replay` yield the same first batch (same keys).
+differs. The script checks, for every rank, that `resumed` and `replay` yield the same first
+batch (same keys).
 Median of --rounds interleaved rounds. Appended to benchmarks/RESULTS.md (`--results`/`--no-results`).
 """
 from __future__ import annotations
@@ -54,7 +56,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images-per-class", type=int, default=400)
     ap.add_argument("--cpus", type=int, default=os.cpu_count())
-    ap.add_argument("--at", type=float, default=0.75, help="resume position as a fraction of the epoch")
+    ap.add_argument("--at", type=float, default=0.9, help="resume position as a fraction of the epoch")
+    ap.add_argument("--world", type=int, default=2, help="Train workers (rank 0 is timed)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", help="keep the shards here (default: a temporary directory)")
@@ -76,13 +79,20 @@ def main() -> int:
     if not os.path.exists(os.path.join(work, "shards", cfg.data.source, "manifest.json")):
         run_preprocess(cfg, log=lambda s: None)
     rows = train_rows_per_epoch(cfg)
-    offset = int(rows * args.at)
+    offset = int(rows * args.at) // args.world  # rows each rank consumed
+
+    def stream(rank: int, consumed: int = 0):
+        return build_train_dataset(cfg, num_epochs=1, rank=rank, world=args.world, consumed=consumed)
+
     times: dict[str, list[float]] = {"fresh": [], "resumed": [], "replay": []}
-    first_batch(build_train_dataset(cfg, num_epochs=1), args.batch)  # untimed: Ray Data's start-up
+    first_batch(stream(0), args.batch)  # untimed: Ray Data's start-up
+    for rank in range(1, args.world):  # untimed: every rank continues exactly
+        if first_batch(stream(rank, offset), args.batch)[1] != first_batch(stream(rank), args.batch, offset)[1]:
+            raise AssertionError(f"rank {rank}: the resumed stream does not continue where the replayed one does")
     for _ in range(args.rounds):
-        times["fresh"].append(first_batch(build_train_dataset(cfg, num_epochs=1), args.batch)[0])
-        t_res, k_res = first_batch(build_train_dataset(cfg, num_epochs=1, start_offset=offset), args.batch)
-        t_rep, k_rep = first_batch(build_train_dataset(cfg, num_epochs=1), args.batch, skip_rows=offset)
+        times["fresh"].append(first_batch(stream(0), args.batch)[0])
+        t_res, k_res = first_batch(stream(0, offset), args.batch)
+        t_rep, k_rep = first_batch(stream(0), args.batch, skip_rows=offset)
         if k_res != k_rep:
             raise AssertionError("the resumed stream does not continue where the replayed one does")
         times["resumed"].append(t_res)
@@ -90,8 +100,9 @@ def main() -> int:
     ray.shutdown()
     med = {k: statistics.median(v) for k, v in times.items()}
     table = "\n".join(
-        [f"Epoch of {rows} train rows (40 px uint8 shards), first batch of {args.batch} at "
-         f"{args.at:.0%} of it ({offset} rows consumed), {args.cpus} Ray CPUs, median of {args.rounds}.", "",
+        [f"Epoch of {rows} train rows (40 px uint8 shards) over {args.world} ranks, rank 0's first "
+         f"batch of {args.batch} at {args.at:.0%} of the epoch ({offset} rows consumed per rank), "
+         f"{args.cpus} Ray CPUs, median of {args.rounds}.", "",
          "| start | seconds to first batch | x fresh |", "|---|---|---|"] +
         [f"| {k} | {v:.2f} | {v / med['fresh']:.2f} |" for k, v in med.items()])
     print(table)
