@@ -74,10 +74,11 @@ def prepare_output(root: str, overwrite: bool, resume: bool = False) -> tuple[pa
                 f"{root}: holds files that are not shards ({', '.join(foreign[:5])}); "
                 "choose an empty directory with --set data.shards=DIR")
         if entries and not (overwrite or resume):
-            state = "finished shards" if "manifest.json" in entries else "an unfinished preprocess run"
-            raise FileExistsError(
-                f"{root}: already holds {state}; pass --resume to finish an unfinished run, "
-                "--overwrite to replace them, or choose another --set data.shards=DIR")
+            if "manifest.json" in entries:
+                raise FileExistsError(f"{root}: already holds shards; pass --overwrite to replace "
+                                      "them or choose another --set data.shards=DIR")
+            raise FileExistsError(f"{root}: already holds an unfinished preprocess run; pass "
+                                  "--resume to finish it or --overwrite to start over")
         if overwrite:
             for e in entries:
                 p = join(base, e)
