@@ -14,7 +14,7 @@ from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
 from .preprocess import preprocess
-from .sources import plan_source
+from .catalog import plan_source
 from .synth import generate_corpus
 
 

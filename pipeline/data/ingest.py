@@ -1,9 +1,7 @@
 """Training and eval ingest: Parquet shards -> Ray Data (shuffle, augment on CPU workers) -> device.
-
-Owns the epoch stream (deterministic shuffle and augmentation from (seed, epoch, key)), the eval
-transform, and the last hop: uint8 batches to the device, normalised there. Every Train worker
-reads its own deterministic stream (build_train_dataset's rank/world), so a resume starts each
-rank right after the rows it consumed. Must not know models.
+Owns the epoch streams (deterministic from (seed, epoch, key); each Train worker its own share,
+resumable right after the rows it consumed), the eval transform, and the last hop: uint8
+batches to the device, normalised there. Must not know models.
 """
 from __future__ import annotations
 

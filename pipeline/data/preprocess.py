@@ -1,12 +1,7 @@
-"""Preprocess: a source plan -> (Ray Data: list, group by shard, read, decode, validate,
-resize, encode, write) -> shards, written by the workers; the driver sees only metadata.
-
-Which input lands in which shard, and its place there, is a hash of (seed, key): the same
-inputs give byte-identical shards whatever the number of workers or the order they finish
-in. Each shard is committed (shard, quarantine part, then its record), so a killed run
-resumed with `resume=True` writes only the shards it lacks. Owns the per-row function (one
-bad file never drops another row: every row comes back as an image or a quarantine record).
-Must not know about models or training.
+"""Preprocess: a source plan -> Ray Data (list, group by a (seed, key) hash into shards, read,
+decode, validate, resize, write) -> shards written by the workers; the driver sees only metadata.
+Shards are byte-identical for any worker count and committed one by one (resume=True writes the
+missing ones). One bad file never drops another row: each is an image or a quarantine record.
 """
 from __future__ import annotations
 

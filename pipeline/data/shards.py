@@ -1,9 +1,7 @@
 """The on-disk shard format: D/{train,val}/part-NNNNN.parquet, classes.json, quarantine.parquet
-(path, reason, detail, key) and manifest.json, written last (without it readers refuse D).
-While a run is unfinished D also holds _run.json, _records/ and _quarantine/ (see below).
-
-Owns the file formats (row groups sized for streaming, checksums, write-to-temp then rename,
-per-shard commit records) and reading the manifest back. Must not decode images or know Ray.
+and manifest.json, written last (without it readers refuse D); an unfinished run also leaves
+_run.json, _records/, _quarantine/. Owns the formats (row groups, checksums, atomic writes,
+per-shard commit records) and reading the manifest. Must not decode images or know Ray.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Input corpora -> items (key, label, where the bytes are) plus the class names.
-
-Owns the layout of every source (ImageFolder, CSV, Parquet, WebDataset, CIFAR-10/100, digits,
-Pets, Flowers-102, ImageNet, synthetic), read through pipeline.storage (local, s3://, gs://).
-The sources that grow to cluster scale (ImageFolder, ImageNet, Parquet, WebDataset, synthetic)
-are *planned* on the driver, which lists only directories or files, into listing units that
-Ray tasks expand into items (`expand_unit`: a class directory, a Parquet file's key and label
-columns, a tar file's headers); the small ones (CSV, CIFAR, digits, Pets, Flowers) are listed
-on the driver as items. Must not decode images.
+"""Input layouts -> items (key, label, where the bytes are) plus the class names, read through
+pipeline.storage. Scalable sources (ImageFolder, ImageNet, Parquet, WebDataset, synthetic) are
+planned on the driver, which lists only directories or files, into listing units that Ray tasks
+expand into items (`expand_unit`); CSV lists are read on the driver. Must not decode images.
 """
 from __future__ import annotations
 
@@ -322,40 +317,3 @@ def expand_plan(plan: Plan) -> Listing:
             if it["raw_label"]:
                 it["label"] = index.get(it["raw_label"], -1)
     return Listing(items, classes, plan.official_split, dict(plan.info))
-
-
-def plan_source(source: str, path: str = "", *, synth_classes: int = 10,
-                synth_images_per_class: int = 64, seed: int = 0) -> Plan:
-    """Dispatch on `data.source`. A `synthetic` source with a path reads that ImageFolder
-    corpus (written by `vitp synth`); without one it renders in the workers."""
-    if source == "synthetic":
-        if path:
-            return imagefolder_plan(path)
-        return synthetic_plan(synth_classes, synth_images_per_class, seed)
-    from . import datasets  # the named datasets with official layouts, listed here
-
-    if source == "digits":
-        return _listed(datasets.digits())
-    if not path:
-        raise InputError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
-    planners = {"imagefolder": imagefolder_plan, "parquet": parquet_plan,
-                "webdataset": webdataset_plan, "imagenet": imagenet_plan}
-    listers = {"csv": csv_list, "cifar10": lambda p: datasets.cifar(p, "cifar10"),
-               "cifar100": lambda p: datasets.cifar(p, "cifar100"), "pets": datasets.pets,
-               "flowers": datasets.flowers}
-    if source in planners:
-        return planners[source](path)
-    if source in listers:
-        return _listed(listers[source](path))
-    raise InputError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
-                     "csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")
-
-
-def _listed(listing: Listing) -> Plan:
-    return Plan(listing.classes, items=listing.items, official_split=listing.official_split,
-                info=listing.info)
-
-
-def list_source(source: str, path: str = "", **kw) -> Listing:
-    """The source's whole listing in this process (see plan_source)."""
-    return expand_plan(plan_source(source, path, **kw))

@@ -13,7 +13,7 @@ from PIL import Image
 from pipeline.data.commands import run_preprocess
 from pipeline.data.preprocess import preprocess
 from pipeline.data.shards import read_manifest, verify_checksums
-from pipeline.data.sources import plan_source
+from pipeline.data.catalog import plan_source
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.data import sources
+from pipeline.data import catalog, sources
 from pipeline.data.commands import run_preprocess, run_synth
 
 from .conftest import make_cfg, read_shards, save
@@ -29,7 +29,7 @@ def test_cifar10_and_100_batches_keep_official_split(tmp_path):
         data = rng.integers(0, 255, (3, 3072), dtype=np.uint8)
         pickle.dump({b"data": data, b"labels": [0, 1, 9]}, open(c10 / name, "wb"))
     pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, open(c10 / "batches.meta", "wb"))
-    lst = sources.list_source("cifar10", str(c10))
+    lst = catalog.list_source("cifar10", str(c10))
     assert len(lst.items) == 18 and lst.classes[9] == "c9" and lst.official_split
     first = pickle.load(open(c10 / "data_batch_1", "rb"))[b"data"][0]
     img = np.frombuffer(lst.items[0]["data"], np.uint8).reshape(32, 32, 3)
@@ -43,7 +43,7 @@ def test_cifar10_and_100_batches_keep_official_split(tmp_path):
         pickle.dump({b"data": rng.integers(0, 255, (2, 3072), dtype=np.uint8), b"fine_labels": [5, 99]},
                     open(c100 / name, "wb"))
     pickle.dump({b"fine_label_names": [f"f{i}".encode() for i in range(100)]}, open(c100 / "meta", "wb"))
-    lst = sources.list_source("cifar100", str(c100))
+    lst = catalog.list_source("cifar100", str(c100))
     assert len(lst.classes) == 100 and [it["label"] for it in lst.items] == [5, 99, 5, 99]
 
 
@@ -59,7 +59,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
                 ti = tarfile.TarInfo(f"{key}.{ext}")
                 ti.size = len(payload)
                 tf.addfile(ti, io.BytesIO(payload))
-    lst = sources.list_source("webdataset", str(tmp_path / "wds"))
+    lst = catalog.list_source("webdataset", str(tmp_path / "wds"))
     assert [it["label"] for it in lst.items] == [0, 2, -1] and lst.items[2]["error"].startswith("bad_label")
     it = lst.items[0]
     assert sources.read_bytes(it["path"], it["offset"], it["length"]) == jpeg_bytes((200, 0, 0))
@@ -67,7 +67,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
     # existing Parquet with image bytes + label
     pq.write_table(pa.table({"image": [jpeg_bytes((0, 0, 200)), b"junk"], "label": [3, 1]}),
                    tmp_path / "in.parquet")
-    lst = sources.list_source("parquet", str(tmp_path / "in.parquet"))
+    lst = catalog.list_source("parquet", str(tmp_path / "in.parquet"))
     assert lst.classes == ["1", "3"] and [it["label"] for it in lst.items] == [1, 0]
 
     # Oxford-IIIT Pets
@@ -77,7 +77,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
     (pets / "annotations").mkdir()
     (pets / "annotations" / "trainval.txt").write_text("Abyssinian_1 1 1 1\ngreat_pyrenees_2 2 2 1\n")
     (pets / "annotations" / "test.txt").write_text("Abyssinian_3 1 1 1\n")
-    lst = sources.list_source("pets", str(pets))
+    lst = catalog.list_source("pets", str(pets))
     assert lst.classes == ["Abyssinian", "great_pyrenees"]
     assert [(it["label"], it["split"]) for it in lst.items] == [(0, "train"), (1, "train"), (0, "val")]
 
@@ -88,7 +88,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
         save(Image.new("RGB", (16, 16)), fl / "jpg" / f"image_{i:05d}.jpg")
     savemat(fl / "imagelabels.mat", {"labels": np.array([[1, 2, 102, 1]])})
     savemat(fl / "setid.mat", {"trnid": np.array([[1]]), "valid": np.array([[2]]), "tstid": np.array([[3, 4]])})
-    lst = sources.list_source("flowers", str(fl))
+    lst = catalog.list_source("flowers", str(fl))
     assert len(lst.classes) == 102
     assert [(it["key"], it["label"], it["split"]) for it in lst.items] == [
         ("jpg/image_00001.jpg", 0, "train"), ("jpg/image_00002.jpg", 1, "train"),
@@ -99,13 +99,13 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
     for split in ("train", "val"):
         for wnid in ("n01", "n02"):
             save(Image.new("RGB", (16, 16)), inet / split / wnid / f"x_{split}.JPEG", "JPEG")
-    lst = sources.list_source("imagenet", str(inet))
+    lst = catalog.list_source("imagenet", str(inet))
     assert lst.classes == ["n01", "n02"]
     assert [(it["key"], it["split"]) for it in lst.items][:2] == [
         ("train/n01/x_train.JPEG", "train"), ("train/n02/x_train.JPEG", "train")]
 
     # URIs go through pyarrow file systems: a file:// URI lists like the local path
-    uri = sources.list_source("imagenet", "file://" + str(inet))
+    uri = catalog.list_source("imagenet", "file://" + str(inet))
     assert [it["key"] for it in uri.items] == [it["key"] for it in lst.items]
     assert sources.read_bytes(uri.items[0]["path"]) == (inet / "train" / "n01" / "x_train.JPEG").read_bytes()
 
