@@ -119,10 +119,10 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from pipeline.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    cfg = config_from(args)
-    connect_ray(cfg, args.address)
     if args.overwrite and args.resume:
         raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
     summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 

@@ -118,6 +118,7 @@ def test_debug_shows_the_traceback_and_without_it_one_line():
     (["compare", "--tag", "novalue"], 2, "expected KEY=VALUE"),
     (["jobs", "stop"], 2, "vitp jobs: stop needs a job id"),
     (["submit", "/no/such/spec.yaml"], 2, "vitp submit: job spec /no/such/spec.yaml does not exist"),
+    (["preprocess", "debug", "--resume", "--overwrite"], 2, "vitp preprocess: --overwrite starts over"),
 ])
 def test_bad_invocations_print_one_line_and_the_documented_code(args, code, says):
     r = run(*args)
