@@ -17,7 +17,8 @@ benchmarks/RESULTS.md (`--results PATH` elsewhere, `--no-results` to only print)
 
 CPU budget: Ray num_cpus = DataLoader num_workers = --cpus, plus the consuming process (the
 training loop's stand-in, torch on one thread) in both. Each pass reads --epochs epochs as
-training does: one Ray Data stream, or one DataLoader with persistent workers, over all of them.
+training does: one Ray Data stream, or one DataLoader with persistent workers, over all of them
+(the default of 8 amortises the ~2 s at the start of a Ray Data execution, as training does).
 CPU-seconds: user + system time of every process taking part, by psutil at the start and at the
 end of each pass (before anything shuts down): the consuming process and the DataLoader's
 workers, or it and all Ray processes (GCS, raylet, workers: descendants of this process, as

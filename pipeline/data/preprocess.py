@@ -270,12 +270,14 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
     if plan.decode_early:  # images stored in blocks (Parquet): decode where they are read
         ds = ds.map_batches(process_rows, batch_size=max(rows_per_task, 1024),
                             batch_format="pyarrow", fn_kwargs=decode)
-    # Partitions only spread the groups over shuffle tasks; a shard is one group either way.
-    # The rows are metadata (but for Parquet sources): the sort-based shuffle, plain tasks,
-    # starts in a fraction of the time the hash shuffle's aggregator actors take.
-    ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    # Partitions spread the groups over the shard-writing tasks (a shard is one group either
+    # way); the sort-based shuffle makes one per input block, hence the repartition. The rows
+    # are metadata (but for Parquet sources): this shuffle, plain tasks, starts in a fraction
+    # of the time the hash shuffle's aggregator actors take.
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    parts = max(1, min(sum(buckets.values()), 4 * cpus, 200))
+    parts = max(1, min(sum(buckets.values()) - len(records), 4 * cpus, 200))
+    ds = ds.repartition(parts)
+    ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     out = ds.groupby("group", num_partitions=parts).map_groups(
         write_group, batch_format="pyarrow", fn_kwargs={"root": out_dir, "decode": decode})
     done0, t1, last = _inputs_of(records.values()), time.time(), time.time()
