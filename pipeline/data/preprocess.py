@@ -267,9 +267,10 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
     ds = items.map_batches(assign_groups, batch_size=None, batch_format="pyarrow", fn_kwargs=dict(
         val_fraction=val_fraction, seed=synth_seed, buckets=buckets, label_index=label_index,
         done=frozenset(records)))
-    if plan.decode_early:  # images stored in blocks (Parquet): decode where they are read
-        ds = ds.map_batches(process_rows, batch_size=max(rows_per_task, 1024),
-                            batch_format="pyarrow", fn_kwargs=decode)
+    if plan.decode_early:  # images stored in blocks (Parquet): decode where they are read,
+        # a task per ~1,024 listed rows (in file order: each row group read about once)
+        ds = ds.repartition(target_num_rows_per_block=max(rows_per_task, 1024)).map_batches(
+            process_rows, batch_size=None, batch_format="pyarrow", fn_kwargs=decode)
     # Partitions spread the groups over the shard-writing tasks (a shard is one group either
     # way); the sort-based shuffle makes one per input block, hence the repartition. The rows
     # are metadata (but for Parquet sources): this shuffle, plain tasks, starts in a fraction
