@@ -262,7 +262,7 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
     records = sh.committed_records(fs, base) if resume else {}
     if records:
         log(f"preprocess: resuming: {len(records)} shards already committed")
-    log(f"preprocess: {n_in} inputs -> up to {sum(buckets.values())} shards "
+    log(f"preprocess: {n_in} inputs, {len(classes)} classes -> up to {sum(buckets.values())} shards "
         f"(train {buckets['train']}, val {buckets['val']})")
     ds = items.map_batches(assign_groups, batch_size=None, batch_format="pyarrow", fn_kwargs=dict(
         val_fraction=val_fraction, seed=synth_seed, buckets=buckets, label_index=label_index,
