@@ -82,7 +82,8 @@ class OptimConfig:
 class ParallelConfig:
     """Data parallelism across Ray Train workers and the DeepSpeed ZeRO settings."""
 
-    num_workers: int = 8
+    num_workers: int = 8  # workers to run (the most, with min_workers)
+    min_workers: int = 0  # >0: elastic, Train runs with min_workers..num_workers as nodes come and go
     use_gpu: bool = True
     cpus_per_worker: float = 8.0
     gpus_per_worker: float = 1.0
@@ -105,7 +106,9 @@ class TrainConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 2
     seed: int = 0
-    max_failures: int = 3  # Ray Train worker-group restarts before the run fails
+    max_failures: int = 3  # Ray Train worker-group restarts before the run fails (preemptions aside)
+    nonfinite_patience: int = 3  # consecutive non-finite steps (skipped) before a rollback
+    nan_drill: str = ""  # fault drill: steps whose loss is made NaN, e.g. "7" or "7-30"
     record_samples: bool = False  # each rank's sample keys per step -> <run>/samples/ (audit)
     resume: Literal["auto", "never", "must"] = "auto"
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
@@ -134,6 +137,7 @@ class TrackingConfig:
     experiment: str = "vit-pipeline"
     run_name: str = ""  # "" = <recipe>-<variant>-<dataset>
     tags: dict[str, str] = field(default_factory=dict)
+    log_timeout_s: float = 5.0  # longest a training step waits on MLflow; the rest is spooled
 
 
 @dataclass

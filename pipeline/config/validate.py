@@ -106,6 +106,11 @@ def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
                 f"parallel.global_batch {p.global_batch} != micro {p.micro_batch} x accum "
                 f"{p.grad_accum} x world {p.num_workers} = {product}: {hint}"
             )
+    if not 0 <= p.min_workers <= p.num_workers:
+        problems.append(
+            f"parallel.min_workers={p.min_workers} must be in 0..parallel.num_workers={p.num_workers} "
+            "(0 = a fixed worker count)"
+        )
     if p.use_gpu and p.gpus_per_worker <= 0:
         problems.append("parallel.gpus_per_worker must be > 0 when parallel.use_gpu=true")
     if not p.use_gpu and p.precision == "fp16":
@@ -113,6 +118,41 @@ def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
             "parallel.precision='fp16' needs a GPU: use 'bf16' or 'fp32' with parallel.use_gpu=false"
         )
     return problems
+
+
+def for_world(cfg: ExperimentConfig, world: int) -> ExperimentConfig:
+    """`cfg` for `world` running workers with the recipe's global batch kept: grad_accum is
+    re-derived (micro_batch kept), else micro_batch (grad_accum kept); ConfigError when
+    neither divides. Unchanged when world = parallel.num_workers (or the product holds)."""
+    p = cfg.parallel
+    if p.micro_batch * p.grad_accum * world == p.global_batch:
+        return cfg
+    for micro, accum in ((p.micro_batch, p.global_batch / (p.micro_batch * world)),
+                         (p.global_batch / (p.grad_accum * world), p.grad_accum)):
+        if float(micro).is_integer() and float(accum).is_integer() and micro >= 1 and accum >= 1:
+            return cfg.replace(parallel=dataclasses.replace(
+                p, num_workers=world, micro_batch=int(micro), grad_accum=int(accum)))
+    raise ConfigError(
+        f"the global batch {p.global_batch} cannot be kept on {world} workers with micro batch "
+        f"{p.micro_batch} or grad_accum {p.grad_accum}: choose a worker count that divides "
+        f"{p.global_batch // p.micro_batch}, or set parallel.micro_batch to a divisor of "
+        f"{p.global_batch // world}" if p.global_batch % world == 0 else
+        f"the global batch {p.global_batch} cannot be split over {world} workers: run a worker "
+        f"count that divides it (parallel.num_workers / parallel.min_workers)")
+
+
+def drill_steps(spec: str) -> range:
+    """train.nan_drill "7" or "7-30" -> the steps (1-based) whose loss the drill makes NaN."""
+    if not spec.strip():
+        return range(0)
+    first, sep, last = spec.strip().partition("-")
+    try:
+        a, b = int(first), int(last) if sep else int(first)
+    except ValueError:
+        a = b = 0
+    if a < 1 or b < a:
+        raise ValueError(f"train.nan_drill={spec!r}: give a step or a range of steps, e.g. '7' or '7-30'")
+    return range(a, b + 1)
 
 
 def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
@@ -132,6 +172,14 @@ def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
     for name in ("log_every", "checkpoint_every", "eval_every", "max_failures"):
         if getattr(t, name) < 0:
             problems.append(f"train.{name}={getattr(t, name)}: must be >= 0")
+    if t.nonfinite_patience < 1:
+        problems.append(f"train.nonfinite_patience={t.nonfinite_patience}: must be >= 1")
+    try:
+        drill_steps(t.nan_drill)
+    except ValueError as e:
+        problems.append(str(e))
+    if cfg.tracking.log_timeout_s <= 0:
+        problems.append(f"tracking.log_timeout_s={cfg.tracking.log_timeout_s}: must be > 0")
     for key in cfg.tune.space:
         try:
             field_type(key)

@@ -37,6 +37,9 @@ class LoopHooks:
     on_checkpoint: Optional[Callable[[int, ckpt.TrainState, dict[str, float]], None]] = None
     # () -> iterator of eval batches, or None for no evaluation
     eval_batches: Optional[Callable[[], Iterator[Batch]]] = None
+    # (step) after every step; True = checkpoint now (e.g. a preemption notice). Every rank
+    # must return the same answer.
+    checkpoint_now: Optional[Callable[[int], bool]] = None
 
 
 @dataclass
@@ -96,7 +99,8 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
         eval_due = hooks.eval_batches is not None and (
             last or bool(t.eval_every and state.step % t.eval_every == 0))
         checkpoint_due = hooks.on_checkpoint is not None and (
-            last or bool(t.checkpoint_every and state.step % t.checkpoint_every == 0))
+            last or bool(t.checkpoint_every and state.step % t.checkpoint_every == 0)
+            or bool(hooks.checkpoint_now and hooks.checkpoint_now(state.step)))
         if (t.log_every and state.step % t.log_every == 0) or last or eval_due:
             elapsed = time.perf_counter() - window_t0
             sums = all_reduce_sum({"loss": window_loss / window_steps, "images": window_images,
