@@ -101,6 +101,7 @@ class TrainConfig:
     """Length, cadence, checkpoints and fault tolerance of a training run."""
 
     steps: int = 90_000  # optimizer steps
+    pause_at: int = 0  # >0: stop at this step with a checkpoint (continue later); schedule unchanged
     log_every: int = 50
     eval_every: int = 0  # 0 = only at the end
     checkpoint_every: int = 1000

@@ -111,6 +111,13 @@ def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
             f"parallel.min_workers={p.min_workers} must be in 0..parallel.num_workers={p.num_workers} "
             "(0 = a fixed worker count)"
         )
+    elif p.min_workers and p.global_batch > 0 and p.micro_batch > 0 and p.grad_accum > 0:
+        for world in range(p.min_workers, p.num_workers):  # an elastic run may run any of them
+            try:
+                for_world(cfg, world)
+            except ConfigError as e:
+                problems.append(f"parallel.min_workers={p.min_workers}: {e}")
+                break
     if p.use_gpu and p.gpus_per_worker <= 0:
         problems.append("parallel.gpus_per_worker must be > 0 when parallel.use_gpu=true")
     if not p.use_gpu and p.precision == "fp16":
@@ -172,6 +179,8 @@ def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
     for name in ("log_every", "checkpoint_every", "eval_every", "max_failures"):
         if getattr(t, name) < 0:
             problems.append(f"train.{name}={getattr(t, name)}: must be >= 0")
+    if not 0 <= t.pause_at <= t.steps:
+        problems.append(f"train.pause_at={t.pause_at} must be in 0..train.steps={t.steps} (0 = no pause)")
     if t.nonfinite_patience < 1:
         problems.append(f"train.nonfinite_patience={t.nonfinite_patience}: must be >= 1")
     try:

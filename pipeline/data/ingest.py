@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from ..errors import InputError
 from ..storage import is_uri, join, open_input
 from . import shards as sh
+from .position import RankStream, Segment, current_segment, with_world
 from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop_box,
                      resize_center_crop)
 
@@ -125,90 +126,50 @@ def _image_column(col, heights, widths):
     return col.to_numpy(zero_copy_only=False)
 
 
-def epoch_order(num_units: int, seed: int, epoch: int) -> np.ndarray:
-    """Unit order of one epoch: a permutation seeded by (seed, epoch)."""
-    return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, 11]).permutation(num_units)
-
-
 class UnitReader:
-    """Ray Data map_batches callable: ids of (epoch, unit) slots -> augmented rows.
+    """Ray Data map_batches callable: ids of slots of one rank's stream -> augmented rows.
 
-    Input rows are {"id": k} from ray.data.range. Rank `rank` of `world` reads the units at
-    positions rank, rank + world, ... of each epoch's unit order (its own n = len(order[rank::
-    world]) units per epoch): slot s = first_slot + k is unit s % n of that list in epoch
-    start_epoch + s // n, so the whole multi-epoch stream is one lazy operator and any slot can
-    be recomputed anywhere with the same result. A resumed stream starts mid-epoch: at the unit
-    holding its data position, less that unit's first `skip_rows` rows (in their shuffled
-    order), so nothing consumed is read again.
+    Input rows are {"id": k} from ray.data.range; k is slot first_slot + k of the rank's
+    RankStream (pipeline.data.position): one unit, or the rest of one, of one epoch, so the whole
+    multi-epoch stream is one lazy operator and any slot can be recomputed anywhere with the
+    same result. A resumed stream starts mid-slot, less its first `skip_rows` rows (in their
+    shuffled order), so nothing consumed is read again.
     """
 
-    def __init__(self, units: list[tuple], start_epoch: int, shuffle: bool, seed: int, size: int,
-                 mode: str, scale_min: float, hflip: bool, storage_format: str,
-                 first_slot: int = 0, skip_rows: int = 0, rank: int = 0, world: int = 1):
-        self.units, self.start, self.shuffle, self.seed = units, start_epoch, shuffle, seed
-        self.first_slot, self.skip_rows, self.rank, self.world = first_slot, skip_rows, rank, world
+    def __init__(self, units: list[tuple], stream: RankStream, size: int, mode: str,
+                 scale_min: float, hflip: bool, storage_format: str, first_slot: int = 0,
+                 skip_rows: int = 0):
+        self.units, self.stream, self.first_slot, self.skip_rows = units, stream, first_slot, skip_rows
         self.kw = dict(size=size, mode=mode, scale_min=scale_min, hflip=hflip,
                        storage_format=storage_format)
-        self._orders: dict[int, np.ndarray] = {}
-
-    def unit_of(self, k: int) -> tuple[int, tuple]:
-        k += self.first_slot
-        n = units_per_rank(len(self.units), self.rank, self.world)
-        epoch = self.start + k // n
-        if epoch not in self._orders:
-            self._orders = {epoch: rank_order(len(self.units), self.seed, epoch, self.rank,
-                                              self.world, self.shuffle)}
-        return epoch, self.units[int(self._orders[epoch][k % n])]
 
     def __call__(self, batch: dict):
         for k in batch["id"]:
-            epoch, unit = self.unit_of(int(k))
-            rows = augment_rows(_read_unit(unit, self.kw["storage_format"]), seed=self.seed,
-                                epoch=epoch, shuffle_rows=self.shuffle, **self.kw)
-            if int(k) == 0 and self.skip_rows:
-                rows = {c: v[self.skip_rows:] for c, v in rows.items()}
+            u, epoch, skip = self.stream.slot(self.first_slot + int(k))
+            rows = augment_rows(_read_unit(self.units[u], self.kw["storage_format"]),
+                                seed=self.stream.seed, epoch=epoch,
+                                shuffle_rows=self.stream.shuffle, **self.kw)
+            skip += self.skip_rows if int(k) == 0 else 0
+            if skip:
+                rows = {c: v[skip:] for c, v in rows.items()}
             yield rows
 
 
-def units_per_rank(num_units: int, rank: int, world: int) -> int:
-    return len(range(rank, num_units, world))
-
-
-def rank_order(num_units: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
-               shuffle: bool = True) -> np.ndarray:
-    """The units rank `rank` of `world` reads in `epoch`, in order: every world-th unit of the
-    epoch's order, so the ranks' streams are disjoint and together cover the epoch."""
-    order = epoch_order(num_units, seed, epoch) if shuffle else np.arange(num_units)
-    return order[rank::world]
+def unit_sizes(units: list[tuple]) -> np.ndarray:
+    return np.fromiter((b - a for _, a, b in units), dtype=np.int64, count=len(units))
 
 
 def resume_point(units: list[tuple], seed: int, epoch: int, offset: int, shuffle: bool = True,
                  rank: int = 0, world: int = 1) -> tuple[int, int]:
     """(first slot within `epoch`, rows of that slot to skip) for rank `rank`'s stream that
     resumes after `offset` of its rows of `epoch` were consumed."""
-    order = rank_order(len(units), seed, epoch, rank, world, shuffle)
-    rows = np.fromiter((units[int(u)][2] - units[int(u)][1] for u in order), dtype=np.int64,
-                       count=len(order))
-    ends = np.cumsum(rows)
-    j = int(np.searchsorted(ends, offset, side="right"))
-    if j >= len(order):
-        return len(order), 0  # the epoch was used up: start at the next one
-    return j, offset - (int(ends[j - 1]) if j else 0)
+    return RankStream(unit_sizes(units), seed, Segment(world, 0, epoch), rank, shuffle).position(offset)
 
 
-def rank_position(units: list[tuple], seed: int, consumed: int, shuffle: bool = True,
-                  rank: int = 0, world: int = 1) -> tuple[int, int, int]:
-    """(epoch, first slot in it, rows to skip) of rank `rank` after it consumed `consumed` rows
-    of its own stream (every rank consumes the same number per step: samples_seen / world)."""
-    epoch = 0
-    while True:
-        order = rank_order(len(units), seed, epoch, rank, world, shuffle)
-        rows = sum(units[int(u)][2] - units[int(u)][1] for u in order)
-        if consumed < rows or rows == 0:
-            slot, skip = resume_point(units, seed, epoch, consumed, shuffle, rank, world)
-            return epoch, slot, skip
-        consumed -= rows
-        epoch += 1
+def default_unit_rows(rows_per_epoch: int, world: int) -> int:
+    """Rows per read unit: UNIT_ROWS, less for small splits so each of `world` ranks gets at
+    least 4 units. A run keeps the value it started with (TrainState.unit_rows)."""
+    return max(1, min(UNIT_ROWS, rows_per_epoch // (4 * world)))
 
 
 def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: bool, seed: int,
@@ -238,15 +199,17 @@ def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
 
 def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
             unit_rows: Optional[int], start_offset: int = 0, rank: int = 0, world: int = 1,
-            consumed: Optional[int] = None):
+            consumed: Optional[int] = None, resume: Optional[dict] = None):
     import ray  # lazy: ray (shards_dir / normalize are used without it)
 
     d = cfg.data
     root = shards_dir(cfg)
     manifest = sh.read_manifest(root)
     rows_per_epoch = manifest["counts"][split]
-    if unit_rows is None:  # at least 4 units per rank, so every rank has data
-        unit_rows = max(1, min(UNIT_ROWS, rows_per_epoch // (4 * world)))
+    if resume and resume.get("unit_rows"):
+        unit_rows = int(resume["unit_rows"])
+    elif unit_rows is None:
+        unit_rows = default_unit_rows(rows_per_epoch, world)
     units = plan_units(root, split, manifest, unit_rows)
     if not units:
         raise InputError(f"{root}: manifest lists no {split} shards ({manifest['counts']}); "
@@ -254,22 +217,22 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     if len(units) < world:
         raise InputError(f"{root}: {rows_per_epoch} {split} images cannot feed {world} workers; "
                          "lower parallel.num_workers or add data")
-    if consumed is not None:  # a rank's data position: rows it already consumed
-        start_epoch, first_slot, skip_rows = rank_position(units, cfg.train.seed, consumed,
-                                                           shuffle=train, rank=rank, world=world)
-    else:
-        first_slot, skip_rows = resume_point(units, cfg.train.seed, start_epoch, start_offset,
-                                             shuffle=train, rank=rank, world=world) \
-            if start_offset else (0, 0)
+    sizes = unit_sizes(units)
+    seg = Segment(world, 0, start_epoch)
+    if resume:  # a run's data position: the worker counts it ran with and samples it consumed
+        seen = int(resume["samples_seen"])
+        seg = current_segment(sizes, cfg.train.seed, with_world(resume.get("worlds"), world, seen))
+        consumed = (seen - seg.start) // world
+    stream = RankStream(sizes, cfg.train.seed, seg, rank, shuffle=train)
+    first_slot, skip_rows = stream.position(consumed if consumed is not None else start_offset)
     if num_epochs is None:  # +1: a rank's share of an epoch is up to one unit short of 1/world
         num_epochs = epochs_needed(rows_per_epoch, cfg.train.steps, cfg.parallel.global_batch) + \
             (1 if world > 1 else 0) if train else 1
-    total = units_per_rank(len(units), rank, world) * num_epochs - first_slot
-    reader = UnitReader(units, start_epoch, shuffle=train, seed=cfg.train.seed,
-                        size=d.image_size, mode=d.augment if train else "none",
+    total = len(stream.prefix) + stream.n * num_epochs - first_slot
+    reader = UnitReader(units, stream, size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
                         storage_format=manifest["storage"]["format"],
-                        first_slot=first_slot, skip_rows=skip_rows, rank=rank, world=world)
+                        first_slot=first_slot, skip_rows=skip_rows)
     return ray.data.range(total, override_num_blocks=num_read_tasks(total, unit_rows)).map_batches(
         reader, batch_size=None, batch_format="numpy")
 
@@ -296,18 +259,20 @@ def num_read_tasks(total_slots: int, unit_rows: int) -> int:
 
 def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = None,
                         unit_rows: Optional[int] = None, start_offset: int = 0, rank: int = 0,
-                        world: int = 1, consumed: Optional[int] = None):
+                        world: int = 1, consumed: Optional[int] = None, resume: Optional[dict] = None):
     """The training stream of rank `rank` of `world` (each rank its own disjoint share of every
     epoch): epochs start_epoch .. start_epoch + num_epochs - 1 back to back, beginning
     `start_offset` rows into start_epoch's order, or, given `consumed` (rows this rank already
-    took: a resume's data position), right after them.
+    took at this world size), right after them; given `resume` (a run's TrainState: samples_seen,
+    worlds, unit_rows), after what the run consumed with whatever worker counts it had.
 
     Rows: {"image" uint8 (S, S, 3), "label" int64, "epoch" int64, "key" str}. Default
     num_epochs covers train.steps x parallel.global_batch rows. Training hands rank r its
     stream through RankStreams (pipeline.train.worker).
     """
     return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
-                   start_offset=start_offset, rank=rank, world=world, consumed=consumed)
+                   start_offset=start_offset, rank=rank, world=world, consumed=consumed,
+                   resume=resume)
 
 
 def build_eval_dataset(cfg, split: str = "val", unit_rows: Optional[int] = UNIT_ROWS):
@@ -356,7 +321,7 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
     raw=True yields the (B, S, S, 3) uint8 images as they arrived, for a step that normalises
     inside its own compiled graph; on CPU they can share Ray's read-only object-store memory,
     so treat them as read-only (normalise out of place). on_keys: called with each batch's
-    sample keys as it is handed out.
+    sample keys and epochs as it is handed out.
     """
     import torch  # lazy: torch (vitp preprocess imports this module and needs none)
 
@@ -365,7 +330,7 @@ def iter_device_batches(data_iterator, batch_size: int, device, dtype=None,
     for batch in data_iterator.iter_batches(batch_size=batch_size, batch_format="numpy",
                                             drop_last=drop_last, prefetch_batches=prefetch_batches):
         if on_keys is not None:
-            on_keys(batch["key"])
+            on_keys(batch["key"], batch["epoch"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only Arrow buffers: we never write
             imgs = torch.from_numpy(np.ascontiguousarray(batch["image"]))  # (B, S, S, 3) uint8

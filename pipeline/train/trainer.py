@@ -58,13 +58,18 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
         train_per_worker,
         train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
-                                               resources_per_worker=resources),
+        # min_workers: elastic, Train runs what the cluster has (a lost node costs a restart on
+        # fewer workers, and the group grows back); workers re-derive the batch (for_world).
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(p.min_workers, p.num_workers) if p.min_workers else p.num_workers,
+            use_gpu=p.use_gpu, resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=cfg.run_name,
             storage_path=inner,
             storage_filesystem=fs,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            # preemptions (a node drained with a deadline) have their own, unlimited budget
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures,
+                                                   max_preemption_failures=-1),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
             callbacks=callbacks or None,
         ),
@@ -90,7 +95,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
             "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
         )
     meta = ckpt.read_meta(existing) if existing else None
-    if meta and meta["step"] >= cfg.train.steps:
+    if meta and meta["step"] >= (cfg.train.pause_at or cfg.train.steps):
         return _already_finished(cfg, existing, meta, tracking, t0)
     if existing:
         print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
@@ -127,7 +132,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     metrics = dict(result.metrics or {})
     if logger:
         if checkpoint:
-            logger.set_tags({"checkpoint": checkpoint})
+            logger.set_tags({"checkpoint": checkpoint, **(
+                {"vitp.paused_at": str(cfg.train.pause_at)} if cfg.train.pause_at else {})})
             if cfg.model.head == "finetune":
                 _log_rollouts(logger, cfg, checkpoint)
         logger.end("FINISHED")
@@ -143,9 +149,10 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     Its MLflow run is left as it is when already FINISHED (end time and attempt unchanged); one
     still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED.
     """
-    print(f"[{cfg.run_name}] already finished: {checkpoint} is step {meta['step']} of "
-          f"{cfg.train.steps}; nothing to train (raise train.steps to continue it, or choose a new "
-          "--set tracking.run_name=... to train again)", flush=True)
+    print(f"[{cfg.run_name}] already {'paused' if meta['step'] < cfg.train.steps else 'finished'}: "
+          f"{checkpoint} is step {meta['step']} of {cfg.train.steps}; nothing to train (raise "
+          "train.pause_at / train.steps to continue it, or choose a new --set tracking.run_name=... "
+          "to train again)", flush=True)
     run_id = None
     if tracking:
         uri = resolve_tracking_uri(cfg)

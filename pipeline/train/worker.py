@@ -21,12 +21,15 @@ from ray.data import DataContext
 from ray.train import DataConfig
 
 from .. import storage
-from ..config import ExperimentConfig
-from ..data.ingest import build_eval_dataset, build_train_dataset, iter_device_batches, train_rows_per_epoch
+from ..config import ExperimentConfig, for_world
+from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit_rows, iter_device_batches,
+                           train_rows_per_epoch)
+from ..data.position import with_world
 from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
+from .preempt import PreemptionWatch
 from .step import all_reduce_max, all_reduce_sum
 
 
@@ -39,10 +42,10 @@ def train_placeholder():
 
 class RankStreams(DataConfig):
     """How Train hands out data: rank r of W reads its own deterministic stream (every W-th
-    unit of each epoch's order, build_train_dataset(rank, world)), starting right after the
-    rows it consumed before the newest complete checkpoint (samples_seen / W each: every rank
-    takes micro_batch x grad_accum rows a step). So a resumed attempt reads nothing twice and
-    skips nothing, for any number of workers; "val" is split as Train does by default."""
+    unit of each epoch's order, build_train_dataset(rank, world)), starting right after what
+    the run consumed before the newest complete checkpoint, with whatever worker counts it had
+    (data/position.py: the rest of an epoch begun with other counts is shared out first). So a
+    resumed attempt reads nothing twice and skips nothing; "val" is split as Train does."""
 
     def __init__(self, cfg_dict: dict[str, Any]):
         ordered = copy.deepcopy(DataContext.get_current().execution_options)
@@ -57,9 +60,9 @@ class RankStreams(DataConfig):
         if "train" in datasets:
             DataContext.get_current().enable_progress_bars = False
             cfg = ExperimentConfig.from_dict(self.cfg_dict)
-            per_rank = ckpt.samples_consumed(cfg) // world_size
+            resume = ckpt.data_position(cfg)
             for r in range(world_size):
-                ds = build_train_dataset(cfg, rank=r, world=world_size, consumed=per_rank)
+                ds = build_train_dataset(cfg, rank=r, world=world_size, resume=resume)
                 ds.context.execution_options = self._resolve_execution_options("train")
                 out[r]["train"] = ds.iterator()
         return out
@@ -75,7 +78,7 @@ class EvalDatasetFactory:
 
 
 class SampleRecorder:
-    """train.record_samples: the keys of every micro-batch this rank trains on, by step, written
+    """train.record_samples: the keys (and epochs) of every micro-batch this rank trains on, by step, written
     beside the checkpoints (<run>/samples/rank_NNNNN/from_FFFFFFFF_upto_SSSSSSSS.jsonl: F the
     step this attempt started from) each time one is saved, up to its step; so what a resumed
     run trained on can be compared with an uninterrupted run. Where attempts overlap, the
@@ -86,15 +89,16 @@ class SampleRecorder:
         self.accum, self.first, self.micro = cfg.parallel.grad_accum, first_step, 0
         self.pending: list[tuple[int, list[str]]] = []
 
-    def __call__(self, keys) -> None:
-        self.pending.append((self.first + 1 + self.micro // self.accum, [str(k) for k in keys]))
+    def __call__(self, keys, epochs) -> None:
+        self.pending.append((self.first + 1 + self.micro // self.accum, [str(k) for k in keys],
+                             [int(e) for e in epochs]))
         self.micro += 1
 
     def flush(self, upto: int) -> None:
         done = [p for p in self.pending if p[0] <= upto]
         self.pending = [p for p in self.pending if p[0] > upto]
         if done:
-            lines = "\n".join(json.dumps({"step": s, "keys": k}) for s, k in done)
+            lines = "\n".join(json.dumps({"step": s, "keys": k, "epochs": e}) for s, k, e in done)
             name = f"from_{self.first:08d}_upto_{upto:08d}.jsonl"
             storage.write_bytes(storage.join(self.dir, name), lines.encode())
 
@@ -154,9 +158,10 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None}.
     """
-    cfg = ExperimentConfig.from_dict(config["cfg"])
+    recipe = ExperimentConfig.from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = for_world(recipe, world)  # the recipe's global batch on the workers running now
     device = device_for(cfg)
     engine, _, _ = build_model_and_engine(cfg, world)
 
@@ -165,6 +170,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
     if restored is not None:
         with restored.as_directory() as d:
             state = ckpt.load(engine, d)
+            state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
         if rank == 0:
             print(f"[{cfg.run_name}] resumed from {where} at step {state.step}", flush=True)
     elif cfg.train.resume == "must":
@@ -172,18 +178,29 @@ def train_per_worker(config: dict[str, Any]) -> None:
             f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "
             "check the run name / work_dir, or use train.resume=auto"
         )
+    epoch_rows = train_rows_per_epoch(cfg)
+    state.worlds = with_world(state.worlds, world, state.samples_seen)  # what RankStreams read
+    state.unit_rows = state.unit_rows or default_unit_rows(epoch_rows, state.worlds[0][0])
+    p = cfg.parallel
+    if rank == 0 and (p.grad_accum, p.micro_batch) != (recipe.parallel.grad_accum, recipe.parallel.micro_batch):
+        print(f"[{cfg.run_name}] {world} worker(s): micro batch {p.micro_batch} x grad_accum "
+              f"{p.grad_accum} x {world} = global batch {p.global_batch} (as the recipe's "
+              f"{recipe.parallel.micro_batch} x {recipe.parallel.grad_accum} x "
+              f"{recipe.parallel.num_workers})", flush=True)
 
     logger = None
     if rank == 0 and config.get("mlflow"):
         logger = RunLogger.start(config["mlflow"]["uri"], cfg.tracking.experiment, cfg.run_name,
                                  run_id=config["mlflow"]["run_id"])
 
-    if logger and restored is not None:
-        logger.log_metrics({"train/resumed_from": state.step}, step=state.step)
+    if logger:
+        logger.log_metrics({"parallel/workers": world, "parallel/grad_accum": p.grad_accum,
+                            "parallel/micro_batch": p.micro_batch,
+                            **({"train/resumed_from": state.step} if restored is not None else {})},
+                           step=state.step)
 
     # This rank's stream starts right after what it consumed before the restored checkpoint
     # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
-    epoch_rows = train_rows_per_epoch(cfg)
     recorder = SampleRecorder(cfg, rank, state.step) if cfg.train.record_samples else None
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)
@@ -199,6 +216,12 @@ def train_per_worker(config: dict[str, Any]) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
     t_start, start_step = time.time(), state.step
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(f"[{cfg.run_name}] {line}", flush=True)
+
+    watch = PreemptionWatch(device, say)
 
     def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
         if rank == 0:
@@ -227,12 +250,15 @@ def train_per_worker(config: dict[str, Any]) -> None:
         if recorder:
             recorder.flush(step)
         io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
+        watch.checkpoint_s = io["perf/ckpt_blocked_s"]
         if rank == 0:
             print(f"[{cfg.run_name}] checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, "
                   f"{io['perf/ckpt_write_mb_s']:.1f} MB/s to storage, training blocked "
                   f"{io['perf/ckpt_blocked_s']:.2f} s", flush=True)
             if logger:
-                logger.log_metrics(io, step=step)
+                logger.log_metrics({**io, **({"train/preempt_checkpoint": 1.0} if watch.steps and
+                                             watch.steps[-1] == step else {})}, step=step)
+        watch.park()
 
     if state.step == 0 and cfg.model.head == "finetune":
         # The transfer head starts at zero: record the largest |logit| of the first batch.
@@ -240,5 +266,5 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     has_val = "val" in config.get("datasets", ["val"])
     hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
-                      eval_batches=eval_batches if has_val else None)
+                      eval_batches=eval_batches if has_val else None, checkpoint_now=watch)
     run_loop(cfg, engine, stream, state, hooks, rank, world)

@@ -211,7 +211,8 @@ def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
     """A stream resumed at (epoch, offset) is the uninterrupted stream from that position on:
     same keys in the same order, same pixels, and nothing before it is read (the first unit
     read is the one holding the position, not the epoch's first)."""
-    from pipeline.data.ingest import UnitReader, resume_point, shards_dir
+    from pipeline.data.ingest import UnitReader, resume_point, shards_dir, unit_sizes
+    from pipeline.data.position import RankStream, Segment
 
     cfg, res = shards
     n = res["train"]
@@ -228,8 +229,8 @@ def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
     units = plan_units(shards_dir(cfg), "train", read_manifest(shards_dir(cfg)), unit_rows)
     slot, skip = resume_point(units, cfg.train.seed, 0, (3 * n) // 4)
     assert slot > 0 and 0 <= skip < unit_rows
-    reader = UnitReader(units, 0, True, cfg.train.seed, 16, "none", 1.0, False, "uint8",
-                        first_slot=slot, skip_rows=skip)
+    stream = RankStream(unit_sizes(units), cfg.train.seed, Segment(1), 0)
+    reader = UnitReader(units, stream, 16, "none", 1.0, False, "uint8", first_slot=slot, skip_rows=skip)
     first = next(reader({"id": np.array([0])}))
     assert [(0, k) for k in first["key"]] == full[(3 * n) // 4:(3 * n) // 4 + len(first["key"])]
 

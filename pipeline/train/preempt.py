@@ -1,0 +1,65 @@
+"""Preemption notices on a Ray Train worker: checkpoint at the notice, again as late as is
+safe before the node's deadline, then wait for Train to restart the run on what remains.
+
+The loop calls `PreemptionWatch` after every step (LoopHooks.checkpoint_now) on every rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from .step import all_reduce_max
+
+NO_DEADLINE_S = 120.0  # Ray Train's own fallback window when a drain gives no deadline
+SAFETY_S = 5.0  # besides twice the last checkpoint's and step's time
+
+
+class PreemptionWatch:
+    """checkpoint_now hook. On the first notice (Ray Train agrees on it across ranks through
+    ray.train.get_preemption_info) it asks for a checkpoint at once, so one exists whatever
+    happens next; training goes on, and when the deadline is within two checkpoints and two
+    steps (+ SAFETY_S; the ranks agree by an all-reduce) it asks for the last one. After that one
+    `park` holds the ranks until Train tears the group down at the deadline: steps trained
+    after it would be lost. If the node is still there a minute past the deadline (a
+    cancelled drain), training goes on."""
+
+    def __init__(self, device, say: Callable[[str], None], poll=None):
+        import ray.train
+
+        self.device, self.say = device, say
+        self.poll = poll or ray.train.get_preemption_info
+        self.deadline: Optional[float] = None
+        self.final = False
+        self.checkpoint_s = 0.0  # the last checkpoint's time, set by the worker
+        self.step_s, self._t = 0.0, time.time()
+        self.steps: list[int] = []  # steps checkpointed for a notice
+
+    def __call__(self, step: int) -> bool:
+        now = time.time()
+        self.step_s, self._t = max(0.5 * self.step_s, now - self._t), now
+        info = self.poll()
+        if info is None or self.final:
+            return False
+        if self.deadline is None:
+            self.deadline = info.deadline_ms / 1000 if info.deadline_ms else now + NO_DEADLINE_S
+            self.say(f"preemption notice for node(s) {', '.join(info.preempted_node_ids)} (ranks "
+                     f"{info.preempted_ranks}), deadline in {self.deadline - now:.0f} s: "
+                     f"checkpointing at step {step}")
+            self.steps.append(step)
+            return True
+        need = 2 * (self.checkpoint_s + self.step_s) + SAFETY_S
+        late = all_reduce_max({"late": float(now + need >= self.deadline)}, self.device)["late"] > 0
+        if late:
+            self.final = True
+            self.say(f"deadline in {self.deadline - now:.0f} s: last checkpoint at step {step}")
+            self.steps.append(step)
+        return late
+
+    def park(self) -> None:
+        """After the last checkpoint: wait for the teardown (or a minute past the deadline)."""
+        if not self.final:
+            return
+        while time.time() < (self.deadline or 0) + 60:
+            time.sleep(0.5)
+        self.say("the preempted node outlived its deadline by a minute: training goes on")
+        self.deadline, self.final = None, False
