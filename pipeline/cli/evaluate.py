@@ -113,6 +113,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
     uri = args.tracking_uri or resolve_tracking_uri(config_from(args, check_paths=False))
+    _mark_stale(uri, args.experiment, args.stale_after)
     rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)
     print(format_table(rows, args.format))
     if args.plot:
@@ -121,6 +122,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
             log_plot_to_parent(uri, parent, out)
         print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _mark_stale(uri: str, experiments, stale_after: float) -> None:
+    """Runs left RUNNING by a process that died (SIGKILL, a lost node) are shown KILLED."""
+    from pipeline.tracking.stale import mark_stale_runs  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.store import get_client  # lazy: keeps vitp --help fast (mlflow)
+
+    if stale_after <= 0:
+        return
+    names = experiments or [e.name for e in get_client(uri).search_experiments()]
+    for name in names:
+        for run in mark_stale_runs(uri, name, stale_after):
+            print(f"marked run {run.run_id} ({run.run_name}) KILLED: no heartbeat for "
+                  f"{run.idle_s:.0f} s", file=sys.stderr)
 
 
 def _add_compare(sub) -> Handler:
@@ -134,6 +149,8 @@ def _add_compare(sub) -> Handler:
     p.add_argument("--filter", default="", help="an MLflow filter string, ANDed with the rest")
     p.add_argument("--format", choices=["text", "csv", "json"], default="text")
     p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset")
+    p.add_argument("--stale-after", type=float, default=600.0, metavar="SECONDS",
+                   help="mark RUNNING runs without a heartbeat for this long KILLED first (0: don't)")
     return cmd_compare
 
 

@@ -1,8 +1,8 @@
-"""MLflow runs: resume by id or name, step-deduplicated metrics, params, tags, exit status.
+"""MLflow runs: resume by id or name, step-deduplicated metrics (optionally spooled off-thread), status.
 
 An explicit MlflowClient, never mlflow's global active run (Train rank 0 and Tune trial drivers log
-from one process); store and client come from store.py. Must not import torch or ray. A SIGKILLed
-process cannot end its run: it stays RUNNING and the next start() with its name resumes it.
+from one process); store and client come from store.py, the spool from spool.py. No torch or ray.
+A SIGKILLed process leaves its run RUNNING: the next start() resumes it, or stale.py marks it KILLED.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import storage
 from pipeline.config import flatten
 from pipeline.tracking.redact import redact, redact_value
+from pipeline.tracking.spool import HEARTBEAT_TAG, MetricSender, has_leftovers
 from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,10 @@ log = logging.getLogger(__name__)
 ATTEMPT_TAG = "vitp.attempt"  # 1 for a fresh run, +1 on each resume: shows how often it restarted
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 # Params a finished run may be continued with a new value of (`vitp pretrain ... --set train.steps=N`).
-CONTINUABLE = ("train.steps",)
+# Keys a resumed run may change: its length, and the worker count (resume at another world
+# size keeps the global batch; micro batch and accumulation follow it).
+CONTINUABLE = ("train.steps", "train.pause_at", "parallel.num_workers", "parallel.min_workers", "parallel.grad_accum",
+               "parallel.micro_batch")
 
 # mlflow's limits (mlflow.utils.validation); we truncate ourselves so the note says where the rest is.
 MAX_PARAM_VALUE = 6000
@@ -91,23 +95,17 @@ class RunLogger:
     SIGKILL/OOM cannot end its run: it stays RUNNING until a later start() resumes it by name or id.
     """
 
-    def __init__(
-        self,
-        client: MlflowClient,
-        run_id: str,
-        experiment_id: str,
-        run_name: str,
-        resumed: bool,
-        last_steps: dict[str, int],
-    ):
+    def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, run_name: str,
+                 resumed: bool, last_steps: dict[str, int]):
         self.client = client
         self.tracking_uri = client.tracking_uri
         self.run_id = run_id
         self.experiment_id = experiment_id
         self.run_name = run_name
         self.resumed = resumed
-        self._last_steps = dict(last_steps)  # metric key -> highest step already in MLflow
+        self._last_steps = dict(last_steps)  # metric key -> highest step in MLflow (or spooled)
         self.status: str | None = None  # set by end()
+        self._sender: MetricSender | None = None  # background=True: log_metrics only spools
 
     # ---------------------------------------------------------------- start / resume
     @classmethod
@@ -121,16 +119,21 @@ class RunLogger:
         resume_by_name: bool = True,
         tags: dict | None = None,
         parent_run_id: str | None = None,
+        background: bool = False, timeout_s: float = 5.0,
+        spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
     ) -> "RunLogger":
         """Continue `run_id` (whatever its status: a retried trial); else the newest unfinished
         (RUNNING/FAILED/KILLED) run named `run_name`; else create a run.
 
         A resumed run is set back to RUNNING and its `vitp.attempt` tag incremented. With `parent_run_id`, resume by name only matches runs
         under that parent (trial names repeat across sweeps).
+        background=True: log_metrics appends to a spool file (spool.py, under `spool_dir`) and returns;
+        a thread sends it (each request at most `timeout_s`) and sets `vitp.heartbeat` every
+        `heartbeat_s`. A leftover spool of this run (dead process, MLflow down at end) goes first.
         """
         client = get_client(tracking_uri)
         experiment_id = get_or_create_experiment(client, experiment)
-        all_tags = dict(tags or {})
+        all_tags = {**(tags or {}), HEARTBEAT_TAG: str(int(time.time()))}
         if parent_run_id:
             all_tags[PARENT_TAG] = parent_run_id
 
@@ -160,7 +163,8 @@ class RunLogger:
             created = client.create_run(
                 experiment_id, tags={**_tags_for_mlflow(all_tags), ATTEMPT_TAG: "1"}, run_name=run_name
             )
-            return cls(client, created.info.run_id, experiment_id, run_name, False, {})
+            logger = cls(client, created.info.run_id, experiment_id, run_name, False, {})
+            return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, known={})
 
         rid = run.info.run_id
         tag_batch = _tags_for_mlflow(all_tags)
@@ -180,7 +184,31 @@ class RunLogger:
             if history:
                 last_steps[key] = max(m.step for m in history)
         log.info("resuming MLflow run %s (%s), attempt %d", rid, run.info.run_name, attempt)
-        return cls(client, rid, experiment_id, run.info.run_name or run_name, True, last_steps)
+        logger = cls(client, rid, experiment_id, run.info.run_name or run_name, True, last_steps)
+        return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, known=last_steps)
+
+    @classmethod
+    def attach(cls, tracking_uri: str, run_id: str, *, timeout_s: float = 5.0,
+               spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0) -> "RunLogger":
+        """A background logger (see start) for a run another process opened, e.g. the Train
+        driver's; it calls no MLflow API here, so a worker (re)started during an outage trains on.
+        Replayed steps are dropped by the sender, which asks the server each key's top step first."""
+        logger = cls(get_client(tracking_uri), run_id, "", "", True, {})
+        return logger._attach_spool(True, timeout_s, spool_dir, heartbeat_s, known=None)
+
+    def _attach_spool(self, background: bool, timeout_s: float, spool_dir, heartbeat_s: float,
+                      known: dict[str, int] | None = None) -> "RunLogger":
+        if not background and not has_leftovers(self.run_id, spool_dir):
+            return self
+        sender = MetricSender(self.tracking_uri, self.run_id, known, timeout_s=timeout_s,
+                              spool_dir=spool_dir, heartbeat_s=heartbeat_s)
+        for key, step in sender.adopted.items():  # spooled steps count as logged: replays skip them
+            self._last_steps[key] = max(step, self._last_steps.get(key, -1))
+        if background:
+            self._sender = sender.start()
+        elif not sender.close(timeout_s):
+            log.warning("run %s: leftover spooled metrics could not be sent yet; kept for the next start", self.run_id)
+        return self
 
     @staticmethod
     def _find_unfinished(client: MlflowClient, experiment_id: str, run_name: str, parent_run_id):
@@ -278,10 +306,27 @@ class RunLogger:
                 continue
             batch.append(Metric(key, v, now, step))
         for chunk in _chunks(batch, METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=chunk)
+            if self._sender is None:
+                self.client.log_batch(self.run_id, metrics=chunk)
+                continue
+            try:
+                self._sender.append(step, now, {m.key: m.value for m in chunk})
+            except OSError as e:  # local disk full/unwritable: training goes on without these
+                log.warning("metrics of step %d not spooled (%s): not logged", step, e)
+                return 0
         for m in batch:
             self._last_steps[m.key] = step
         return len(batch)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait at most timeout_s until every spooled metric is in MLflow; False if some are not."""
+        return self._sender.flush(timeout_s) if self._sender else True
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Flush (bounded) and stop the background sender without ending the run (a Train worker's
+        logger); what is not sent stays spooled for the next start() of this run. True if all sent."""
+        sender, self._sender = self._sender, None
+        return sender.close(timeout_s) if sender else True
 
     # ---------------------------------------------------------------- tags and artifacts
     def set_tags(self, tags: dict[str, Any]) -> None:
@@ -302,14 +347,25 @@ class RunLogger:
         self.client.log_dict(self.run_id, d, artifact_file)
 
     # ---------------------------------------------------------------- end
-    def end(self, status: str = "FINISHED") -> None:
-        """Mark the run FINISHED, FAILED or KILLED. Calling it again is a no-op."""
+    def end(self, status: str = "FINISHED", timeout_s: float = 30.0) -> None:
+        """Mark the run FINISHED, FAILED or KILLED. Calling it again is a no-op.
+
+        With background=True it first flushes for at most timeout_s; if MLflow does not answer,
+        the run stays RUNNING and the spool stays on disk (one warning says where), never raising.
+        """
         status = status.upper()
         if status not in TERMINAL_STATUSES:
             raise TrackingError(f"end(status={status!r}): use one of {', '.join(TERMINAL_STATUSES)}")
         if self.status is not None:
             return
-        self.client.set_terminated(self.run_id, status=status)
+        if (sender := self._sender) is None:
+            self.client.set_terminated(self.run_id, status=status)
+        elif not (self.close(timeout_s) and sender.terminate(status)):
+            log.warning(
+                "MLflow at %s unreachable (%s): run %s left RUNNING instead of %s, %d metric values kept "
+                "in %s: RunLogger.start(..., run_id=%r) sends them, then end() it (or mark_stale_runs)",
+                self.tracking_uri, sender.last_error.splitlines()[0][:200] if sender.last_error else "no answer",
+                self.run_id, status, sender.left, sender.spool.dir, self.run_id)
         self.status = status
 
     def __enter__(self) -> "RunLogger":

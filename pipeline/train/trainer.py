@@ -110,7 +110,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         run = _mlflow_run_of(uri, meta) if meta else None
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
                                  run_id=run.info.run_id if run else None,
-                                 parent_run_id=parent_run_id,
+                                 parent_run_id=parent_run_id, background=True,
+                                 timeout_s=cfg.tracking.log_timeout_s,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        "dataset": cfg.data.source, **cfg.tracking.tags,
                                        **(extra_tags or {})})

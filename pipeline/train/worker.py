@@ -190,8 +190,9 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     logger = None
     if rank == 0 and config.get("mlflow"):
-        logger = RunLogger.start(config["mlflow"]["uri"], cfg.tracking.experiment, cfg.run_name,
-                                 run_id=config["mlflow"]["run_id"])
+        # never waits on MLflow: metrics are spooled on this node and sent by a thread
+        logger = RunLogger.attach(config["mlflow"]["uri"], config["mlflow"]["run_id"],
+                                  timeout_s=cfg.tracking.log_timeout_s)
 
     if logger:
         logger.log_metrics({"parallel/workers": world, "parallel/grad_accum": p.grad_accum,
@@ -267,4 +268,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
     has_val = "val" in config.get("datasets", ["val"])
     hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
                       eval_batches=eval_batches if has_val else None, checkpoint_now=watch)
-    run_loop(cfg, engine, stream, state, hooks, rank, world)
+    try:
+        run_loop(cfg, engine, stream, state, hooks, rank, world)
+    finally:
+        if logger:
+            logger.close(timeout_s=30)  # bounded; what is unsent stays spooled for the driver's end()

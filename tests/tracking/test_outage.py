@@ -1,0 +1,300 @@
+"""Training-side logging through MLflow outages, against real `mlflow server` processes: a server
+stopped and restarted on the same store and port, responses lost after the server committed
+(a TCP proxy), end() while down, a SIGKILLed owner marked KILLED by its stale heartbeat.
+"""
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.net import free_port
+from pipeline.tracking import RunLogger, TrackingError, start_server
+from pipeline.tracking.spool import HEARTBEAT_TAG, MetricSpool, spool_dir_for
+from pipeline.tracking.stale import STALE_TAG, mark_stale_runs
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("train/loss", "train/lr", "perf/images_per_sec")
+
+
+def metrics(step, offset=0.0):
+    return {"train/loss": 10.0 - step / 10 + offset, "train/lr": 0.001 * step, "perf/images_per_sec": 100.0 + step}
+
+
+def assert_each_step_once(client, run_id, steps, offset=0.0):
+    for key in KEYS:
+        history = client.get_metric_history(run_id, key)
+        assert sorted(m.step for m in history) == list(steps), key
+        assert {m.step: m.value for m in history} == {s: metrics(s, offset)[key] for s in steps}, key
+
+
+def spooled_bytes(spool_dir, run_id):
+    return sum(p.stat().st_size for p in spool_dir_for(run_id, spool_dir).glob("*.jsonl"))
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server on its own SQLite store; restart() starts it again on the same store and port."""
+    store, artifacts = f"sqlite:///{tmp_path}/server.db", str(tmp_path / "artifacts")
+
+    class Own:
+        handle = start_server(store, artifacts)
+
+        def restart(self):
+            self.handle = start_server(store, artifacts, port=self.handle.port)
+
+    own = Own()
+    yield own
+    own.handle.stop()
+
+
+def test_outage_spools_and_backfills_every_step_exactly_once(own_server, experiment, tmp_path):
+    spool, uri = tmp_path / "spool", own_server.handle.uri
+    run = RunLogger.start(uri, experiment, "outage", background=True, timeout_s=2.0, spool_dir=spool,
+                          heartbeat_s=1.0)
+    for step in range(1, 11):
+        run.log_metrics(metrics(step), step=step)
+    assert run.flush(30) and spooled_bytes(spool, run.run_id) == 0
+
+    own_server.handle.stop()  # the tracking server goes away mid-run
+    for step in range(11, 21):
+        t0 = time.monotonic()
+        assert run.log_metrics(metrics(step), step=step) == len(KEYS)
+        assert time.monotonic() - t0 < 2.0  # generous: it only appends to a local file
+    assert not run.flush(1.0)  # nothing can be sent: all of it waits on disk
+    assert spooled_bytes(spool, run.run_id) > 0
+
+    own_server.restart()  # same store, same port: the logger's URI is valid again
+    assert own_server.handle.uri == uri
+    for step in range(21, 31):
+        run.log_metrics(metrics(step), step=step)
+    assert run.flush(60)
+    run.end("FINISHED")
+
+    client = MlflowClient(uri)
+    assert_each_step_once(client, run.run_id, range(1, 31))
+    assert spooled_bytes(spool, run.run_id) == 0 and not list(spool_dir_for(run.run_id, spool).glob("*"))
+    finished = client.get_run(run.run_id)
+    assert finished.info.status == "FINISHED" and float(finished.data.tags[HEARTBEAT_TAG]) > 0
+
+
+class LosingProxy:
+    """TCP proxy to a real server that, while `lose` is set, forwards log-batch requests but throws
+    the server's answer away and hangs up: the values are stored, the client sees a failure."""
+
+    def __init__(self, upstream_port):
+        self.lose = threading.Event()
+        self.lost = 0
+        self._up = upstream_port
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._up))
+            state = {"lose": False}
+            threading.Thread(target=self._requests, args=(client, upstream, state), daemon=True).start()
+            threading.Thread(target=self._responses, args=(upstream, client, state), daemon=True).start()
+
+    def _requests(self, client, upstream, state):
+        while data := _recv(client):
+            if b"log-batch" in data:
+                state["lose"] = self.lose.is_set()
+            upstream.sendall(data)
+        upstream.close()
+
+    def _responses(self, upstream, client, state):
+        while data := _recv(upstream):
+            if state["lose"]:
+                self.lost += 1
+                break
+            client.sendall(data)
+        client.close()
+        upstream.close()
+
+    def close(self):
+        self._sock.close()
+
+
+def _recv(sock):
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def test_lost_answers_are_not_sent_twice(experiment, tmp_path):
+    # A file store keeps every value it is sent (the SQL stores drop exact repeats themselves).
+    server = start_server(str(tmp_path / "mlruns"), str(tmp_path / "artifacts"),
+                          env={"MLFLOW_ALLOW_FILE_STORE": "true"})
+    proxy = LosingProxy(server.port)
+    spool = tmp_path / "spool"
+    try:
+        run = RunLogger.start(proxy.uri, experiment, "lossy", background=True, timeout_s=2.0,
+                              spool_dir=spool, heartbeat_s=60.0)
+        proxy.lose.set()
+        for step in range(1, 11):
+            run.log_metrics(metrics(step), step=step)
+        direct = MlflowClient(server.uri)
+        deadline = time.monotonic() + 30
+        while len(direct.get_metric_history(run.run_id, KEYS[0])) < 10 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Stored server-side, yet still spooled as unsent: a blind resend would duplicate them.
+        assert len(direct.get_metric_history(run.run_id, KEYS[0])) == 10
+        assert proxy.lost >= 1 and spooled_bytes(spool, run.run_id) > 0
+        proxy.lose.clear()
+        for step in range(11, 16):
+            run.log_metrics(metrics(step), step=step)
+        assert run.flush(30)
+        run.end("FINISHED")
+        assert_each_step_once(direct, run.run_id, range(1, 16))
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_leftover_spool_of_a_dead_process_is_sent_once_by_the_next_start(mlflow_server, experiment, tmp_path):
+    spool = tmp_path / "spool"
+    first = RunLogger.start(mlflow_server.uri, experiment, "crashed", spool_dir=spool)
+    for step in range(1, 4):
+        first.log_metrics(metrics(step), step=step)
+    # A process that spooled steps 1..6, sent 1..3 and died before emptying its spool.
+    dead = MetricSpool(spool_dir_for(first.run_id, spool))
+    for step in range(1, 7):
+        dead.append(step, int(time.time() * 1000), metrics(step, offset=0.5 if step <= 3 else 0.0))
+    os.close(dead._fd)  # what a SIGKILL leaves: the file, unlocked
+
+    again = RunLogger.start(mlflow_server.uri, experiment, "crashed", spool_dir=spool)  # synchronous
+    assert again.run_id == first.run_id and again.last_step == 6
+    assert again.log_metrics(metrics(6, offset=9.0), step=6) == 0  # spooled steps count as logged
+    again.end("FINISHED")
+    assert_each_step_once(MlflowClient(mlflow_server.uri), first.run_id, range(1, 7))
+    assert spooled_bytes(spool, first.run_id) == 0
+
+
+def test_attached_worker_logger_needs_no_server_and_drops_replayed_steps(mlflow_server, experiment, tmp_path):
+    spool, uri = tmp_path / "spool", mlflow_server.uri
+    driver = RunLogger.start(uri, experiment, "attached", background=True, spool_dir=spool)
+    for step in range(1, 6):
+        driver.log_metrics(metrics(step), step=step)
+    assert driver.flush(30)
+    worker = RunLogger.attach(uri, driver.run_id, spool_dir=spool)
+    for step in range(3, 9):  # a restarted worker replays from its checkpoint at step 2
+        worker.log_metrics({**metrics(step, offset=0.0 if step > 5 else 7.0), "val/top1": 0.5}, step=step)
+    assert worker.close(30)
+    # Attaching makes no MLflow call: a worker (re)started while MLflow is unreachable trains on.
+    cut_off = RunLogger.attach(f"http://127.0.0.1:{free_port()}", driver.run_id, spool_dir=spool, timeout_s=0.5)
+    for step in (9, 10):
+        assert cut_off.log_metrics(metrics(step), step=step) == len(KEYS)
+    assert not cut_off.close(0.5) and spooled_bytes(spool, driver.run_id) > 0
+    driver.end("FINISHED")  # takes over the ended worker's spool on this node and sends it
+
+    client = MlflowClient(uri)
+    assert_each_step_once(client, driver.run_id, range(1, 11))  # the first values of steps 3..5 kept
+    assert sorted(m.step for m in client.get_metric_history(driver.run_id, "val/top1")) == list(range(3, 9))
+    assert client.get_run(driver.run_id).info.status == "FINISHED"
+    assert spooled_bytes(spool, driver.run_id) == 0
+
+
+def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experiment, tmp_path, caplog):
+    spool, uri = tmp_path / "spool", own_server.handle.uri
+    run = RunLogger.start(uri, experiment, "ended-in-outage", background=True, timeout_s=2.0, spool_dir=spool)
+    for step in range(1, 6):
+        run.log_metrics(metrics(step), step=step)
+    assert run.flush(30)
+    own_server.handle.stop()
+    for step in range(6, 11):
+        run.log_metrics(metrics(step), step=step)
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking.runs"):
+        run.end("FINISHED", timeout_s=1.0)  # must not raise
+    assert "left RUNNING" in caplog.text and str(spool) in caplog.text
+    assert spooled_bytes(spool, run.run_id) > 0
+
+    own_server.restart()
+    client = MlflowClient(uri)
+    assert client.get_run(run.run_id).info.status == "RUNNING"
+    again = RunLogger.start(uri, experiment, "ended-in-outage", run_id=run.run_id, background=True,
+                            spool_dir=spool)
+    assert again.last_step == 10
+    again.log_metrics(metrics(11), step=11)
+    assert again.flush(60)
+    again.end("FINISHED")
+    assert_each_step_once(client, run.run_id, range(1, 12))
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+    assert spooled_bytes(spool, run.run_id) == 0
+
+
+# Starts a background-logged run, says READY, then waits to be killed.
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pipeline.tracking import RunLogger
+    uri, experiment, spool = sys.argv[1:4]
+    run = RunLogger.start(uri, experiment, "dead", background=True, heartbeat_s=0.5, spool_dir=spool)
+    run.log_metrics({"train/loss": 1.0}, step=1)
+    assert run.flush(30)
+    print("READY", run.run_id, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_sigkilled_run_is_marked_killed_and_a_live_one_is_left_alone(mlflow_server, experiment, tmp_path):
+    uri = mlflow_server.uri
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, experiment, str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), proc.stderr.read() if proc.poll() is not None else line
+        dead_id = line.split()[1]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    alive = RunLogger.start(uri, experiment, "alive", background=True, heartbeat_s=0.5, spool_dir=tmp_path)
+    client = MlflowClient(uri)
+    assert client.get_run(dead_id).info.status == "RUNNING"  # nothing could end it
+    with pytest.raises(TrackingError, match="stale_after_s"):
+        mark_stale_runs(uri, experiment, stale_after_s=0)
+
+    time.sleep(6.0)  # the live run beats every 0.5 s meanwhile
+    marked = mark_stale_runs(uri, experiment, stale_after_s=5.0)
+    assert [m.run_id for m in marked] == [dead_id] and marked[0].idle_s >= 5.0
+    dead = client.get_run(dead_id)
+    assert dead.info.status == "KILLED" and "no heartbeat" in dead.data.tags[STALE_TAG]
+    assert dead.info.end_time == int(marked[0].last_seen * 1000)
+    assert client.get_run(alive.run_id).info.status == "RUNNING"
+    alive.end("FINISHED")
+    assert mark_stale_runs(uri, experiment, stale_after_s=0.001) == []  # ended runs are never touched
+    assert client.get_run(alive.run_id).info.status == "FINISHED"
+
+
+def test_vitp_compare_shows_a_sigkilled_run_killed(mlflow_server, experiment, tmp_path):
+    """`vitp compare` on the experiment first ends runs whose process died (no heartbeat) KILLED."""
+    uri = mlflow_server.uri
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, experiment, str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), proc.stderr.read() if proc.poll() is not None else line
+        dead_id = line.split()[1]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    time.sleep(3.0)
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "compare", "--tracking-uri", uri,
+                          "--experiment", experiment, "--stale-after", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"marked run {dead_id}" in out.stderr and "KILLED" in out.stderr
+    assert MlflowClient(uri).get_run(dead_id).info.status == "KILLED"
