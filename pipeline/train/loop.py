@@ -6,6 +6,7 @@ Must not import Ray, MLflow or the driver (trainer.py).
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -14,13 +15,13 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, drill_steps
 from ..model.flops import training_flops
 from ..model.vit import adapt_state_dict, build_vit
 from . import checkpoint as ckpt
 from .engine import build_engine
 from .export import load_weights
-from .step import all_reduce_sum, evaluate, group, memory_gb, train_step
+from .step import StepResult, all_reduce_sum, evaluate, group, memory_gb, train_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,12 +41,69 @@ class LoopHooks:
     # (step) after every step; True = checkpoint now (e.g. a preemption notice). Every rank
     # must return the same answer.
     checkpoint_now: Optional[Callable[[int], bool]] = None
+    # () after train.nonfinite_patience consecutive skipped (non-finite) steps: restore model,
+    # optimizer and LR scheduler from the last complete checkpoint; returns its step, or None
+    # when there is none (the run then stops). Training goes on with the next batches (no data
+    # rewind). Called at most once a run; every rank must return the same answer.
+    restore: Optional[Callable[[], Optional[int]]] = None
 
 
 @dataclass
 class LoopResult:
     state: ckpt.TrainState
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per log interval
+
+
+class NonFiniteGuard:
+    """Skipped-step bookkeeping: after `patience` skipped steps in a row, one rollback through
+    `restore`; the next such run of steps (or one with nothing to restore) stops the run."""
+
+    def __init__(self, cfg: ExperimentConfig, restore: Optional[Callable[[], Optional[int]]], rank: int):
+        self.cfg, self.restore, self.rank = cfg, restore, rank
+        self.skipped = self.in_a_row = self.rollbacks = 0
+        self.restored_step: Optional[int] = None
+
+    def after_step(self, step: int, res: StepResult) -> None:
+        if not res.skipped:
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        if self.cfg.parallel.precision == "fp16" and math.isfinite(res.loss):
+            # DeepSpeed's dynamic loss scaling at work (scaled grads overflowed, the scale drops)
+            self._say(f"step {step}: fp16 gradient overflow, update skipped, loss scale lowered")
+            return
+        self.in_a_row += 1
+        self._say(f"step {step}: non-finite loss or gradient norm, update skipped "
+                  f"({self.in_a_row} in a row, {self.skipped} in all)")
+        if self.in_a_row < self.cfg.train.nonfinite_patience:
+            return
+        if self.rollbacks == 0 and self.restore is not None:
+            self.restored_step = self.restore()
+            if self.restored_step is not None:
+                self.rollbacks += 1
+                self.in_a_row = 0
+                self._say(f"step {step}: rolled back to the checkpoint of step {self.restored_step}; "
+                          "continuing with the next batches")
+                return
+        raise RuntimeError(self.message(step))
+
+    def message(self, step: int) -> str:
+        o, p = self.cfg.optim, self.cfg.parallel
+        where = (f"again after rolling back to the checkpoint of step {self.restored_step}"
+                 if self.rollbacks else "and there is no checkpoint to roll back to")
+        return (f"step {step}: {self.in_a_row} consecutive non-finite steps (loss or gradient norm "
+                f"NaN/inf; {self.skipped} skipped in all), {where}. Likely causes: LR too high or "
+                f"warm-up too short (optim.lr={o.lr}, optim.warmup_steps={o.warmup_steps}); fp16 "
+                f"overflow (parallel.precision={p.precision}: use bf16); bad input data (check the "
+                f"shards' quarantine.parquet and the batches before step {step}); no gradient "
+                f"clipping (optim.grad_clip={o.grad_clip})")
+
+    def metrics(self) -> dict[str, float]:
+        return {"train/skipped_steps": float(self.skipped), "train/rollbacks": float(self.rollbacks)}
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -72,6 +130,8 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
 
     `batches` yields micro-batches on the device; `grad_accum` of them make one step. Metrics
     are averaged over ranks at log time (an all-reduce every `log_every` steps, not every step).
+    A step with a non-finite loss or grad norm applies no update (train_step) and is left out of
+    train/loss; `NonFiniteGuard` counts such steps and rolls back or stops on a run of them.
     """
     t, p = cfg.train, cfg.parallel
     device = next(engine.module.parameters()).device
@@ -80,8 +140,11 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
     peak = t.device_peak_tflops * 1e12 * world
     result = LoopResult(state=state)
     window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
+    window_applied = 0  # steps of the window that updated the weights (their loss is logged)
     steps = group(batches, p.grad_accum)
-    while state.step < t.steps:
+    guard, drill = NonFiniteGuard(cfg, hooks.restore, rank), drill_steps(t.nan_drill)
+    end = t.pause_at or t.steps  # pause_at: stop there with a checkpoint, schedule unchanged
+    while state.step < end:
         try:
             micro = next(steps)
         except StopIteration:
@@ -89,13 +152,16 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 f"the training data ran out at step {state.step} of {t.steps}: the stream must cover "
                 "train.steps x parallel.global_batch images (add epochs or lower train.steps)"
             ) from None
-        res = train_step(engine, micro)
+        res = train_step(engine, micro, nan_drill=state.step + 1 in drill)
         state.step += 1
         state.samples_seen += res.images * world
-        window_loss += res.loss
+        guard.after_step(state.step, res)  # raises on a run of non-finite steps
+        if not res.skipped:
+            window_loss += res.loss
+            window_applied += 1
         window_steps += 1
         window_images += res.images
-        last = state.step == t.steps
+        last = state.step == end
         eval_due = hooks.eval_batches is not None and (
             last or bool(t.eval_every and state.step % t.eval_every == 0))
         checkpoint_due = hooks.on_checkpoint is not None and (
@@ -103,7 +169,8 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
             or bool(hooks.checkpoint_now and hooks.checkpoint_now(state.step)))
         if (t.log_every and state.step % t.log_every == 0) or last or eval_due:
             elapsed = time.perf_counter() - window_t0
-            sums = all_reduce_sum({"loss": window_loss / window_steps, "images": window_images,
+            mean_loss = window_loss / window_applied if window_applied else float("nan")
+            sums = all_reduce_sum({"loss": mean_loss, "images": window_images,
                                    "seconds": elapsed}, device)
             ips = sums["images"] / (sums["seconds"] / world)  # images/s of the whole world
             metrics = {
@@ -114,12 +181,14 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 "perf/mfu": ips * flops_img / peak,
                 "perf/mem_gb": memory_gb(device),
                 "perf/step_time_s": elapsed / window_steps,
+                **guard.metrics(),
             }
             if eval_due:
                 metrics.update(run_eval(engine, hooks.eval_batches(), device))
             result.history.append({"step": state.step, **metrics})
             hooks.on_log(state.step, metrics, checkpoint_due)
             window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
+            window_applied = 0
         if checkpoint_due:
             hooks.on_checkpoint(state.step, state, result.history[-1] if result.history else {})
     return result

@@ -5,8 +5,10 @@ single-process benchmark on a GPU, and in unit tests.
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -21,6 +23,7 @@ class StepResult:
     grad_norm: float
     images: int  # images this rank processed in the step
     seconds: float
+    skipped: bool = False  # no update was applied: a loss or the grad norm was not finite (any rank)
 
 
 def _grad_norm(engine) -> float:
@@ -37,26 +40,67 @@ def _local_grad_norm(engine) -> float:
     return torch.stack(sq).sum().sqrt().item() if sq else float("nan")
 
 
-def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+@contextmanager
+def skip_update(engine):
+    """Inside: the engine's step() at the accumulation boundary applies no update, and the engine
+    counts it as skipped (`engine.skipped_steps`, `was_step_applied()` False, LR scheduler held).
+
+    Every DeepSpeed wrapper (none for fp32 stage 0; fp16/bf16; ZeRO-1/2/3, offloaded or not) moves
+    the weights only through the client optimizer's step() on its fp32 master copy, then copies
+    the masters into the model weights: untouched masters copy back to the same bits. The no-op
+    step raises the wrapper's `overflow` flag, which the engine reads right after, exactly as for
+    an fp16 overflow. Wrappers that detect a non-finite grad norm themselves never call it.
+    """
+    opt, wrapper = engine.basic_optimizer, engine.optimizer
+    saved = vars(opt).get("step")  # torch's LR scheduler wraps step() on the instance
+    had_overflow = "overflow" in vars(wrapper)
+
+    def no_update(*args, **kwargs):
+        wrapper.overflow = True
+
+    opt.step = no_update
+    try:
+        yield
+    finally:
+        if saved is None:
+            del opt.step
+        else:
+            opt.step = saved
+        if not had_overflow and "overflow" in vars(wrapper):
+            del wrapper.overflow  # a plain torch optimizer (stage 0): later steps must apply
+
+
+def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+               nan_drill: bool = False) -> StepResult:
     """Forward/backward each micro-batch, then DeepSpeed's step at the accumulation boundary.
 
     `micro_batches` yields `grad_accum` pairs (images (B,3,H,W) on the device, labels (B,)).
+    A step whose loss (any micro-batch, any rank) or global grad norm is not finite applies no
+    update (`skip_update`); all ranks agree through one all-reduce per step. `nan_drill`: the
+    loss is multiplied by NaN, a real NaN through backward (the train.nan_drill fault drill).
     """
     t0 = time.perf_counter()
     engine.train()
     losses, images = [], 0
     lr = engine.get_lr()[0]  # the LR this step uses (the scheduler advances inside step())
+    device = next(engine.module.parameters()).device
     dtype = next(engine.module.parameters()).dtype
     stage0 = engine.zero_optimization_stage() == 0
-    grad_norm = float("nan")
+    grad_norm, skip = float("nan"), False
     for x, y in micro_batches:
         logits = engine(x.to(dtype))  # (B, K)
         loss = F.cross_entropy(logits.float(), y)
+        if nan_drill:
+            loss = loss * float("nan")
         engine.backward(loss)
-        if stage0 and engine.is_gradient_accumulation_boundary():
-            grad_norm = _local_grad_norm(engine)
-        engine.step()  # applies the update only at the accumulation boundary
         losses.append(loss.detach())
+        if engine.is_gradient_accumulation_boundary():
+            if stage0:  # ZeRO wrappers check their (partitioned) grad norm themselves
+                grad_norm = _local_grad_norm(engine)
+            finite = bool(torch.stack(losses).isfinite().all()) and (not stage0 or math.isfinite(grad_norm))
+            skip = all_reduce_max({"nonfinite": float(not finite)}, device)["nonfinite"] > 0  # any rank
+        with skip_update(engine) if skip else nullcontext():
+            engine.step()  # applies the update only at the accumulation boundary
         images += x.shape[0]
     if len(losses) != engine.gradient_accumulation_steps():
         raise RuntimeError(
@@ -64,8 +108,9 @@ def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]
             f"{engine.gradient_accumulation_steps()}: the data stream ended mid-step"
         )
     loss = torch.stack(losses).mean().item()
+    applied = engine.was_step_applied() if hasattr(engine, "was_step_applied") else not skip
     return StepResult(loss=loss, lr=lr, grad_norm=grad_norm if stage0 else _grad_norm(engine),
-                      images=images, seconds=time.perf_counter() - t0)
+                      images=images, seconds=time.perf_counter() - t0, skipped=skip or not applied)
 
 
 @torch.no_grad()

@@ -265,9 +265,20 @@ def train_per_worker(config: dict[str, Any]) -> None:
         # The transfer head starts at zero: record the largest |logit| of the first batch.
         stream = _peek_init_logits(engine, stream, logger)
 
+    def restore() -> int | None:
+        """Non-finite steps in a row: model and optimizer back to the newest complete checkpoint
+        (the data goes on from here), its step; None when there is none."""
+        path = ckpt.latest_complete_checkpoint(cfg)
+        if path is None:
+            return None
+        fs, inner = storage.filesystem(path)
+        with ray.train.Checkpoint(inner, filesystem=fs).as_directory() as d:
+            return ckpt.load(engine, d).step
+
     has_val = "val" in config.get("datasets", ["val"])
     hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
-                      eval_batches=eval_batches if has_val else None, checkpoint_now=watch)
+                      eval_batches=eval_batches if has_val else None, checkpoint_now=watch,
+                      restore=restore)
     try:
         run_loop(cfg, engine, stream, state, hooks, rank, world)
     finally:

@@ -1,0 +1,57 @@
+"""Non-finite losses on Ray Train (2 CPU workers, DeepSpeed ZeRO-2, MLflow on SQLite): a NaN
+at one step is skipped and logged; a NaN that persists rolls back once, then stops the run."""
+import pytest
+
+from pipeline.recipes import resolve
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def shards(ray_session, tmp_path_factory):
+    from pipeline.data.commands import run_preprocess
+
+    root = tmp_path_factory.mktemp("shards")
+    run_preprocess(resolve("debug", [f"data.shards={root}"]), log=lambda s: None)
+    return str(root)
+
+
+def _cfg(tmp_path, shards, *extra):
+    return resolve("debug", [f"work_dir={tmp_path}", f"data.shards={shards}", "train.steps=16",
+                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4",
+                             "train.max_failures=0", *extra])
+
+
+def _history(cfg, run_id, key):
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
+
+    return sorted((m.step, m.value) for m in get_client(resolve_tracking_uri(cfg)).get_metric_history(run_id, key))
+
+
+def test_one_nan_step_is_skipped_and_logged(tmp_path, shards):
+    from pipeline.train.trainer import run_training
+
+    cfg = _cfg(tmp_path, shards, "train.nan_drill=7", "tracking.run_name=one-nan")
+    summary = run_training(cfg, with_val=False)
+    assert summary.metrics["step"] == 16
+    skipped = dict(_history(cfg, summary.mlflow_run_id, "train/skipped_steps"))
+    assert skipped[6] == 0 and skipped[7] == 1 and skipped[16] == 1
+    loss = dict(_history(cfg, summary.mlflow_run_id, "train/loss"))
+    assert 7 not in loss and loss[16] < loss[1]  # the skipped step has no loss; training went on
+
+
+def test_persistent_nan_rolls_back_once_then_stops(tmp_path, shards, capfd):
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from pipeline.train.trainer import run_training
+
+    cfg = _cfg(tmp_path, shards, "train.nan_drill=6-16", "train.nonfinite_patience=3",
+               "tracking.run_name=nan-forever")
+    with pytest.raises(Exception) as failed:
+        run_training(cfg, with_val=False)
+    text = str(failed.value) + capfd.readouterr().out
+    assert "again after rolling back to the checkpoint of step 4" in text and "Likely causes" in text, text[-4000:]
+    client = get_client(resolve_tracking_uri(cfg))
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                             "attributes.run_name = 'nan-forever'")[0]
+    assert run.info.status == "FAILED"
+    assert [v for _, v in _history(cfg, run.info.run_id, "train/rollbacks")][-1] == 1
