@@ -18,8 +18,12 @@ from ..net import free_port
 # --------------------------------------------------------------------------- DeepSpeed config
 
 
-def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config for `cfg`; the batch triangle is checked against the real world size."""
+def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None,
+                    universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg`; the batch triangle is checked against the real world size.
+
+    `universal`: `load_checkpoint` reads DeepSpeed's universal layout (checkpoint.to_universal);
+    saving and training are unchanged."""
     p = cfg.parallel
     world = world_size if world_size is not None else p.num_workers
     if p.micro_batch * p.grad_accum * world != p.global_batch:
@@ -51,6 +55,7 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None) -> dic
         "steps_per_print": 10**9,  # our own progress line replaces DeepSpeed's
         "wall_clock_breakdown": False,
         "seed": cfg.train.seed,
+        "checkpoint": {"load_universal": universal},
     }
 
 
@@ -136,15 +141,19 @@ def device_for(cfg: ExperimentConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def build_engine(model: torch.nn.Module, cfg: ExperimentConfig, world_size: int | None = None):
-    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler)."""
+def build_engine(model: torch.nn.Module, cfg: ExperimentConfig, world_size: int | None = None,
+                 universal: bool = False):
+    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer, scheduler).
+
+    `universal` only changes loading (see build_ds_config); checkpoint.load switches it on for
+    its one load when a checkpoint needs it, so an engine built without it can resume resized."""
     import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
 
     init_distributed(cfg.parallel.use_gpu)
     world = torch.distributed.get_world_size()
     if world_size is not None and world_size != world:
         raise ValueError(f"world size {world_size} requested but the process group has {world}")
-    ds_config = build_ds_config(cfg, world)
+    ds_config = build_ds_config(cfg, world, universal)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     engine, optimizer, _, scheduler = deepspeed.initialize(

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import workers  # noqa: E402
+import precision_workers as workers  # noqa: E402
 
 from pipeline.config import apply_overrides  # noqa: E402
 from pipeline.recipes import debug  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import workers  # noqa: E402
+import precision_workers as workers  # noqa: E402
 
 from pipeline.train import checkpoint as ckpt  # noqa: E402
 from pipeline.train.local import launch  # noqa: E402

@@ -259,8 +259,9 @@ def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
     return out, starts
 
 
-@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.e2e), 2])
-def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, workers):
+@pytest.mark.parametrize("workers,stage", [pytest.param(1, 2, marks=pytest.mark.e2e), (2, 2),
+                                           pytest.param(2, 1, marks=pytest.mark.e2e)])
+def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, workers, stage):
     """A Train worker SIGKILLed after a checkpoint: the restarted workers resume at the data
     position and train every step on the same samples as an uninterrupted run (each rank its
     own stream; with 1 worker two micro-batches a step)."""
@@ -270,16 +271,17 @@ def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, worke
 
     common = ["train.steps=16", "train.checkpoint_every=4", "train.eval_every=0",
               "train.record_samples=true", f"parallel.num_workers={workers}",
-              f"parallel.grad_accum={3 - workers}", "train.max_failures=2"]
+              f"parallel.grad_accum={3 - workers}", "train.max_failures=2",
+              f"parallel.zero_stage={stage}", "train.log_every=1"]
     ref_cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=ref")
-    run_training(ref_cfg, tracking=False, with_val=False)
+    ref = run_training(ref_cfg, with_val=False)
     reference, starts = _samples(ref_cfg)
     assert sorted({s for _, s in reference}) == list(range(1, 17)) and starts == {0}
     assert all(len(k) == 32 // workers for k in reference.values())
 
     cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=killed")
     out = []
-    runner = threading.Thread(target=lambda: out.append(run_training(cfg, tracking=False, with_val=False)))
+    runner = threading.Thread(target=lambda: out.append(run_training(cfg, with_val=False)))
     runner.start()
     try:
         _wait_for_checkpoint(cfg, alive=runner.is_alive)
@@ -291,3 +293,8 @@ def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, worke
     assert max(starts) >= 4, f"no attempt resumed from a checkpoint: {starts}"
     assert got == reference  # the same keys, in the same order, at every step of every rank
     assert sum(len(k) for k in got.values()) == 16 * 32
+    # ... and the same losses: model, optimizer, RNG and data all resumed exactly
+    losses = _history(cfg, out[0].mlflow_run_id, "train/loss")
+    ref_losses = _history(ref_cfg, ref.mlflow_run_id, "train/loss")
+    assert [s for s, _ in losses] == [s for s, _ in ref_losses] == list(range(1, 17))
+    assert [v for _, v in losses] == pytest.approx([v for _, v in ref_losses], abs=1e-6)
