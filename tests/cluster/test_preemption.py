@@ -89,7 +89,7 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
     assert last and resumed, text[-8000:]
     saved, restart = int(last[-1]), int(resumed[-1])
     assert restart == saved, f"resumed at {restart}, not at the preemption checkpoint {saved}"
-    before = text[:text.rindex(f"resumed from")]
+    before = text[:text.rindex("resumed from")]
     trained = max(int(s) for s in re.findall(r"\[preempted\] step (\d+)/", before))
     wasted = trained - saved
     print(f"preemption: checkpoint at step {saved}, last step before the restart {trained}, "

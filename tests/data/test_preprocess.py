@@ -1,7 +1,6 @@
 """Preprocess end to end on real files with real Ray: round trip, the bad-input zoo,
 determinism, overwrite and unfinished-run protection."""
 import csv
-import hashlib
 import json
 import os
 

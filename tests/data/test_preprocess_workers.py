@@ -1,7 +1,6 @@
 """Preprocess as the workers do it: counts reconcile over many shards and blocks, the shards do
 not depend on the number of workers or the source's layout, and a SIGKILLed run finished with
 --resume equals an uninterrupted one."""
-import io
 import json
 import os
 import signal

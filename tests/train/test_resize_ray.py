@@ -13,11 +13,11 @@ from pipeline.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
-STEPS, PAUSES = 24, (8, 16)
+STEPS, PAUSES = 48, (16, 32)
 # After the worker count changes, the rest of the epoch is shared out anew, so the resized run
 # trains on other batches than the reference from step 9 on: the losses agree only within
 # sampling noise. The bar: the mean train/loss of the last 8 steps within 0.15 of the
-# reference's (the loss falls from ln(10) = 2.30 by more than 0.5 over the run).
+# reference's (the loss falls from ln(10) = 2.30 by more than 0.3 over the run).
 LOSS_TOLERANCE = 0.15
 
 
@@ -35,9 +35,9 @@ def _cfg(tmp_path, shards, stage, name, workers, pause=0):
         f"work_dir={tmp_path}", f"data.shards={shards}", f"parallel.zero_stage={stage}",
         f"parallel.num_workers={workers}", "parallel.micro_batch=8",
         f"parallel.grad_accum={4 // workers}", "parallel.global_batch=32",
-        f"train.steps={STEPS}", f"train.pause_at={pause}", "train.checkpoint_every=4",
+        f"train.steps={STEPS}", f"train.pause_at={pause}", "train.checkpoint_every=8",
         "train.log_every=1", "train.eval_every=0", "train.record_samples=true",
-        "optim.lr=2e-3", "optim.warmup_steps=4", f"tracking.run_name={name}"])
+        "optim.lr=4e-3", "optim.warmup_steps=4", f"tracking.run_name={name}"])
 
 
 def _history(cfg, run_id, key):
@@ -82,8 +82,8 @@ def test_two_workers_to_one_and_back(tmp_path, shards, stage):
 
     # the step and the LR schedule continue: one value per step, the same LR as the reference
     lr, ref_lr = _history(cfg, run_id, "train/lr"), _history(ref_cfg, ref.mlflow_run_id, "train/lr")
-    assert [s for s, _ in lr] == list(range(1, STEPS + 1))
-    assert lr == pytest.approx(ref_lr, rel=1e-9)
+    assert [s for s, _ in lr] == [s for s, _ in ref_lr] == list(range(1, STEPS + 1))
+    assert [v for _, v in lr] == pytest.approx([v for _, v in ref_lr], rel=1e-9)
     workers = dict(_history(cfg, run_id, "parallel/workers"))
     assert workers == {0: 2, PAUSES[0]: 1, PAUSES[1]: 2}
     assert dict(_history(cfg, run_id, "parallel/grad_accum")) == {0: 2, PAUSES[0]: 4, PAUSES[1]: 2}
@@ -93,7 +93,8 @@ def test_two_workers_to_one_and_back(tmp_path, shards, stage):
     assert [v for _, v in loss[:PAUSES[0]]] == pytest.approx([v for _, v in ref_loss[:PAUSES[0]]], abs=1e-5)
     tail = sum(v for _, v in loss[-8:]) / 8
     ref_tail = sum(v for _, v in ref_loss[-8:]) / 8
-    assert ref_loss[0][1] - ref_tail > 0.5, "the reference did not learn: the comparison means nothing"
+    print(f"ZeRO-{stage}: mean loss of the last 8 steps {tail:.4f}, uninterrupted {ref_tail:.4f}")
+    assert ref_loss[0][1] - ref_tail > 0.3, "the reference did not learn: the comparison means nothing"
     assert abs(tail - ref_tail) < LOSS_TOLERANCE, (stage, tail, ref_tail)
 
     # each sample once per epoch: no (epoch, key) twice, every step a full global batch, and
@@ -105,4 +106,5 @@ def test_two_workers_to_one_and_back(tmp_path, shards, stage):
     assert len(rows) == len(set(rows)) == STEPS * 32
     per_epoch = read_manifest(shards)["counts"]["train"]
     assert STEPS * 32 > per_epoch, "the run must cross an epoch boundary"
-    assert len({k for e, k in rows if e == 0}) == per_epoch
+    for epoch in range(STEPS * 32 // per_epoch):  # the epochs every rank finished
+        assert len({k for e, k in rows if e == epoch}) == per_epoch, epoch
