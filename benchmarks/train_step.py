@@ -108,7 +108,7 @@ def bench_config(args):
         "parallel.global_batch": args.batch, "parallel.micro_batch": args.batch,
         "parallel.grad_accum": 1, "parallel.zero_stage": args.zero,
         "parallel.precision": args.precision, "optim.warmup_steps": 0, "optim.schedule": "constant",
-        "train.steps": 10**9, "tracking.run_name": "bench-train-step",
+        "train.steps": 10**9, "tracking.run_name": "bench-train-step", "train.compile": bool(args.compile),
     })
 
 
@@ -167,7 +167,7 @@ def run_engine_step(args, peak: float, peak_source: str, mode: str = "engine") -
     """Build the DeepSpeed engine for a world of one (or join Ray's group) and time train_step."""
     from pipeline.data.ingest import normalize
     from pipeline.train.engine import device_for
-    from pipeline.train.loop import build_model_and_engine
+    from pipeline.train.loop import build_model_and_engine, memory_model
     from pipeline.train.step import memory_gb, train_step
 
     cfg = bench_config(args)
@@ -195,13 +195,14 @@ def run_engine_step(args, peak: float, peak_source: str, mode: str = "engine") -
     return {
         "mode": mode, "variant": args.variant, "image_size": args.image_size, "batch": args.batch,
         "precision": args.precision, "zero": args.zero, "head": args.head,
-        "grad_checkpointing": args.grad_checkpointing, "params": sum(p.numel() for p in engine.module.parameters()),
+        "grad_checkpointing": args.grad_checkpointing, "compile": bool(args.compile),
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         "images_per_sec": med, "images_per_sec_best": max(ips), "images_per_sec_windows": ips,
         "step_time_s": args.batch / med,
         "images_per_cpu_sec": statistics.median(args.steps * args.batch / c for c in cpu),
         "train_flops_per_image": fpi, "achieved_tflops": med * fpi / 1e12,
         "peak_tflops": peak / 1e12, "peak_source": peak_source, "mfu": med * fpi / peak,
-        "mem_gb": memory_gb(device), "loss_first": losses[0], "loss_last": losses[-1],
+        "mem_gb": memory_gb(device), "mem_model_gb": memory_model(cfg, 1).device / 1e9, "loss_first": losses[0], "loss_last": losses[-1],
         "steps": args.steps, "windows": args.windows, "warmup": args.warmup,
         "deepspeed": deepspeed.__version__,
         "ray_imported": any(m == "ray" or m.startswith("ray.") for m in sys.modules), **_env(device),
@@ -437,6 +438,7 @@ def parse_args(argv=None):
     p.add_argument("--head", choices=["pretrain", "finetune"], default="pretrain",
                    help="head for engine/ray modes (--compare-hf always uses the linear head)")
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="train.compile=true (torch.compile, inductor)")
     p.add_argument("--mode", choices=["engine", "ray"], default="engine")
     p.add_argument("--compare-hf", action="store_true", help="ours vs transformers ViT instead of --mode")
     p.add_argument("--all", action="store_true", help="engine, ray and compare-hf; markdown table")

@@ -1,4 +1,4 @@
-"""`vitp` commands that build an experiment: config, model, synth, preprocess, pretrain, finetune, sweep, export.
+"""`vitp` commands that build an experiment: config, model, plan, synth, preprocess, pretrain, finetune, sweep, export.
 
 Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
 Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
@@ -49,6 +49,7 @@ def _add_config(sub) -> Handler:
 
 def cmd_model(args: argparse.Namespace) -> int:
     from pipeline.model.flops import forward_flops, training_flops  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.memory import estimate
     from pipeline.model.vit import build_vit  # lazy: keeps vitp --help fast (torch)
 
     cfg = validate(set_values(ExperimentConfig(), {"model.variant": args.variant, "model.head": args.head,
@@ -58,6 +59,10 @@ def cmd_model(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     rep = model.representation_size if args.head == "pretrain" else None
     fwd = forward_flops(args.variant, args.image_size, args.num_classes, rep)
+    mem = estimate(args.variant, args.image_size, zero_stage=args.zero, world=args.workers,
+                   micro_batch=args.micro_batch, precision=args.precision, checkpointing=args.checkpointing,
+                   offload_optimizer=args.offload, offload_params=args.offload and args.zero == 3,
+                   num_classes=args.num_classes, representation_size=rep)
     info = {
         "variant": args.variant,
         "image_size": args.image_size,
@@ -71,26 +76,90 @@ def cmd_model(args: argparse.Namespace) -> int:
         "params_m": round(params / 1e6, 3),
         "forward_gflops": round(fwd / 1e9, 2),
         "train_gflops": round(training_flops(args.variant, args.image_size, args.num_classes, rep) / 1e9, 2),
+        "memory": {"zero_stage": args.zero, "workers": args.workers, "micro_batch": args.micro_batch,
+                   "precision": args.precision, "checkpointing": args.checkpointing, "offload": args.offload,
+                   **{k: round(v, 3) for k, v in mem.gb().items() if k != "params_m"}},
     }
     if args.json:
         print(json.dumps(info, indent=2))
-    else:
-        print(f"ViT-{args.variant} at {args.image_size}px: {info['params_m']:.2f}M params, "
-              f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
-        print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
-              f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+        return 0
+    print(f"ViT-{args.variant} at {args.image_size}px: {info['params_m']:.2f}M params, "
+          f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
+    print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
+          f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+    print(f"  memory per worker, ZeRO-{args.zero} on {args.workers} workers, micro-batch {args.micro_batch}, "
+          f"{args.precision}{', activation checkpointing' if args.checkpointing else ''}"
+          f"{', offload' if args.offload else ''}: {mem.device / 1e9:.2f} GB")
+    print(f"    model states {mem.states / 1e9:.2f} GB (ZeRO paper: {mem.paper_states / 1e9:.2f}), "
+          f"DeepSpeed buffers {mem.buffers / 1e9:.2f}, activations {mem.activations / 1e9:.2f}"
+          + (f"; in host memory {mem.host / 1e9:.2f} GB" if mem.host else ""))
     return 0
 
 
-def _add_model(sub) -> Handler:
-    p = sub.add_parser("model", help="params and GFLOPs of a ViT variant")
-    p.add_argument("variant", help='e.g. "B/16", "H/14", "Ti/16"')
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+
+
+def _add_model(sub) -> Handler:
+    p = sub.add_parser("model", help="params, GFLOPs and training memory of a ViT variant")
+    p.add_argument("variant", help='e.g. "B/16", "H/14", "Ti/16"')
+    _add_memory_args(p)
     p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
                    help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (memory estimate)")
+    p.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs)")
+    p.add_argument("--micro-batch", type=int, default=1, help="images per worker per forward")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--offload", action="store_true", help="optimizer (and ZeRO-3 parameter) offload to CPU")
     p.add_argument("--json", action="store_true")
     return cmd_model
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pipeline.model.memory import plan
+    from pipeline.model.variants import decode_variant
+
+    decode_variant(args.variant)  # a bad name is one ConfigError line
+    settings = plan(args.variant, args.image_size, gpus=args.gpus, gpu_mem_gb=args.gpu_mem,
+                    precision=args.precision, max_micro_batch=args.max_micro_batch, num_classes=args.num_classes)
+    if not settings:
+        raise InputError(f"ViT-{args.variant} at {args.image_size}px does not fit {args.gpus} GPU(s) of "
+                         f"{args.gpu_mem:g} GB even with ZeRO-3, offload, checkpointing and micro-batch 1: "
+                         "use more GPUs or a smaller variant / image size")
+    if args.json:
+        print(json.dumps([{"zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
+                           "checkpointing": s.checkpointing, "offload": s.offload, "cost": round(s.cost, 3),
+                           **{k: round(v, 3) for k, v in s.estimate.gb().items()}} for s in settings], indent=2))
+        return 0
+    best = settings[0]
+    print(f"ViT-{args.variant} at {args.image_size}px on {args.gpus} x {args.gpu_mem:g} GB, {args.precision}: "
+          f"use ZeRO-{best.zero_stage}, micro-batch {best.micro_batch}"
+          f"{', activation checkpointing' if best.checkpointing else ''}{', offload' if best.offload else ''}")
+    print(f"  --set parallel.zero_stage={best.zero_stage} parallel.micro_batch={best.micro_batch} "
+          f"model.grad_checkpointing={str(best.checkpointing).lower()} "
+          f"parallel.offload_optimizer={str(best.offload).lower()}"
+          + (" parallel.offload_params=true" if best.offload and best.zero_stage == 3 else ""))
+    print(f"  {'zero':>4} {'micro':>5} {'ckpt':>4} {'offload':>7} {'states':>7} {'acts':>7} {'total GB':>8} {'cost':>5}")
+    for s in settings[:args.top]:
+        e = s.estimate
+        print(f"  {s.zero_stage:>4} {s.micro_batch:>5} {'yes' if s.checkpointing else 'no':>4} "
+              f"{'yes' if s.offload else 'no':>7} {e.states / 1e9:>7.2f} {e.activations / 1e9:>7.2f} "
+              f"{e.device / 1e9:>8.2f} {s.cost:>5.2f}")
+    return 0
+
+
+def _add_plan(sub) -> Handler:
+    p = sub.add_parser("plan", help="the cheapest ZeRO stage / micro-batch / checkpointing / offload that fits")
+    p.add_argument("variant", help='e.g. "H/14"')
+    _add_memory_args(p)
+    p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
+    p.add_argument("--max-micro-batch", type=int, default=256)
+    p.add_argument("--top", type=int, default=6, help="settings listed, cheapest first")
+    p.add_argument("--json", action="store_true")
+    return cmd_plan
 
 
 # ----------------------------------------------------------------------- synth, preprocess
@@ -270,6 +339,6 @@ def _add_export(sub) -> Handler:
 
 def add_parsers(sub) -> dict[str, Handler]:
     """Add this group's subcommands to `sub`; returns {command name: handler}."""
-    return {"config": _add_config(sub), "model": _add_model(sub), "synth": _add_synth(sub),
+    return {"config": _add_config(sub), "model": _add_model(sub), "plan": _add_plan(sub), "synth": _add_synth(sub),
             "preprocess": _add_preprocess(sub), "pretrain": _add_pretrain(sub),
             "finetune": _add_finetune(sub), "sweep": _add_sweep(sub), "export": _add_export(sub)}

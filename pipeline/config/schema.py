@@ -114,6 +114,7 @@ class TrainConfig:
     resume: Literal["auto", "never", "must"] = "auto"
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
     device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312
+    compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile, inductor backend)
 
 
 @dataclass

@@ -6,8 +6,9 @@ about Ray or DeepSpeed: parallelism is applied outside the model, in `pipeline.t
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Literal, Optional
+from typing import Callable, ContextManager, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,35 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .variants import ViTSpec, decode_variant
+
+# gather(params): a context in which partitioned params are whole (see ViT.init_weights)
+Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
+
+
+def _whole(params: Sequence[nn.Parameter]) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _drawn_in_fp32(params: Sequence[nn.Parameter]):
+    """Initial values are drawn in fp32 and rounded once into 16-bit parameters, so a build made
+    in bf16 (ZeRO-3 partitions in the training dtype) equals an fp32 build cast to bf16."""
+    low = [p for p in params if p.dtype != torch.float32]
+    kept = [p.data for p in low]
+    for p in low:
+        p.data = p.data.float()
+    try:
+        yield
+    finally:
+        for p, data in zip(low, kept):
+            data.copy_(p.data)
+            p.data = data
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also when ZeRO-3 has partitioned it (DeepSpeed's `ds_shape`)."""
+    return getattr(p, "ds_shape", p.shape)
+
 
 # flax's lecun_normal is a truncated normal whose std is corrected for the truncation at 2 sigma.
 _TRUNC_STD_CORRECTION = 0.87962566103423978
@@ -129,6 +159,7 @@ class ViT(nn.Module):
         attn_dropout: float = 0.0,
         grad_checkpointing: bool = False,
         in_chans: int = 3,
+        init: bool = True,
     ):
         super().__init__()
         spec = decode_variant(variant) if isinstance(variant, str) else variant
@@ -159,38 +190,57 @@ class ViT(nn.Module):
             self.representation_size = D
             self.pre_logits = nn.Identity()
         self.head = nn.Linear(self.representation_size, num_classes)
-        self.init_weights()
+        if init:  # init=False: the caller runs init_weights (e.g. with a ZeRO-3 gather)
+            self.init_weights()
 
     # ------------------------------------------------------------------ initialisation
+    def init_groups(self) -> list[list[nn.Parameter]]:
+        """The parameters in the order `init_weights` and `load_groups` visit them: the embedding,
+        then one block at a time, then the final norm and head (a partitioned model gathers one
+        group at a time, never the whole model)."""
+        embed = [self.patch_embed.proj.weight, self.patch_embed.proj.bias, self.pos_embed, self.cls_token]
+        tail = [*self.norm.parameters(), *self.pre_logits.parameters(), *self.head.parameters()]
+        return [embed, *(list(b.parameters()) for b in self.blocks), tail]
+
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, gather: Optional[Gather] = None) -> None:
         """As the official code: xavier-uniform Dense in the encoder (MLP biases ~N(0, 1e-6)),
         lecun-normal patch embedding and pre-logits, pos-embed ~N(0, 0.02), class token and
-        head zero (so logits are exactly 0 at step 0), LayerNorm 1/0."""
+        head zero (so logits are exactly 0 at step 0), LayerNorm 1/0.
+
+        `gather(params)`: a context in which partitioned `params` are whole and what is written
+        to them is kept (DeepSpeed ZeRO-3's GatheredParameters); the random draws are the same
+        as an unpartitioned build's."""
         if self.patch_embed.proj.weight.is_meta:
             return
-        lecun_normal_(self.patch_embed.proj.weight)
-        nn.init.zeros_(self.patch_embed.proj.bias)
-        nn.init.normal_(self.pos_embed, std=0.02)
-        nn.init.zeros_(self.cls_token)
-        for blk in self.blocks:
-            # the JAX code initialises q, k, v as three separate D x D kernels
-            for w in blk.attn.qkv.weight.chunk(3, dim=0):
-                nn.init.xavier_uniform_(w)
-            nn.init.xavier_uniform_(blk.attn.proj.weight)
-            nn.init.zeros_(blk.attn.qkv.bias)
-            nn.init.zeros_(blk.attn.proj.bias)
-            for lin in (blk.mlp.fc1, blk.mlp.fc2):
-                nn.init.xavier_uniform_(lin.weight)
-                nn.init.normal_(lin.bias, std=1e-6)
-        for m in self.modules():
-            if isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if isinstance(self.pre_logits, nn.Sequential):
-            lecun_normal_(self.pre_logits[0].weight)
-            nn.init.zeros_(self.pre_logits[0].bias)
-        self.zero_head()
+        gather = gather or _whole
+        embed, *blocks, tail = self.init_groups()
+        with gather(embed), _drawn_in_fp32(embed):
+            lecun_normal_(self.patch_embed.proj.weight)
+            nn.init.zeros_(self.patch_embed.proj.bias)
+            nn.init.normal_(self.pos_embed, std=0.02)
+            nn.init.zeros_(self.cls_token)
+        for blk, params in zip(self.blocks, blocks):
+            with gather(params), _drawn_in_fp32(params):
+                # the JAX code initialises q, k, v as three separate D x D kernels
+                for w in blk.attn.qkv.weight.chunk(3, dim=0):
+                    nn.init.xavier_uniform_(w)
+                nn.init.xavier_uniform_(blk.attn.proj.weight)
+                nn.init.zeros_(blk.attn.qkv.bias)
+                nn.init.zeros_(blk.attn.proj.bias)
+                for lin in (blk.mlp.fc1, blk.mlp.fc2):
+                    nn.init.xavier_uniform_(lin.weight)
+                    nn.init.normal_(lin.bias, std=1e-6)
+                for norm in (blk.norm1, blk.norm2):
+                    nn.init.ones_(norm.weight)
+                    nn.init.zeros_(norm.bias)
+        with gather(tail), _drawn_in_fp32(tail):
+            nn.init.ones_(self.norm.weight)
+            nn.init.zeros_(self.norm.bias)
+            if isinstance(self.pre_logits, nn.Sequential):
+                lecun_normal_(self.pre_logits[0].weight)
+                nn.init.zeros_(self.pre_logits[0].bias)
+            self.zero_head()
 
     @torch.no_grad()
     def zero_head(self) -> None:
@@ -201,7 +251,7 @@ class ViT(nn.Module):
         """Parameter names excluded from weight decay: biases, norms, pos-embed, class token."""
         out = {"pos_embed", "cls_token"}
         for name, p in self.named_parameters():
-            if p.ndim <= 1:
+            if len(full_shape(p)) <= 1:  # also when ZeRO-3 has partitioned p
                 out.add(name)
         return out
 
@@ -287,22 +337,42 @@ def adapt_state_dict(model: ViT, state_dict: dict[str, torch.Tensor],
     """
     sd = dict(state_dict)
     pe = sd.get("pos_embed")
-    if pe is not None and pe.shape != model.pos_embed.shape:
+    if pe is not None and pe.shape != full_shape(model.pos_embed):
         sd["pos_embed"] = resample_pos_embed(pe, model.grid)
-    own = model.state_dict()
+    own = {n: full_shape(p) for n, p in model.named_parameters()}
     if not isinstance(model.pre_logits, nn.Sequential):
         sd = {k: v for k, v in sd.items() if not k.startswith("pre_logits.")}
-    head_fits = all(k in sd and sd[k].shape == own[k].shape for k in ("head.weight", "head.bias"))
-    if keep_head is False or not head_fits:
-        sd["head.weight"], sd["head.bias"] = own["head.weight"].clone(), own["head.bias"].clone()
+    head_fits = all(k in sd and sd[k].shape == own[k] for k in ("head.weight", "head.bias"))
+    if keep_head is False or not head_fits:  # the zero-initialised head
+        sd["head.weight"], sd["head.bias"] = torch.zeros(own["head.weight"]), torch.zeros(own["head.bias"])
     return sd
 
 
-def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | None = None) -> ViT:
-    """The model a config describes (on `device`; "meta" allocates nothing)."""
+@torch.no_grad()
+def load_grouped(model: ViT, state_dict: Optional[dict[str, torch.Tensor]], gather: Gather) -> None:
+    """`load_state_dict` for a partitioned model: one `init_groups` group at a time is gathered
+    and filled from `state_dict` (already adapted; it may be None on ranks whose writes `gather`
+    discards). Every rank must call it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if state_dict is not None:
+        want, have = set(names.values()), set(state_dict)
+        if want != have:
+            raise ValueError(f"weights do not fit the model: missing {sorted(want - have)[:5]}, "
+                             f"unexpected {sorted(have - want)[:5]}")
+    for params in model.init_groups():
+        with gather(params):
+            if state_dict is not None:
+                for p in params:
+                    p.copy_(state_dict[names[id(p)]])
+
+
+def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | None = None,
+              init: bool = True) -> ViT:
+    """The model a config describes (on `device`; "meta" allocates nothing; init=False leaves
+    the initialisation to the caller's `init_weights`)."""
     with torch.device(device or "cpu"):
         return ViT(
             cfg.variant, image_size=image_size, num_classes=cfg.num_classes, pool=cfg.pool,
             head=cfg.head, representation_size=cfg.representation_size, dropout=cfg.dropout,
-            attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing,
+            attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing, init=init,
         )

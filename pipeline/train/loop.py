@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from ..config import ExperimentConfig, drill_steps
+from ..model import memory
 from ..model.flops import training_flops
-from ..model.vit import adapt_state_dict, build_vit
+from ..model.variants import decode_variant
+from ..model.vit import adapt_state_dict, build_vit, load_grouped
 from . import checkpoint as ckpt
-from .engine import build_engine
+from .engine import build_engine, partitioned_construction, return_freed_host_memory
 from .export import load_weights
 from .step import StepResult, all_reduce_sum, evaluate, group, memory_gb, train_step
 
@@ -113,15 +115,40 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model_and_engine(cfg: ExperimentConfig, world_size: int | None = None):
-    """Model from the config (weights from `train.init_from` if set) wrapped in DeepSpeed."""
+    """Model from the config (weights from `train.init_from` if set) wrapped in DeepSpeed.
+
+    Under ZeRO-3 the model is built partitioned (`deepspeed.zero.Init`): no rank ever holds all
+    of it; initialisation and `init_from` weights go in one gathered group at a time."""
     seed_everything(cfg.train.seed)  # same init on every rank
+    return_freed_host_memory()
+    source = cfg.train.init_from if cfg.train.init_from not in ("", "scratch") else None
+    keep = None if cfg.model.head == "pretrain" else False  # a fine-tuning head is always fresh
+    if cfg.parallel.zero_stage == 3:
+        with partitioned_construction(cfg, world_size) as gather:
+            model = build_vit(cfg.model, cfg.data.image_size, init=False)
+            model.init_weights(gather)
+            if source:
+                rank0 = torch.distributed.get_rank() == 0  # the only writer of a gathered group
+                sd = adapt_state_dict(model, load_weights(source), keep_head=keep) if rank0 else None
+                load_grouped(model, sd, gather)
+                del sd
+        return build_engine(model, cfg, world_size)
     model = build_vit(cfg.model, cfg.data.image_size)
-    if cfg.train.init_from and cfg.train.init_from != "scratch":
-        sd = load_weights(cfg.train.init_from)
-        # a fine-tuning head is always fresh (zero-init, pre-logits dropped); pos-embed resampled
-        keep = None if cfg.model.head == "pretrain" else False
-        model.load_state_dict(adapt_state_dict(model, sd, keep_head=keep))
+    if source:
+        # pre-logits dropped and the head zero-initialised for fine-tuning; pos-embed resampled
+        model.load_state_dict(adapt_state_dict(model, load_weights(source), keep_head=keep))
     return build_engine(model, cfg, world_size)
+
+
+def memory_model(cfg: ExperimentConfig, world: int) -> memory.MemoryEstimate:
+    """The memory model's figure per rank for this config (pipeline/model/memory.py)."""
+    p, m = cfg.parallel, cfg.model
+    rep = (m.representation_size or decode_variant(m.variant).width) if m.head == "pretrain" else None
+    return memory.estimate(m.variant, cfg.data.image_size, zero_stage=p.zero_stage, world=world,
+                           micro_batch=p.micro_batch, precision=p.precision, checkpointing=m.grad_checkpointing,
+                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
+                           num_classes=m.num_classes,
+                           representation_size=rep)
 
 
 def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckpt.TrainState,
@@ -138,6 +165,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
     flops_img = training_flops(cfg.model.variant, cfg.data.image_size, cfg.model.num_classes,
                                engine.module.representation_size if cfg.model.head == "pretrain" else None)
     peak = t.device_peak_tflops * 1e12 * world
+    mem_model_gb = memory_model(cfg, world).device / 1e9  # logged beside the measured peak
     result = LoopResult(state=state)
     window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
     window_applied = 0  # steps of the window that updated the weights (their loss is logged)
@@ -180,6 +208,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 "perf/images_per_sec": ips,
                 "perf/mfu": ips * flops_img / peak,
                 "perf/mem_gb": memory_gb(device),
+                "perf/mem_model_gb": mem_model_gb,
                 "perf/step_time_s": elapsed / window_steps,
                 **guard.metrics(),
             }

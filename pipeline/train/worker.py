@@ -103,13 +103,18 @@ class SampleRecorder:
             storage.write_bytes(storage.join(self.dir, name), lines.encode())
 
 
+def _rate(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # a large model on CPU makes < 1 image/s
+
+
 def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_start: float, start_step: int) -> str:
     done = step - start_step
     rate = done / max(time.time() - t_start, 1e-9)
     eta = (cfg.train.steps - step) / rate if rate > 0 else float("inf")
     eta_s = f"{int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s" if math.isfinite(eta) else "?"
     line = (f"[{cfg.run_name}] step {step}/{cfg.train.steps} loss {m['train/loss']:.4f} "
-            f"lr {m['train/lr']:.2e} {m['perf/images_per_sec']:.1f} img/s mfu {m['perf/mfu']:.2%} ETA {eta_s}")
+            f"lr {m['train/lr']:.2e} {_rate(m['perf/images_per_sec'])} img/s mfu {m['perf/mfu']:.2%} "
+            f"mem {m['perf/mem_gb']:.1f} GB (model {m['perf/mem_model_gb']:.1f}) ETA {eta_s}")
     if "val/top1" in m:
         line += f" | val top1 {m['val/top1']:.3f} loss {m['val/loss']:.3f}"
     return line

@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VITP = Path(sys.executable).parent / "vitp"  # the console script the venv installed
-COMMANDS = ("config", "model", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
+COMMANDS = ("config", "model", "plan", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
             "fewshot", "import", "attention", "compare", "submit", "jobs", "mlflow-server", "doctor",
             "demo")
 
@@ -132,6 +132,17 @@ def test_model_prints_the_paper_numbers():
     assert info["params_m"] == pytest.approx(5.717, abs=1e-3)  # docs/paper.md: 5.7M
     assert info["forward_gflops"] == pytest.approx(2.51, abs=0.01)
     assert info["train_gflops"] == pytest.approx(3 * 2.507, abs=0.01)  # training = 3 x forward
+
+
+def test_model_and_plan_print_the_memory_model():
+    info = json.loads(ok(vitp("model", "H/14", "--zero", "2", "--workers", "8", "--json")).out)["memory"]
+    assert info["paper_states_gb"] == pytest.approx(2.4, abs=0.05)  # ZeRO paper: 2P + 14P/N at N = 8
+    settings = json.loads(ok(vitp("plan", "H/14", "--gpus", "1", "--gpu-mem", "16", "--json")).out)
+    assert settings and all(s["device_gb"] <= 0.9 * 16 for s in settings)
+    text = ok(vitp("plan", "H/14", "--gpus", "1", "--gpu-mem", "16")).out
+    best = settings[0]
+    assert f"parallel.zero_stage={best['zero_stage']} parallel.micro_batch={best['micro_batch']}" in text
+    one_line_error(vitp("plan", "H/14", "--gpus", "1", "--gpu-mem", "0.1"), "plan", 2, "does not fit")
 
 
 # --- bad invocations: one line, the documented exit code (tests/cli/test_errors.py has more)

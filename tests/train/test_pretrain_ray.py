@@ -53,7 +53,7 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
     assert [s for s, _ in loss] == list(range(5, 41, 5))
     first, last = loss[0][1], loss[-1][1]
     assert last < first - 0.1, f"ZeRO-{stage}: loss {first:.3f} -> {last:.3f} did not fall"
-    for key in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/mfu", "perf/mem_gb"):
+    for key in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/mfu", "perf/mem_gb", "perf/mem_model_gb"):
         assert len(_history(cfg, summary.mlflow_run_id, key)) == 8, key
     assert summary.metrics["val/count"] > 0
     if stage == 0:  # the same run started again: its final checkpoint is reported, nothing trains

@@ -138,3 +138,18 @@ def port_taken_on_first_try(rank, world, marker_dir):
     dist.all_reduce(t)
     dist.destroy_process_group()
     return t.item()
+
+
+def loss_curve(rank, world, steps, extra=()):
+    """Train `steps` on the learnable stream at ZeRO-2; the per-step losses and the train time."""
+    import time
+
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+
+    cfg = cfg_for(2, world, steps, extra)
+    engine, _, _ = build_model_and_engine(cfg, world)
+    t0 = time.perf_counter()
+    res = run_loop(cfg, engine, learnable_batches(cfg, rank, world, steps), ckpt.TrainState(), LoopHooks(), rank, world)
+    return {"loss": [h["train/loss"] for h in res.history], "seconds": time.perf_counter() - t0,
+            "compiled": bool(getattr(engine, "is_compiled", False))}
