@@ -80,7 +80,7 @@ def test_every_command_has_exactly_one_handler():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) == {
-        "config", "model", "synth", "preprocess", "pretrain", "finetune", "sweep", "export", "fewshot",
+        "config", "model", "plan", "synth", "preprocess", "pretrain", "finetune", "sweep", "export", "fewshot",
         "import", "attention", "compare", "submit", "jobs", "mlflow-server", "doctor", "demo"}
     for name, p in sub.choices.items():
         assert callable(p.get_default("handler")), name
