@@ -195,7 +195,7 @@ class ViT(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     def init_groups(self) -> list[list[nn.Parameter]]:
-        """The parameters in the order `init_weights` and `load_groups` visit them: the embedding,
+        """The parameters in the order `init_weights` and `load_grouped` visit them: the embedding,
         then one block at a time, then the final norm and head (a partitioned model gathers one
         group at a time, never the whole model)."""
         embed = [self.patch_embed.proj.weight, self.patch_embed.proj.bias, self.pos_embed, self.cls_token]

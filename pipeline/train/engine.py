@@ -134,7 +134,6 @@ def return_freed_host_memory() -> None:
         pass
 
 
-
 def init_distributed(use_gpu: bool) -> None:
     """Join (or create) the process group DeepSpeed uses.
 

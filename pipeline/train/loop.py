@@ -147,8 +147,7 @@ def memory_model(cfg: ExperimentConfig, world: int) -> memory.MemoryEstimate:
     return memory.estimate(m.variant, cfg.data.image_size, zero_stage=p.zero_stage, world=world,
                            micro_batch=p.micro_batch, precision=p.precision, checkpointing=m.grad_checkpointing,
                            offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-                           num_classes=m.num_classes,
-                           representation_size=rep)
+                           num_classes=m.num_classes, representation_size=rep)
 
 
 def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckpt.TrainState,
