@@ -10,7 +10,7 @@ Run (from the repository root):
 Each case is one child process of benchmarks/train_step.py in engine mode (DeepSpeed engine of a
 world of one and our train_step, no Ray imported; fused AdamW on CUDA), so device memory and
 compile caches start clean. Columns: images/s (median of timed windows), MFU against 989 TFLOP/s
-(H100/H200 dense bf16; on CPU a measured torch.mm peak), peak device memory (CUDA allocator peak;
+(H100/H200 dense bf16; on CPU one torch.mm peak measured first, for every case), peak device memory (CUDA allocator peak;
 max RSS on CPU, which includes the Python/torch runtime) and the memory model's figure
 (`vitp model VARIANT --zero S --micro-batch B`). The table is appended to benchmarks/RESULTS.md.
 """
@@ -41,7 +41,7 @@ def run_case(args, variant: str, batch: int, zero: int, compiled: bool) -> dict:
                "--zero", str(zero), "--steps", str(args.steps), "--windows", str(args.windows),
                "--warmup", str(args.warmup), "--json", out, "--no-results"]
         if args.peak_tflops:
-            cmd += ["--peak-tflops", str(args.peak_tflops)]
+            cmd += ["--peak-tflops", repr(args.peak_tflops)]
         if compiled:
             cmd.append("--compile")
         print("$", " ".join(cmd), flush=True)
@@ -86,6 +86,12 @@ def main(argv=None) -> int:
             ap.error("no CUDA device: run with --tiny to exercise the suite on the CPU")
     cases = TINY_CASES if args.tiny else GPU_CASES
     args.image_size, args.precision = (32, "fp32") if args.tiny else (224, "bf16")
+    if args.peak_tflops is None and args.tiny:  # one measured CPU peak for every case's MFU
+        import torch
+        from train_step import measure_matmul_peak
+
+        args.peak_tflops = measure_matmul_peak(torch.device("cpu"), torch.float32) / 1e12
+        print(f"peak for MFU: measured 2048^3 fp32 torch.mm = {args.peak_tflops:.3f} TFLOP/s", flush=True)
     rows = [run_case(args, variant, batch, zero, compiled)
             for variant, batch in cases.items() for zero in args.zero
             for compiled in ((False,) if args.no_compile else (False, True))]
