@@ -108,7 +108,8 @@ def bench_config(args):
         "parallel.global_batch": args.batch, "parallel.micro_batch": args.batch,
         "parallel.grad_accum": 1, "parallel.zero_stage": args.zero,
         "parallel.precision": args.precision, "optim.warmup_steps": 0, "optim.schedule": "constant",
-        "train.steps": 10**9, "tracking.run_name": "bench-train-step", "train.compile": bool(args.compile),
+        "train.steps": 10**9, "tracking.run_name": "bench-train-step",
+        "train.compile": bool(getattr(args, "compile", False)),  # checkpoint_io.py's args have none
     })
 
 
