@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
 
-from pipeline.model.memory import estimate  # noqa: E402
+from pipeline.recipes import resolve  # noqa: E402
+from pipeline.train.loop import memory_model  # noqa: E402
 
 
 class WorkerRSS:
@@ -91,13 +92,8 @@ def run_case(args, precision: str, zero: int, work: str) -> dict:
     if proc.returncode:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise SystemExit(f"vitp pretrain failed (exit {proc.returncode}) for {precision} ZeRO-{zero}")
-    cfg = json.loads(subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "vitp"), "config", args.recipe, "--no-path-check",
-         *[x for s in sets for x in ("--set", s)]], capture_output=True, text=True, check=True).stdout)
-    m, d = cfg["model"], cfg["data"]
-    model = estimate(m["variant"], d["image_size"], zero_stage=zero, world=args.workers,
-                     micro_batch=args.micro_batch, precision=precision, num_classes=m["num_classes"],
-                     representation_size=(m["representation_size"] or None) if m["head"] == "pretrain" else None)
+    cfg = resolve(args.recipe, sets, check_paths=False)  # the config the run trained
+    model = memory_model(cfg, args.workers)  # the figure training logs as perf/mem_model_gb
     # rank 0's progress lines: "step N/M loss L lr R X img/s ..." (N > 1: the first step warms up)
     ips = [float(x) for n, x in re.findall(r"step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) img/s", proc.stdout)
            if int(n) > 1]
@@ -106,7 +102,7 @@ def run_case(args, precision: str, zero: int, work: str) -> dict:
     images = sum(ips) / len(ips)
     peaks = sorted(rss.peak.values(), reverse=True)[:args.workers]
     base = min(rss.first.values()) if rss.first else 0
-    return {"variant": m["variant"], "precision": precision, "zero": zero, "wall_s": wall,
+    return {"variant": cfg.model.variant, "precision": precision, "zero": zero, "wall_s": wall,
             "step_s": args.micro_batch * args.workers / images, "images_s": images,
             "peak_gb": [p / 1e9 for p in peaks], "first_rss_gb": base / 1e9, "model_gb": model.device / 1e9,
             "states_gb": model.states / 1e9, "activations_gb": model.activations / 1e9}
