@@ -13,6 +13,7 @@ import sys
 
 from pipeline.cli import cluster, demo, evaluate, experiment
 from pipeline.cli.args import Handler
+from pipeline.console import VERBOSE_ENV, quiet_env, quiet_loggers
 from pipeline.errors import UserError
 
 # The end of `vitp --help`. An invalid config lists its problems below the one line, one per line.
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error (give it before the command)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's own INFO output (worker starts, dataset plans, reports); "
+                             "by default only errors, warnings and vitp's lines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Handler] = {}
     for group in (experiment, evaluate, cluster, demo):
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    os.environ.update(quiet_env())  # before any command imports ray.data
+    quiet_loggers()
     if args.debug:  # no mapping: every error ends in its traceback
         code = args.handler(args)
         sys.stdout.flush()

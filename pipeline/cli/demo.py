@@ -1,8 +1,7 @@
-"""`vitp demo`: the whole pipeline on one small machine, each stage reusing what is built.
-
-Local Ray -> fractal corpus -> shards -> ZeRO-2 pre-training -> export -> few-shot -> Tune sweep
-(digits, pre-trained vs scratch) -> MLflow table + plot. Orchestration only: each stage calls the
-module that owns it; configs change through typed values, never `--set` strings.
+"""`vitp demo`: the paper's point on one small machine. Local Ray -> fractal corpus -> ZeRO-2
+pre-training -> export -> raw-pixel reference and few-shot -> Tune sweep (new fractal classes: 3
+seeds, 3 data fractions; digits; pre-trained vs scratch) -> seeds table, low-data curve, MLflow.
+Orchestration only: each stage calls the module that owns it. docs/demo.md explains it.
 """
 from __future__ import annotations
 
@@ -15,120 +14,193 @@ from pipeline.cli.args import Handler, add_address
 from pipeline.config import set_values, validate
 from pipeline.recipes import get_recipe
 
-# --quick: the same stages, small enough for under 3 minutes on 2 cores.
+MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their train split
+FRACTIONS = (0.05, 0.2, 1.0)  # the low-data curve on the same dataset
+SEEDS = 3
+MARGIN = 0.05  # what "beats" means in the verdict: this much top-1 in every seed
+
+# --quick: the same stages and the same headline comparison, smaller.
 QUICK_PRETRAIN: dict[str, Any] = {
-    "data.synth_classes": 10, "data.synth_images_per_class": 48, "data.num_classes": 10,
-    "model.num_classes": 10, "train.steps": 40, "train.eval_every": 20, "train.checkpoint_every": 20,
-    "optim.warmup_steps": 5,
+    "data.synth_classes": 50, "data.synth_images_per_class": 60, "data.num_classes": 50,
+    "model.num_classes": 50, "train.steps": 500, "train.eval_every": 250, "train.checkpoint_every": 250,
 }
-QUICK_FINETUNE: dict[str, Any] = {
-    "train.steps": 40, "train.eval_every": 20, "train.log_every": 20, "tune.space": {"optim.lr": [0.1]},
-}
+QUICK_FINETUNE: dict[str, Any] = {"train.steps": 120, "train.eval_every": 40}
+QUICK_FRACTIONS = (0.2, 1.0)
+
+
+def _points(seed: int, quick: bool) -> list[dict[str, Any]]:
+    """The sweep's trials (each crossed with both sources): the headline in SEEDS seeds, the other
+    fractions of the curve and digits in one."""
+    recipe, main = MAIN
+    pts = [{"recipe": recipe, "data.train_fraction": main, "train.seed": seed + i} for i in range(SEEDS)]
+    pts += [{"recipe": recipe, "data.train_fraction": f, "train.seed": seed}
+            for f in (QUICK_FRACTIONS if quick else FRACTIONS) if f != main]
+    return pts + [{"recipe": "demo_finetune", "data.train_fraction": 1.0, "train.seed": seed}]
+
+
+def source_label(source: Any) -> str:
+    """How the demo names a run's source: pre-trained, scratch, or the raw-pixel reference."""
+    from pipeline.tune.reference import SOURCE  # lazy: keeps vitp --help fast (ray)
+
+    text = str(source or "?")
+    return {"scratch": "scratch", SOURCE: "linear on raw pixels"}.get(text, "pre-trained")
+
+
+class Stages:
+    """Runs the demo's stages in order, timing each; a stage that fails is reported and the rest
+    go on where they can (`required` stages stop the demo). `failed` decides the exit code."""
+
+    def __init__(self, total: int, log: Callable[[str], None]):
+        self.total, self.log, self.n = total, log, 0
+        self.timings: dict[str, float] = {}
+        self.failed: list[str] = []
+
+    def run(self, name: str, what: str, fn: Callable[[], Any], required: bool = False) -> Any:
+        self.n += 1
+        self.log(f"[demo] {self.n}/{self.total} {name}: {what}")
+        t = time.time()
+        try:
+            return fn()
+        except Exception as e:
+            lines = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+            self.failed.append(f"{name}: {why}")
+            self.log(f"[demo] {name} FAILED: {why}")
+            if required:
+                raise
+            return None
+        finally:
+            self.timings[name] = time.time() - t
+            self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
+
+
+def _fmt_duration(s: float) -> str:
+    return f"{int(s) // 60}m{int(s) % 60:02d}s"
 
 
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
-             address: str | None = None, log: Callable[[str], None] = print) -> dict:
+             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
     from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
-    from pipeline.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
-    from pipeline.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.compare import aggregate_rows, compare_rows  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy: keeps vitp --help fast (mlflow)
     from pipeline.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
     from pipeline.train.export import export  # lazy: keeps vitp --help fast (torch)
     from pipeline.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
     from pipeline.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
-    from pipeline.tune.sweep import build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+    from pipeline.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
+    from pipeline.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
 
     t0 = time.time()
-    work = work_dir or ("work/demo-quick" if quick else "work/demo")
+    work = work_dir or ("work/demo" + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
     if fresh and storage.exists(work):
         log(f"[demo] --fresh: removing {work}")
         storage.rmtree(work)
     work = storage.abspath(work)
-    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, **(QUICK_PRETRAIN if quick else {})}),
-                   check_paths=False)
+    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
+                                                   **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
-    ft = validate(set_values(get_recipe("demo_finetune"), ft_changes), check_paths=False)
-    timings: dict[str, float] = {}
-
-    def stage(name: str, t: float) -> None:
-        timings[name] = time.time() - t
-        log(f"[demo] {name}: {timings[name]:.0f}s")
-
-    t = time.time()
-    connect_ray(pre, address)
-    stage("ray start", t)
-
-    t = time.time()
-    log(f"[demo] 1/5 corpus: {pre.data.synth_classes} fractal classes x {pre.data.synth_images_per_class} "
-        f"images -> Parquet shards (reused if present)")
-    ensure_shards(pre, log=log)
-    stage("corpus + shards", t)
-
-    t = time.time()
-    log(f"[demo] 2/5 pre-training {pre.model.variant} for {pre.train.steps} steps with DeepSpeed "
-        f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers (resumes if interrupted)")
-    summary = run_training(pre)
+    stages = Stages(6, log)
     export_dir = storage.join(work, "export")
-    export(summary.checkpoint, export_dir)
-    stage("pre-training", t)
+    name = "demo-quick" if quick else "demo"
+    result: dict[str, Any] = {"work_dir": work, "seed": seed}
 
-    t = time.time()
-    log("[demo] 3/5 few-shot linear evaluation of the pre-trained features on digits")
-    fewshot = {}
-    try:
-        ensure_shards(ft, log=log)
-        fewshot = run_fewshot(set_values(ft, {"tracking.experiment": pre.tracking.experiment}), export_dir)
-        log("[demo]   " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in fewshot.items()
-                                    if k.startswith("fewshot/")))
-    except Exception as e:  # the demo goes on; the failure is shown, not hidden
-        log(f"[demo]   few-shot evaluation failed: {e}")
-    stage("few-shot", t)
+    connect_ray(pre, address)
+    points = _points(seed, quick)
 
-    t = time.time()
-    log("[demo] 4/5 Tune sweep: fine-tune digits from the pre-trained weights and from scratch")
-    spec = build_spec("demo-quick" if quick else "demo", ft, "demo_finetune", [], changes=ft_changes,
-                      sources=[export_dir, "scratch"])
-    for cfg in dataset_configs(spec):
-        ensure_shards(cfg, log=log)
+    def downstream(recipe: str, fraction: float):
+        return validate(set_values(get_recipe(recipe), {**ft_changes, "data.train_fraction": fraction}),
+                        check_paths=False)
+
+    datasets = [downstream(r, f) for r, f in dict.fromkeys((p["recipe"], p["data.train_fraction"])
+                                                           for p in points)]
+    experiment = datasets[0].tracking.experiment
+
+    def shards() -> None:
+        for cfg in [pre, *datasets]:
+            ensure_shards(cfg, log=log)
+
+    stages.run("corpus", f"{pre.data.synth_classes} fractal classes x {pre.data.synth_images_per_class} "
+               f"images for pre-training; {len(datasets)} downstream shard sets (reused if present)",
+               shards, required=True)
+
+    def pretrain() -> None:
+        summary = run_training(pre)
+        export(summary.checkpoint, export_dir)
+        result["pretrain_run_id"] = summary.mlflow_run_id
+
+    stages.run("pre-training", f"{pre.model.variant} for {pre.train.steps} steps with DeepSpeed "
+               f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers, seed {seed} "
+               "(resumes if interrupted)", pretrain, required=True)
+
+    def reference() -> dict:
+        out = {}
+        for cfg in datasets:  # one per dataset and fraction: the seeds share it
+            out[(cfg.recipe, cfg.data.train_fraction)] = run_reference(cfg, tags={"sweep": name})["top1"]
+        log("[demo]   " + ", ".join(f"{r} {f:.0%}: {v:.3f}" for (r, f), v in out.items()))
+        return out
+
+    result["reference"] = stages.run("reference", "a linear classifier on the raw pixels (scikit-learn) "
+                                     "of each downstream dataset", reference)
+
+    def fewshot() -> dict:
+        out = {}
+        for recipe in dict.fromkeys(p["recipe"] for p in points):
+            out[recipe] = {k: v for k, v in run_fewshot(downstream(recipe, 1.0), export_dir).items() if k.startswith("fewshot/")}
+            log(f"[demo]   {recipe}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in out[recipe].items()))
+        return out
+
+    result["fewshot"] = stages.run("few-shot", "linear probes on the frozen pre-trained features "
+                                   "(1/5/10/25 images a class)", fewshot)
+
+    spec = build_spec(name, datasets[0], MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
+                      points=points)
     resume = storage.exists(storage.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
-    sweep = run_sweep(spec, resume=resume, log=log)
-    stage("sweep", t)
+    sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
+                       "scratch", lambda: run_sweep(spec, resume=resume, log=log))
+    if sweep and sweep["failed"]:
+        stages.failed.append(f"sweep: {len(sweep['failed'])} trial(s) failed: "
+                             + "; ".join(f"{f['trial']}: {f['error']}" for f in sweep["failed"]))
+    result["sweep"] = sweep
 
-    log("[demo] 5/5 comparison from MLflow")
-    uri = resolve_tracking_uri(ft)
-    rows = compare_rows(uri, spec.experiment, sweep=spec.name)
-    plot_path = storage.join(work, "compare.png")
-    plot_compare(uri, rows, plot_path)
-    log_plot_to_parent(uri, sweep["parent_run_id"], plot_path)
-    print(format_table(rows))
-    best = {r["run_name"]: r["best_top1"] for r in rows if r["best_top1"] is not None}
-    by_src: dict[str, float] = {}
-    for r in rows:
-        if r["best_top1"] is not None:
-            key = "scratch" if r["source"] == "scratch" else "pre-trained"
-            by_src[key] = max(by_src.get(key, 0.0), r["best_top1"])
-    if len(by_src) == 2:
-        verdict = "beat" if by_src["pre-trained"] > by_src["scratch"] else "did not beat"
-        print(f"\npre-training {verdict} training from scratch on digits: best top-1 "
-              f"{by_src['pre-trained']:.3f} (pre-trained) vs {by_src['scratch']:.3f} (scratch)")
-    total = time.time() - t0
-    print(f"plot: {plot_path}")
-    print(f"open MLflow: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
-    print(f"demo finished in {total:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())})")
-    return {"rows": rows, "best": best, "fewshot": fewshot, "sweep": sweep, "seconds": total,
-            "plot": plot_path, "tracking_uri": uri}
+    def report() -> dict:
+        uri = resolve_tracking_uri(datasets[0])
+        rows = compare_rows(uri, experiment, sweep=name)
+        groups = aggregate_rows([{**r, "source": source_label(r.get("source"))} for r in rows])
+        curve = storage.join(work, "low_data.png")
+        plot_low_data([g for g in groups if g["recipe"] == MAIN[0]], curve, label=str)
+        plot = storage.join(work, "compare.png")
+        plot_compare(uri, [r for r in rows if r.get("source") != "pixels"], plot)
+        if sweep:
+            for path in (curve, plot):
+                log_plot_to_parent(uri, sweep["parent_run_id"], path)
+        return {"rows": rows, "groups": groups, "plots": [curve, plot], "tracking_uri": uri,
+                "experiment": experiment}
+
+    out = stages.run("results", "seeds table and low-data curve from MLflow", report)
+    result.update(out or {})
+    result.update(seconds=time.time() - t0, timings=stages.timings, failed=stages.failed)
+    from pipeline.cli.demo_report import print_summary  # the summary block
+
+    result["verdict"] = print_summary(result, main=MAIN, margin=MARGIN, quick=quick,
+                                      main_cfg=downstream(*MAIN))
+    return result
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address)
-    return 0
+    result = run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address,
+                      seed=args.seed)
+    return 1 if result["failed"] else 0
 
 
 def _add_demo(sub) -> Handler:
-    p = sub.add_parser("demo", help="the whole pipeline on this machine: corpus -> pre-train -> sweep -> table")
-    p.add_argument("--quick", action="store_true", help="a smaller run (under ~3 minutes on 2 cores)")
+    p = sub.add_parser("demo", help="the paper's point on this machine: pre-train, transfer, compare "
+                                    "with training from scratch")
+    p.add_argument("--quick", action="store_true", help="a smaller run (under ~2.5 minutes on 2 cores)")
     p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
-    p.add_argument("--work-dir", help="where everything goes (default work/demo or work/demo-quick)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the pre-training; the fine-tunes use SEED, SEED+1, SEED+2 (default 0)")
+    p.add_argument("--work-dir", help="where everything goes (default work/demo[-seedN][-quick])")
     add_address(p)
     return cmd_demo
 

@@ -84,12 +84,14 @@ def cmd_attention(args: argparse.Namespace) -> int:
     data = storage.read_bytes(args.image)
     model = load_model(args.checkpoint)
     try:
-        arr = resize_center_crop(decode_image(data), model.image_size)  # (S, S, 3) uint8, as evaluation
+        original = decode_image(data)
+        arr = resize_center_crop(original, model.image_size)  # (S, S, 3) uint8, as evaluation
     except DecodeError as e:
         raise InputError(f"{args.image}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
     x = normalize(torch.tensor(arr)[None]).contiguous()  # (1, 3, S, S); a copy: arr is read-only
     roll = attention_rollout(model, x)[0]  # the writers make --out (a directory or URI prefix)
-    p1 = save_rollout_png(arr, roll, storage.join(args.out, "rollout.png"))
+    # drawn over the original pixels at a readable size, not the model's few-pixel input
+    p1 = save_rollout_png(original, roll, storage.join(args.out, "rollout.png"))
     p2 = plot_attention_distance(mean_attention_distance(model, x), storage.join(args.out, "attention_distance.png"))
     print(f"wrote {p1} and {p2}")
     return 0
@@ -107,7 +109,8 @@ def _add_attention(sub) -> Handler:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pipeline.tracking.compare import compare_rows, format_table, sweep_parents  # lazy: keeps vitp --help fast (mlflow)
+    from pipeline.tracking.compare import (aggregate_rows, compare_rows, format_aggregate,  # lazy: keeps vitp --help fast (mlflow)
+                                           format_table, sweep_parents)
     from pipeline.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
     from pipeline.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
@@ -115,7 +118,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     uri = args.tracking_uri or resolve_tracking_uri(config_from(args, check_paths=False))
     _mark_stale(uri, args.experiment, args.stale_after)
     rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)
-    print(format_table(rows, args.format))
+    print(format_aggregate(aggregate_rows(rows), args.format) if args.seeds else format_table(rows, args.format))
     if args.plot:
         out = plot_compare(uri, rows, args.plot)
         for parent in sweep_parents(rows):
@@ -148,6 +151,9 @@ def _add_compare(sub) -> Handler:
     p.add_argument("--tag", action="append", default=[], type=key_value, metavar="KEY=VALUE", help="filter by tag")
     p.add_argument("--filter", default="", help="an MLflow filter string, ANDed with the rest")
     p.add_argument("--format", choices=["text", "csv", "json"], default="text")
+    p.add_argument("--seeds", action="store_true",
+                   help="one row per configuration (runs that differ only in train.seed): the best "
+                        "top-1 of each seed and their mean +- std")
     p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset")
     p.add_argument("--stale-after", type=float, default=600.0, metavar="SECONDS",
                    help="mark RUNNING runs without a heartbeat for this long KILLED first (0: don't)")

@@ -327,6 +327,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = args.out or args.checkpoint.rstrip("/") + "-export"
     export(args.checkpoint, out)
     print(f"wrote {out}/model.safetensors and {out}/config.json")
+    if args.register:
+        from pipeline.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
+
+        reg = register_export(out, args.register, tracking_uri=args.tracking_uri)
+        print(f"registered {reg['model_uri']}; fine-tunes from {out} record it as their source_model")
     return 0
 
 
@@ -334,6 +339,11 @@ def _add_export(sub) -> Handler:
     p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
     p.add_argument("checkpoint", type=abspath, help="a checkpoint directory or URI written by pretrain/finetune")
     p.add_argument("--out", type=abspath, help="output directory or URI (default CHECKPOINT-export)")
+    p.add_argument("--register", metavar="NAME",
+                   help="also log the export as an MLflow model of the run that trained it (its config "
+                        "and metrics) and register it as a new version of NAME")
+    add_tracking(p, can_disable=False, help="MLflow tracking URI for --register (default: the one the "
+                                            "checkpoint's config names, else sqlite in its work_dir)")
     return cmd_export
 
 

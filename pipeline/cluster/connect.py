@@ -1,4 +1,5 @@
-"""Join a Ray cluster, or start a local Ray sized for a config: `connect_ray`.
+"""Join a Ray cluster, or start a local Ray sized for a config: `connect_ray`; and how much of
+Ray's own output a user sees (pipeline.console: errors and our lines, unless `vitp --verbose`).
 
 The one place a command calls `ray.init`. Must not submit jobs or train.
 """
@@ -10,6 +11,8 @@ from typing import Optional
 import ray
 
 from ..config import ExperimentConfig
+from ..console import library_log_level, quiet_env, verbose
+from . import output
 
 
 def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
@@ -21,10 +24,20 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    p = cfg.parallel
-    need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-             logging_level="WARNING")
+    env = quiet_env()
+    os.environ.update(env)  # this process (Ray Data on the driver) and local Ray's workers
+    # every Ray process of this job: Ray's and Ray Train's own INFO lines stay in the log files
+    logging_config = None if verbose() else ray.LoggingConfig(log_level="WARNING")
+    if address:  # a remote cluster's nodes may keep the package elsewhere: Train's patch only
+        ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
+                 logging_config=logging_config, runtime_env={
+                     "env_vars": {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}})
+    else:
+        p = cfg.parallel
+        need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
+        # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth on a
+        # local cluster, ...) are not for the user to act on
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                 logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
+    if not verbose():
+        output.install()

@@ -34,11 +34,15 @@ class DataConfig:
     storage_size: int = 256  # shorter side stored in shards (resize + centre crop)
     num_classes: int = 1000
     val_fraction: float = 0.02  # split by hash of the file identity, so it is stable
+    # keep this fraction of the train split in the shards (val untouched); nested by key hash:
+    # a smaller fraction's images are all in a larger one's (low-data curves)
+    train_fraction: float = 1.0
     storage_format: Literal["uint8", "jpeg"] = "uint8"
     jpeg_quality: int = 95
     shard_mb: float = 256  # target shard size (MB); the shard count is rounded up from it
     synth_classes: int = 1000  # synthetic fractal corpus: classes (one IFS each)
     synth_images_per_class: int = 1000
+    synth_seed: int = 0  # which IFS each class is: another seed draws classes never seen
     augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"
     crop_scale_min: float = 0.08  # inception crop area range lower bound
     hflip: bool = True

@@ -69,6 +69,8 @@ def _shape_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"model.num_classes={m.num_classes}: must be positive")
     if not 0.0 <= d.val_fraction < 1.0:
         problems.append(f"data.val_fraction={d.val_fraction}: must be in [0, 1)")
+    if not 0.0 < d.train_fraction <= 1.0:
+        problems.append(f"data.train_fraction={d.train_fraction}: must be in (0, 1]")
     if not 1 <= d.jpeg_quality <= 100:
         problems.append(f"data.jpeg_quality={d.jpeg_quality}: must be in 1..100")
     if not 0.0 < d.crop_scale_min <= 1.0:

@@ -21,7 +21,7 @@ from .synth import generate_corpus
 def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
               log: Callable[[str], None] = print) -> dict:
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
-    into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.train.seed."""
+    into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.data.synth_seed."""
     d = cfg.data
     out = out_dir or storage.join(cfg.work_dir, "synth")
     if storage.listdir(out) and not overwrite:
@@ -31,12 +31,12 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
         storage.rmtree(out)
     t0 = time.time()
     res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
-                          cfg.train.seed, out)
+                          d.synth_seed, out)
     dt = time.time() - t0
     res["seconds"] = dt
     res["images_per_sec"] = res["images"] / max(dt, 1e-9)
     log(f"rendered {res['images']} fractal images ({d.synth_classes} classes, "
-        f"{d.storage_size}px, seed {cfg.train.seed}) to {out} in {dt:.1f}s; "
+        f"{d.storage_size}px, seed {d.synth_seed}) to {out} in {dt:.1f}s; "
         f"{res['images_per_sec']:.0f} images/s")
     return res
 
@@ -51,7 +51,7 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
     out = out_dir or shards_dir(cfg)
     t0 = time.time()
     plan = plan_source(d.source, d.path, synth_classes=d.synth_classes,
-                       synth_images_per_class=d.synth_images_per_class, seed=cfg.train.seed)
+                       synth_images_per_class=d.synth_images_per_class, seed=d.synth_seed)
     plan.info["source"] = d.source
     what = f"{len(plan.units)} listing units" if plan.units else f"{len(plan.items)} inputs"
     log(f"preprocess: {what} from {d.source}{' ' + d.path if d.path else ''} "
@@ -64,7 +64,8 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
         plan, out, size=d.storage_size, storage_format=d.storage_format,
         jpeg_quality=d.jpeg_quality, shard_mb=d.shard_mb, val_fraction=d.val_fraction,
         num_classes=d.num_classes or None, overwrite=overwrite, resume=resume,
-        max_pixels=max_pixels, synth_seed=cfg.train.seed, rows_per_task=rows_per_task,
+        max_pixels=max_pixels, synth_seed=d.synth_seed, train_fraction=d.train_fraction,
+        rows_per_task=rows_per_task,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
 
 

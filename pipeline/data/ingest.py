@@ -23,8 +23,21 @@ from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop
 
 
 def shards_dir(cfg) -> str:
-    """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>."""
-    return cfg.data.shards or join(cfg.work_dir, "shards", cfg.data.source)
+    """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>[-seedN][-trainF]
+    (a fractal corpus of another seed, a subset of the train split)."""
+    d = cfg.data
+    if d.shards:
+        return d.shards
+    name = d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")
+    name += f"-train{d.train_fraction:g}" if d.train_fraction < 1 else ""
+    return join(cfg.work_dir, "shards", name)
+
+
+def dataset_name(cfg) -> str:
+    """The `dataset` a run is tagged with: the source, plus the corpus seed of a synthetic one
+    (another seed is another set of classes)."""
+    d = cfg.data
+    return d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")
 
 
 def train_rows_per_epoch(cfg) -> int:
@@ -153,6 +166,23 @@ class UnitReader:
             if skip:
                 rows = {c: v[skip:] for c, v in rows.items()}
             yield rows
+
+
+def peek_rows(cfg, split: str = "val", count: int = 4) -> dict:
+    """The first `count` rows of `split`, read straight from its first shard (no Ray, for a few
+    pictures): {"stored": [(h, w, 3) uint8 as stored], "image": (n, S, S, 3) uint8 as evaluation
+    sees them, "label": (n,) int64}."""
+    root = shards_dir(cfg)
+    manifest = sh.read_manifest(root)
+    units = plan_units(root, split, manifest, unit_rows=count)
+    if not units:
+        raise InputError(f"{root}: no {split} rows to show")
+    fmt = manifest["storage"]["format"]
+    rows = _read_unit(units[0], fmt)
+    stored = [decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]), fmt)
+              for i in range(len(rows["key"]))]
+    return {"stored": stored, "image": np.stack([resize_center_crop(s, cfg.data.image_size) for s in stored]),
+            "label": np.asarray(rows["label"], dtype=np.int64)}
 
 
 def unit_sizes(units: list[tuple]) -> np.ndarray:

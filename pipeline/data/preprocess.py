@@ -43,6 +43,20 @@ def assign_split(key: str, official: str, val_fraction: float) -> str:
     return "val" if hash_fraction(key) < val_fraction else "train"
 
 
+def in_train_subset(key: str, fraction: float) -> bool:
+    """Whether a train item is among the kept `fraction` (data.train_fraction): a second hash of
+    the key, so subsets are nested (5% of the images are among the 20%) and balanced on average."""
+    return fraction >= 1.0 or hash_fraction("train-subset/" + key) < fraction
+
+
+def subset_train(batch: pa.Table, val_fraction: float, train_fraction: float) -> pa.Table:
+    """Items -> the same items less the train ones outside the train_fraction subset."""
+    keys, official = batch.column("key").to_pylist(), batch.column("split").to_pylist()
+    keep = [i for i, (k, s) in enumerate(zip(keys, official))
+            if assign_split(k, s, val_fraction) != "train" or in_train_subset(k, train_fraction)]
+    return batch if len(keep) == batch.num_rows else batch.take(keep)
+
+
 @lru_cache(maxsize=4096)
 def _system(seed: int, cls: int):
     return class_system(seed, cls)
@@ -220,7 +234,8 @@ def _items_dataset(plan: Plan, rows_per_task: int):
 def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "uint8",
                jpeg_quality: int = 95, shard_mb: float = 256, val_fraction: float = 0.02,
                num_classes: Optional[int] = None, overwrite: bool = False, resume: bool = False,
-               max_pixels: int = DEFAULT_MAX_PIXELS, synth_seed: int = 0, rows_per_task: int = 128,
+               max_pixels: int = DEFAULT_MAX_PIXELS, synth_seed: int = 0, train_fraction: float = 1.0,
+               rows_per_task: int = 128,
                manifest_extra: Optional[dict] = None, log: Callable[[str], None] = print) -> dict:
     """Run the whole preprocess and return the summary (also the manifest's `counts`).
 
@@ -240,6 +255,9 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
     items = _items_dataset(plan, rows_per_task)
     if items is None:
         raise InputError(f"{out_dir}: the source listed no inputs; check data.path")
+    if train_fraction < 1.0:
+        items = items.map_batches(subset_train, batch_size=None, batch_format="pyarrow", fn_kwargs={
+            "val_fraction": val_fraction, "train_fraction": train_fraction})
     items = items.materialize()  # the listing (metadata only), read twice below
     blocks = items.map_batches(split_counts, batch_size=None, batch_format="pyarrow",
                                fn_kwargs={"val_fraction": val_fraction}).take_all()
@@ -258,11 +276,13 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
     decode = dict(size=size, storage_format=storage_format, jpeg_quality=jpeg_quality,
                   max_pixels=max_pixels, num_classes=ncls, synth_seed=synth_seed)
     sh.begin_run(fs, base, out_dir, {**decode, "val_fraction": val_fraction, "seed": synth_seed,
+                                     "train_fraction": train_fraction,
                                      "buckets": buckets, "inputs": n_in, "classes": len(classes)})
     records = sh.committed_records(fs, base) if resume else {}
     if records:
         log(f"preprocess: resuming: {len(records)} shards already committed")
-    log(f"preprocess: {n_in} inputs, {len(classes)} classes -> up to {sum(buckets.values())} shards "
+    subset = f" (train split cut to {train_fraction:.0%})" if train_fraction < 1.0 else ""
+    log(f"preprocess: {n_in} inputs{subset}, {len(classes)} classes -> up to {sum(buckets.values())} shards "
         f"(train {buckets['train']}, val {buckets['val']})")
     ds = items.map_batches(assign_groups, batch_size=None, batch_format="pyarrow", fn_kwargs=dict(
         val_fraction=val_fraction, seed=synth_seed, buckets=buckets, label_index=label_index,

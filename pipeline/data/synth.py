@@ -70,13 +70,22 @@ def _chaos_game(a: np.ndarray, b: np.ndarray, p: np.ndarray, rng: np.random.Gene
     return np.concatenate(out, axis=0)
 
 
-def _rasterise(pts: np.ndarray, size: int, margin: int) -> np.ndarray:
-    """Point cloud -> (size, size) hit counts, fitted into the frame keeping aspect ratio."""
+def _rasterise(pts: np.ndarray, size: int, margin: int,
+               pose: Optional[tuple[float, float, float, float]] = None) -> np.ndarray:
+    """Point cloud -> (size, size) hit counts, fitted into the frame keeping aspect ratio, then
+    posed: rotated by angle, scaled by zoom (<= 1/sqrt 2 keeps any rotation inside the frame)
+    and shifted by (dx, dy) in units of the room left, pose = (angle, zoom, dx, dy)."""
     lo, hi = np.percentile(pts, 0.5, axis=0), np.percentile(pts, 99.5, axis=0)
     span = float(max(hi[0] - lo[0], hi[1] - lo[1], 1e-6))
     centre = (lo + hi) / 2
     inner = size - 2 * margin
-    uv = (pts - centre) / span * (inner - 1) + (size - 1) / 2.0
+    uv = (pts - centre) / span * (inner - 1)  # centred at 0
+    if pose is not None:
+        angle, zoom, dx, dy = pose
+        rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+        room = (inner - 1) * (1 - zoom * np.sqrt(2)) / 2  # how far the posed shape can move
+        uv = uv @ (zoom * rot).T + np.array([dx, dy]) * max(room, 0.0)
+    uv = uv + (size - 1) / 2.0
     ij = np.rint(uv).astype(np.int64)
     keep = (ij >= 0).all(axis=1) & (ij < size).all(axis=1)
     ij = ij[keep]
@@ -89,8 +98,9 @@ def render(seed: int, cls: int, index: int, size: int,
     """Image `index` of class `cls`: (size, size, 3) uint8.
 
     Per-image variation: each map parameter is perturbed by N(0, 0.04), the point count varies
-    by ~2x, and foreground/background colours are random (dark background, bright fractal),
-    so colour carries no class information and only the shape does.
+    by ~2x, the shape is posed at random (any rotation, 45-70% of the frame, anywhere in it) and
+    foreground/background colours are random (dark background, bright fractal), so only the
+    shape carries the class, as an object in a photo: raw pixels do not line up across images.
     """
     a, b, p = system if system is not None else class_system(seed, cls)
     rng = _rng(seed, 0x1A6E, cls, index)
@@ -98,8 +108,9 @@ def render(seed: int, cls: int, index: int, size: int,
     b = b + rng.normal(0, 0.04, b.shape)
     chains = int(size * size * rng.uniform(0.15, 0.3)) // 8 + 32
     pts = _chaos_game(a, b, p, rng, chains=chains, steps=40)
+    pose = (rng.uniform(0, 2 * np.pi), rng.uniform(0.45, 0.7), *rng.uniform(-1, 1, 2))
     # render at 2x and box-filter down: antialiased edges instead of isolated dots
-    big = _rasterise(pts, 2 * size, margin=size // 8)
+    big = _rasterise(pts, 2 * size, margin=size // 16, pose=pose)
     dens = big.reshape(size, 2, size, 2).sum(axis=(1, 3)).astype(np.float32)
     dens = np.log1p(dens) / max(np.log1p(dens).max(), 1e-6)  # (size, size) in [0, 1]
     fg = rng.uniform(0.5, 1.0, 3) * 255

@@ -6,13 +6,14 @@ canvas; no global pyplot state). Must not know about Ray, DeepSpeed or MLflow.
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from .. import storage
+from ..data.decode import resize_center_crop
 from ..data.ingest import normalize
 from .vit import ViT
 
@@ -103,11 +104,18 @@ def _need_matplotlib():
                           "(or pip install matplotlib)") from None
 
 
-def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -> str:
-    """Write the image and its rollout heat map overlaid side by side as a PNG; returns path.
+VIEW_SIZE = 384  # rollout pictures are drawn at this size (each panel), from the original pixels
 
-    `image_uint8_hwc`: (H, W, 3) uint8 (greyscale (H, W) is accepted); `rollout`: (gh, gw).
-    The heat map is upsampled bilinearly to the image and scaled to its own maximum.
+
+def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55,
+                     size: int = VIEW_SIZE) -> str:
+    """Write the image and its rollout heat map overlaid side by side as a PNG (2 size x size);
+    returns path.
+
+    `image_uint8_hwc`: the original (H, W, 3) uint8 image (greyscale (H, W) is accepted), any
+    size: it is resized and centre-cropped as evaluation does, but to `size` pixels, so the
+    picture shows the model's view at a readable size. `rollout`: (gh, gw), upsampled
+    bilinearly and scaled to its own maximum.
     """
     _need_matplotlib()
     from matplotlib import colormaps  # lazy: optional dependency (see _need_matplotlib)
@@ -121,21 +129,23 @@ def save_rollout_png(image_uint8_hwc, rollout, path: str, alpha: float = 0.55) -
     r = _as_numpy(rollout).astype(np.float64)
     if r.ndim != 2:
         raise ValueError(f"rollout must be (gh, gw) for one image, got shape {r.shape}")
-    h, w = img.shape[:2]
-    heat = Image.fromarray(r.astype(np.float32)).resize((w, h), Image.BILINEAR)
+    view = resize_center_crop(img, size)  # (size, size, 3): the model's crop, at display size
+    heat = Image.fromarray(r.astype(np.float32)).resize((size, size), Image.BILINEAR)
     heat = np.asarray(heat, dtype=np.float64)
-    heat = heat / heat.max() if heat.max() > 0 else heat  # (H, W) in [0, 1]
-    colour = colormaps["inferno"](heat)[..., :3] * 255.0  # (H, W, 3)
-    overlay = (1 - alpha) * img.astype(np.float64) + alpha * colour
-    both = np.concatenate([img, np.clip(overlay, 0, 255).astype(np.uint8)], axis=1)  # (H, 2W, 3)
+    heat = heat / heat.max() if heat.max() > 0 else heat  # (size, size) in [0, 1]
+    colour = colormaps["inferno"](heat)[..., :3] * 255.0  # (size, size, 3)
+    overlay = (1 - alpha) * view.astype(np.float64) + alpha * colour
+    both = np.concatenate([view, np.clip(overlay, 0, 255).astype(np.uint8)], axis=1)  # (size, 2 size, 3)
     buf = io.BytesIO()
     Image.fromarray(both).save(buf, format="PNG")
     storage.write_bytes(path, buf.getvalue())  # a path or URI
     return path
 
 
-def write_rollout_pngs(model: ViT, images_uint8, labels: Sequence[int], out_dir: str) -> list[str]:
-    """Rollout PNGs of a batch: images (n, S, S, 3) uint8 at the model's resolution, their labels.
+def write_rollout_pngs(model: ViT, images_uint8, labels: Sequence[int], out_dir: str,
+                       originals: Optional[Sequence] = None) -> list[str]:
+    """Rollout PNGs of a batch: images (n, S, S, 3) uint8 at the model's resolution, their labels,
+    and the `originals` to draw on (default: the images themselves).
 
     Writes out_dir/rollout_{i}_label{label}_pred{prediction}.png per image (save_rollout_png) and
     returns the paths. The model input is the images normalised with the default mean/std (0.5).
@@ -153,7 +163,7 @@ def write_rollout_pngs(model: ViT, images_uint8, labels: Sequence[int], out_dir:
     paths = []
     for i, label in enumerate(labels):
         path = storage.join(out_dir, f"rollout_{i}_label{int(label)}_pred{pred[i]}.png")
-        paths.append(save_rollout_png(images[i], rollout[i], path))
+        paths.append(save_rollout_png(images[i] if originals is None else originals[i], rollout[i], path))
     return paths
 
 

@@ -47,6 +47,7 @@ class SourceInfo:
     config: Optional[dict[str, Any]] = None
     mlflow_run_id: Optional[str] = None
     step: int = 0
+    registered: Optional[dict[str, Any]] = None  # {name, version, model_id}: `vitp export --register`
 
     @property
     def recipe(self) -> Optional[str]:
@@ -95,7 +96,7 @@ def source_info(source: str) -> SourceInfo:
     else:
         return SourceInfo(path=path, kind=kind)
     return SourceInfo(path=path, kind=kind, config=config, mlflow_run_id=extra.get("mlflow_run_id"),
-                      step=int(extra.get("step", 0) or 0))
+                      step=int(extra.get("step", 0) or 0), registered=extra.get("registered"))
 
 
 def read_config(path: str) -> ExperimentConfig:
@@ -147,6 +148,15 @@ def read_weights(path: str) -> dict[str, "torch.Tensor"]:
     if not isinstance(obj, dict):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a state dict")
     return obj
+
+
+def mark_registered(export_dir: str, registered: dict[str, Any]) -> None:
+    """Record in an export's config.json the registered model version it became (`vitp export
+    --register`), so fine-tunes from it can name that version."""
+    path = storage.join(export_dir, CONFIG)
+    config = _read_json(path)
+    config.setdefault("_export", {})["registered"] = registered
+    storage.write_bytes(path, json.dumps(config, indent=2).encode())
 
 
 def write_export(out_dir: str, state_dict: Mapping[str, "torch.Tensor"], cfg_dict: dict[str, Any],

@@ -113,18 +113,20 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
 
 FEWSHOT_SHOTS = (1, 5, 10, 25)
 COLUMNS = (
-    "recipe", "variant", "dataset", "source", "lr", "best_top1", "final_top1",
+    "recipe", "variant", "dataset", "source", "lr", "train_fraction", "seed", "best_top1", "final_top1",
     *(f"fewshot_{k}" for k in FEWSHOT_SHOTS),
     "images_per_sec", "wall_time_s", "status", "run_name", "run_id", "parent", "sweep", "experiment",
 )
 # Text-table headers; columns not listed here are left out of the text table (kept in CSV/JSON).
 _HEADERS = {
     "dataset": "dataset", "recipe": "recipe", "variant": "variant", "source": "source", "lr": "lr",
+    "train_fraction": "train", "seed": "seed",
     "best_top1": "best top-1", "final_top1": "final top-1",
     **{f"fewshot_{k}": f"{k}-shot" for k in FEWSHOT_SHOTS},
     "images_per_sec": "images/s", "wall_time_s": "wall s", "status": "status",
     "run_name": "run name", "run_id": "run id", "parent": "parent",
 }
+_OPTIONAL = ("train_fraction", "seed")  # text columns shown only when some row has a value
 _CLIP = 40  # long cells (checkpoint paths as source, run names) are cut from the left in text
 
 
@@ -134,6 +136,13 @@ def _float(text: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+def _int(text: Any) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def _source(tags: dict[str, str], params: dict[str, str]) -> str | None:
@@ -164,6 +173,8 @@ def _row(tracking_uri: str, run: dict[str, Any], experiment_names: dict[str, str
         "dataset": tags.get("dataset") or params.get("data.source"),
         "source": _source(tags, params),
         "lr": _float(params.get("optim.lr")),
+        "train_fraction": _float(tags.get("train_fraction") or params.get("data.train_fraction")),
+        "seed": _int(params.get("train.seed")),
         "best_top1": max(v for _, v in top1) if top1 else None,
         "final_top1": top1[-1][1] if top1 else None,
     }
@@ -243,6 +254,8 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:.4f}"
     if key == "lr":
         return f"{value:g}"
+    if key == "train_fraction":
+        return f"{value:.0%}"
     if key in ("images_per_sec", "wall_time_s"):
         return f"{value:.1f}"
     if key == "parent":
@@ -274,18 +287,76 @@ def format_table(rows: Iterable[dict[str, Any]], fmt: str = "text") -> str:
         raise TrackingError(f"table format {fmt!r} is not known: use text, csv or json")
     if not rows:
         return "(no runs match: check --experiment, --sweep and --tag)"
-    keys = [k for k in _HEADERS
-            if not k.startswith("fewshot_") or any(r.get(k) is not None for r in rows)]
+    keys = [k for k in _HEADERS if k not in _OPTIONAL and not k.startswith("fewshot_")
+            or any(r.get(k) is not None for r in rows)]
     table = [["", *(_HEADERS[k] for k in keys)]]
     table += [["*" if id(r) in winners else "", *(_cell(k, r.get(k)) for k in keys)] for r in rows]
     numeric = {i + 1 for i, k in enumerate(keys)
-               if k in ("lr", "best_top1", "final_top1", "images_per_sec", "wall_time_s")
+               if k in ("lr", "train_fraction", "seed", "best_top1", "final_top1", "images_per_sec",
+                        "wall_time_s")
                or k.startswith("fewshot_")}
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     lines = []
     for line in table:
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
         lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Seeds aggregated: one row per configuration
+# --------------------------------------------------------------------------------------
+
+# What makes two runs the same configuration (they differ in seed, name and id only).
+CONFIG_KEYS = ("experiment", "recipe", "variant", "dataset", "source", "lr", "train_fraction")
+
+
+def aggregate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """compare_rows rows -> one row per configuration (CONFIG_KEYS) of its FINISHED runs with a
+    best top-1: the CONFIG_KEYS plus n, seeds, values (best top-1 per run, in seed order),
+    mean and std (sample std, 0 for one run), min and max. Sorted by dataset, fraction, mean desc."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status", "FINISHED") == "FINISHED" and r.get("best_top1") is not None:
+            groups.setdefault(tuple(r.get(k) for k in CONFIG_KEYS), []).append(r)
+    out = []
+    for key, runs in groups.items():
+        runs = sorted(runs, key=lambda r: (r.get("seed") is None, r.get("seed") or 0, r.get("run_name") or ""))
+        values = [r["best_top1"] for r in runs]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        out.append({**dict(zip(CONFIG_KEYS, key)), "n": len(values), "seeds": [r.get("seed") for r in runs],
+                    "values": values, "mean": mean, "std": math.sqrt(var), "min": min(values),
+                    "max": max(values)})
+    return sorted(out, key=lambda a: (a.get("dataset") or "~", a.get("train_fraction") or 0.0, -a["mean"]))
+
+
+def format_aggregate(groups: Iterable[dict[str, Any]], fmt: str = "text") -> str:
+    """aggregate_rows as "text" (per-seed values and mean +- std), "csv" or "json"."""
+    groups = list(groups)
+    if fmt == "json":
+        return json.dumps(groups, indent=2)
+    fields = [*CONFIG_KEYS, "n", "seeds", "values", "mean", "std", "min", "max"]
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for g in groups:
+            writer.writerow({k: " ".join(map(str, g[k])) if k in ("seeds", "values") else
+                             ("" if g.get(k) is None else g.get(k)) for k in fields})
+        return buf.getvalue()
+    if fmt != "text":
+        raise TrackingError(f"table format {fmt!r} is not known: use text, csv or json")
+    if not groups:
+        return "(no finished runs with val/top1 match: check --experiment, --sweep and --tag)"
+    table = [["dataset", "train", "source", "lr", "n", "per seed (best top-1)", "mean +- std"]]
+    for g in groups:
+        table.append([_cell("dataset", g["dataset"]), _cell("train_fraction", g["train_fraction"]),
+                      _cell("source", g["source"]), _cell("lr", g["lr"]), str(g["n"]),
+                      " ".join(f"{v:.3f}" for v in g["values"]), f"{g['mean']:.3f} +- {g['std']:.3f}"])
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

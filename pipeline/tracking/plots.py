@@ -1,4 +1,5 @@
-"""The `vitp compare --plot` PNG: val/top1 learning curves per dataset and best top-1 per dataset/source.
+"""The `vitp compare --plot` PNG (val/top1 learning curves per dataset, best top-1 per dataset/source)
+and the low-data curve (top-1 vs fraction of the train split, per source, over seeds).
 
 Draws with matplotlib's Agg canvas (no pyplot, no display, imported only when a plot is asked for);
 logs the PNG to a sweep's parent run. No torch, no ray.
@@ -118,6 +119,44 @@ def plot_compare(tracking_uri: str, rows: Iterable[dict[str, Any]], path: str | 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     storage.write_bytes(os.fspath(path), buf.getvalue())  # a path or URI, parents made
+    return os.fspath(path)
+
+
+def plot_low_data(groups: Iterable[dict[str, Any]], path: str | os.PathLike,
+                  label=_source_label) -> str:
+    """Write the low-data curve PNG to `path`: per dataset, mean best top-1 (error bar: std over
+    seeds, each seed a dot) vs the fraction of its train split, one line per source (`label`
+    names it). Groups come from compare.aggregate_rows."""
+    Figure = _figure_class()
+    groups = [g for g in groups if g.get("train_fraction") is not None]
+    datasets = sorted({g.get("dataset") or "?" for g in groups})
+    fig = Figure(figsize=(5.6 * max(1, len(datasets)), 4.4), layout="constrained")
+    axes = fig.subplots(1, max(1, len(datasets)), squeeze=False).ravel()
+    if not datasets:
+        axes[0].text(0.5, 0.5, "no finished runs with a train fraction", ha="center", va="center")
+        axes[0].set_axis_off()
+    for ax, dataset in zip(axes, datasets):
+        mine = [g for g in groups if (g.get("dataset") or "?") == dataset]
+        for i, source in enumerate(sorted({label(g.get("source")) for g in mine})):
+            line = sorted((g for g in mine if label(g.get("source")) == source), key=lambda g: g["train_fraction"])
+            xs = [g["train_fraction"] for g in line]
+            ax.errorbar(xs, [g["mean"] for g in line], yerr=[g["std"] for g in line], marker="o",
+                        capsize=3, color=f"C{i}", label=source, linewidth=1.8)
+            for g in line:
+                ax.scatter([g["train_fraction"]] * g["n"], g["values"], s=9, color=f"C{i}", alpha=0.5)
+        ax.set_xscale("log")
+        ticks = sorted({g["train_fraction"] for g in mine})
+        ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{dataset}: top-1 vs train data used")
+        ax.set_xlabel("fraction of the train split (log scale)")
+        ax.set_ylabel("best val top-1 (mean +- std over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    storage.write_bytes(os.fspath(path), buf.getvalue())
     return os.fspath(path)
 
 

@@ -130,8 +130,15 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "experiment"
 
 
+# The MLflow UI (>= 3.4) opens an experiment by its kind: a model-training one on its runs, not
+# on the empty GenAI overview of traces. Ours are all model training.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
-    """Experiment id for `name`, creating it if needed; safe when several processes race to create it."""
+    """Experiment id for `name`, creating it if needed (tagged a model-training experiment);
+    safe when several processes race to create it."""
     if not name:
         raise TrackingError("experiment name is empty: set --set tracking.experiment=<name>")
     exp = client.get_experiment_by_name(name)
@@ -143,7 +150,8 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
             # beside the DB so a work dir is self-contained.
             artifact_location = (db.parent / "mlartifacts" / _safe_name(name)).as_uri()
         try:
-            return client.create_experiment(name, artifact_location=artifact_location)
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException as e:
             # Lost the race to another process: the experiment exists now.
             exp = client.get_experiment_by_name(name)

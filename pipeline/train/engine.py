@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ExperimentConfig, OptimConfig
+from ..console import name_cpu_accelerator
 from ..model import memory
 from ..model.vit import full_shape
 from ..net import free_port
@@ -156,6 +157,7 @@ def init_distributed(use_gpu: bool) -> None:
 
 
 def device_for(cfg: ExperimentConfig) -> torch.device:
+    name_cpu_accelerator(cfg.parallel.use_gpu)  # before DeepSpeed's first import here
     if cfg.parallel.use_gpu:
         if not torch.cuda.is_available():
             raise RuntimeError(

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from .. import storage
+from ..console import name_cpu_accelerator, quiet_output
 from ..errors import InputError
 from ..model import weights
 from ..model.vit import ViT, build_vit
@@ -41,9 +42,11 @@ def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
                                     map_location="cpu", weights_only=False)
                 return {k: v.float().contiguous() for k, v in states["module"].items()}
         # ZeRO 1-3 (and bf16 stage 0): rebuild fp32 weights from the per-rank optimizer partitions.
+        name_cpu_accelerator(torch.cuda.is_available())
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: deepspeed
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(local, tag=meta["tag"])
+        with quiet_output():  # its per-file progress lines and bar
+            sd = get_fp32_state_dict_from_zero_checkpoint(local, tag=meta["tag"])
         return {k: v.float().contiguous() for k, v in sd.items()}
 
 

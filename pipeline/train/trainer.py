@@ -6,21 +6,24 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import ray.train
 from ray.data import DataContext
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
-from ..data.ingest import build_eval_dataset, shards_dir
+from ..console import library_log_level
+from ..data.ingest import dataset_name, peek_rows, shards_dir
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
+from ..tracking.lineage import log_dataset, log_model_input
 from ..tracking.runs import RunLogger
 from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
@@ -72,6 +75,7 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
                                                    max_preemption_failures=-1),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
             callbacks=callbacks or None,
+            logging_config=ray.train.LoggingConfig(log_level=library_log_level()),
         ),
         datasets=datasets,
         dataset_config=RankStreams(cfg_dict),
@@ -113,10 +117,13 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                                  parent_run_id=parent_run_id, background=True,
                                  timeout_s=cfg.tracking.log_timeout_s,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
-                                       "dataset": cfg.data.source, **cfg.tracking.tags,
+                                       "dataset": dataset_name(cfg),
+                                       "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
                                        **(extra_tags or {})})
         logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None)
         _log_manifest(logger, cfg)
+        if (extra_tags or {}).get("source_model_id"):  # started from a registered model
+            log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         print(f"[{cfg.run_name}] MLflow run {logger.run_id} ({'resumed' if logger.resumed else 'new'}) at {uri}",
               flush=True)
@@ -173,10 +180,10 @@ def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4
     try:
         model = build_vit(cfg.model, cfg.data.image_size)
         model.load_state_dict(consolidate(checkpoint))
-        rows = build_eval_dataset(cfg).take(count)
-        images = np.stack([r["image"] for r in rows])  # (n, S, S, 3) uint8
+        rows = peek_rows(cfg, "val", count)  # a few rows of one shard: no Ray Data pipeline
         with tempfile.TemporaryDirectory() as d:
-            for path in write_rollout_pngs(model, images, [int(r["label"]) for r in rows], d):
+            for path in write_rollout_pngs(model, rows["image"], rows["label"].tolist(), d,
+                                           originals=rows["stored"]):
                 logger.log_artifact(path, "attention")
     except Exception as e:  # the run itself succeeded; say why the pictures are missing
         print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
@@ -194,6 +201,14 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
 
 
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:
-    path = storage.join(shards_dir(cfg), "manifest.json")
+    """The shards' manifest as an artifact, and the shards as the run's dataset input (named by
+    dataset and train fraction, digest of the manifest: same shards, same digest)."""
+    root = shards_dir(cfg)
+    path = storage.join(root, "manifest.json")
     if storage.exists(path):
-        logger.log_dict(storage.read_json(path), "data/manifest.json")
+        manifest = storage.read_json(path)
+        logger.log_dict(manifest, "data/manifest.json")
+        digest = hashlib.sha1(json.dumps(manifest.get("shards"), sort_keys=True).encode()).hexdigest()[:12]
+        fraction = cfg.data.train_fraction
+        log_dataset(logger.client, logger.run_id,
+                    dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else ""), root, digest)

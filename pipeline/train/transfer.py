@@ -37,6 +37,9 @@ def finetune_config(cfg: ExperimentConfig, source: str, *,
             "source_kind": "scratch" if scratch else "weights"}
     if info.mlflow_run_id:
         tags["source_run_id"] = info.mlflow_run_id
+    if info.registered:  # `vitp export --register`: the registered version this run starts from
+        tags["source_model"] = f"models:/{info.registered['name']}/{info.registered['version']}"
+        tags["source_model_id"] = info.registered["model_id"]
     if info.config:
         tags["source_image_size"] = "" if info.image_size is None else str(info.image_size)
     return cfg, tags

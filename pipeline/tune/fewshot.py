@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InputError
 from .. import storage
 from ..config import ExperimentConfig
-from ..data.ingest import build_eval_dataset, normalize
+from ..data.ingest import build_eval_dataset, dataset_name, normalize
 from ..model.weights import SourceInfo, read_config, source_info
 
 SHOTS = (1, 5, 10, 25)
@@ -181,14 +181,14 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
 
     from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
 
-    name = f"fewshot-{_source_name(weights, src)}-{cfg.data.source}"
-    tags = {"kind": "fewshot", "source": weights}
+    name = f"fewshot-{_source_name(weights, src)}-{dataset_name(cfg)}"
+    tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg)}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
     with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name,
                          resume_by_name=False, tags=tags) as logger:
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
-                                       "dataset": cfg.data.source, "shards": cfg.data.shards,
+                                       "dataset": dataset_name(cfg), "shards": cfg.data.shards,
                                        "source": weights,
                                        "feature_dim": int(train_x.shape[1]),
                                        "train_examples": len(train_y), "test_examples": len(test_y)}})

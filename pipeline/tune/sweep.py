@@ -27,6 +27,7 @@ from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
 from ..tracking.store import quote, tag_filters
 from ..train.transfer import finetune_config
+from .progress import SweepProgress
 
 AXES = ("recipe", "source")  # trial keys that are not config fields
 
@@ -39,6 +40,9 @@ class SweepSpec:
     base_recipe: str
     overrides: list[str]  # the user's --set text, kept for the record (MLflow param sweep.overrides)
     space: dict[str, list]
+    # explicit trial points, each crossed with `space`: {key: value} dicts (config keys or AXES),
+    # for designs a grid cannot express (e.g. 3 seeds at one data fraction, 1 at the others)
+    points: list[dict[str, Any]] = field(default_factory=list)
     # recipe -> config dict (recipe + --set + changes + work_dir); a sweep saved without it is
     # rebuilt from `overrides` (config_of)
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -60,9 +64,11 @@ class SweepSpec:
 def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: Sequence[str], *,
                changes: Optional[Mapping[str, Any]] = None, recipes: Optional[list[str]] = None,
                sources: Optional[list[str]] = None,
-               extra_space: Optional[dict[str, list]] = None) -> SweepSpec:
+               extra_space: Optional[dict[str, list]] = None,
+               points: Optional[list[dict[str, Any]]] = None) -> SweepSpec:
     """The sweep for `base` (= base_recipe + `overrides` + typed `changes`, need not be validated):
-    its tune.space plus `extra_space` (typed values) x datasets (`recipes`) x `sources`.
+    its tune.space plus `extra_space` (typed values) x datasets (`recipes`) x `sources`, each
+    point of which is crossed with every one of `points` (explicit {key: value} trials).
 
     Every recipe gets the same --set `overrides`, typed `changes`, work_dir and tracking as `base`.
     Every trial config of the grid is validated here (ConfigError naming the trial before Ray
@@ -82,16 +88,24 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
             field_type(key)  # unknown keys fail here, before Ray starts
         if not isinstance(values, list) or not values:
             raise ConfigError(f"tune.space[{key!r}] must be a non-empty list, got {values!r}")
-    if "source" not in space:
+    points = [dict(p) for p in points or []]
+    for point in points:
+        for key in point:
+            if key in space:
+                raise ConfigError(f"sweep point {point}: {key!r} is also in the search space")
+            if key not in AXES:
+                field_type(key)
+    if "source" not in space and not any("source" in p for p in points):
         space["source"] = ["scratch"]
     work_dir = storage.abspath(base.work_dir)
     configs = {}
-    for recipe in space.get("recipe", [base_recipe]):
+    recipes_used = space.get("recipe", []) + [p["recipe"] for p in points if "recipe" in p]
+    for recipe in dict.fromkeys(recipes_used or [base_recipe]):
         cfg = set_values(with_overrides(recipe, list(overrides)), {**(changes or {}), "work_dir": work_dir})
         configs[recipe] = absolute_paths(cfg).to_dict()
     t = base.tune
     spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
-                     space=space, search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
+                     space=space, points=points, search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
                      metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
                      max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
@@ -103,27 +117,23 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     return spec
 
 
-def _datasets(spec: SweepSpec) -> list[dict[str, Any]]:
-    """The (recipe, data.source) trial keys of every dataset the sweep touches."""
-    return [{"recipe": recipe, **({"data.source": source} if source else {})}
-            for recipe in spec.space.get("recipe", [spec.base_recipe])
-            for source in spec.space.get("data.source", [None])]
-
-
 def _grid(spec: SweepSpec) -> list[dict[str, Any]]:
-    """Every point of the space (the trials of a grid search; what random search draws from)."""
+    """Every trial of a grid search (what random search draws from): each point of the space,
+    merged with each of spec.points."""
     keys = list(spec.space)
-    return [dict(zip(keys, values)) for values in itertools.product(*(spec.space[k] for k in keys))]
+    grid = [dict(zip(keys, values)) for values in itertools.product(*(spec.space[k] for k in keys))]
+    return [{**g, **p} for g in grid for p in (spec.points or [{}])]
 
 
 def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
-    """One config per distinct dataset the sweep touches (to prepare shards before trials)."""
+    """One config per distinct shard set the sweep's trials read (to prepare before trials)."""
+    from ..data.ingest import shards_dir  # lazy: pyarrow
+
     out, seen = [], set()
-    for trial in _datasets(spec):
+    for trial in _grid(spec):
         cfg, _ = trial_config(spec, trial)
-        key = (cfg.data.source, cfg.data.path, cfg.data.shards, cfg.data.storage_size)
-        if key not in seen:
-            seen.add(key)
+        if shards_dir(cfg) not in seen:
+            seen.add(shards_dir(cfg))
             out.append(cfg)
     return out
 
@@ -175,17 +185,23 @@ def _short(path: str) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def finetune_trial_driver_fn(trial: dict[str, Any]) -> None:
-    """Tune trainable: one fine-tuning run on Ray Train, its evaluations reported to Tune."""
+def trial_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Tune trial's config -> the flat trial dict (its explicit point merged in)."""
+    params = {k: v for k, v in config.items() if k != "point" and not k.startswith("__")}
+    return {**params, **(config.get("point") or {})}
+
+
+def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent_run_id: str) -> None:
+    """Tune trainable: one fine-tuning run on Ray Train, its evaluations reported to Tune. The
+    sweep spec and parent run come through tune.with_parameters, so trial configs (what Tune
+    shows and stores) hold only the swept values."""
     from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
 
-    spec = SweepSpec(**trial["__spec__"])
-    params = {k: v for k, v in trial.items() if not k.startswith("__")}
-    cfg, tags = trial_config(spec, params)
+    spec = SweepSpec(**spec)
+    cfg, tags = trial_config(spec, trial_params(trial))
     ctx = tune.get_context()
-    tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id(),
-            "dataset": cfg.data.source}
-    summary = run_training(cfg, extra_tags=tags, parent_run_id=trial["__parent_run_id__"],
+    tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
+    summary = run_training(cfg, extra_tags=tags, parent_run_id=parent_run_id,
                            callbacks=[TuneReportCallback()])
     if summary.already_finished:  # a resumed sweep: this trial's training had finished before
         tune.report(summary.metrics)
@@ -207,7 +223,8 @@ def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
 
 def _param_space(spec: SweepSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, values in spec.space.items():
+    axes = dict(spec.space, **({"point": spec.points} if spec.points else {}))
+    for key, values in axes.items():
         out[key] = tune.grid_search(values) if spec.search == "grid" else tune.choice(values)
     return out
 
@@ -232,7 +249,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
-    first_trial_cfg, _ = trial_config(spec, {k: v[0] for k, v in spec.space.items()})
+    first_trial_cfg, _ = trial_config(spec, _grid(spec)[0])
     # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
                              run_id=_parent_run_id(spec) if resume else None,
@@ -248,7 +265,12 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
         f"storage {path}")
 
     # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
-    trainable = tune.with_resources(finetune_trial_driver_fn, {"CPU": 0.01})
+    trainable = tune.with_resources(tune.with_parameters(
+        finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), {"CPU": 0.01})
+    total = len(_grid(spec)) * spec.num_samples if spec.search == "grid" else spec.num_samples
+    progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri,
+                             spec.experiment, run_name=lambda config: trial_run_name(spec, trial_params(config)),
+                             scheduler=spec.scheduler, log=log)
     t0 = time.time()
     try:
         if resume:
@@ -260,8 +282,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
             scheduler = None
             if spec.scheduler == "asha":
                 scheduler = tune.schedulers.ASHAScheduler(grace_period=1, reduction_factor=2)
-            param_space = {**_param_space(spec), "__spec__": spec.to_dict(),
-                           "__parent_run_id__": parent.run_id}
+            param_space = _param_space(spec)
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space,
@@ -271,7 +292,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
                                           storage_filesystem=fs,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
-                                          verbose=1),
+                                          callbacks=[progress], verbose=0),
             )
         results = tuner.fit()
     except BaseException as e:

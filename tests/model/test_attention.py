@@ -10,7 +10,7 @@ from PIL import Image
 from pipeline.model.vit import ViT
 from pipeline.model.attention import (attention_distance_from_maps, attention_rollout,
                                       mean_attention_distance, plot_attention_distance,
-                                      rollout_from_maps, save_rollout_png, write_rollout_pngs)
+                                      rollout_from_maps, save_rollout_png, write_rollout_pngs, VIEW_SIZE)
 
 
 def test_rollout_sums_to_one_over_patches():
@@ -129,10 +129,11 @@ def test_rollout_highlights_the_region_that_carries_the_class(tmp_path):
     img = ((x_eval[0].permute(1, 2, 0).clamp(-1, 1) + 1) * 127.5).to(torch.uint8).numpy()
     png = save_rollout_png(img, attention_rollout(m, x_eval[:1])[0], str(tmp_path / "rollout.png"))
     with Image.open(png) as im:
-        assert im.size == (2 * S, S)
-        overlay = np.asarray(im)[:, S:].astype(float)
+        assert im.size == (2 * VIEW_SIZE, VIEW_SIZE)  # readable, whatever the model's input size
+        overlay = np.asarray(im)[:, VIEW_SIZE:].astype(float)
     # the overlay is brightest-coloured (inferno: high red) in the signal quadrant
-    assert overlay[:Q, :Q, 0].mean() > overlay[Q:, Q:, 0].mean()
+    q = VIEW_SIZE * Q // S
+    assert overlay[:q, :q, 0].mean() > overlay[q:, q:, 0].mean()
     plot = plot_attention_distance(mean_attention_distance(m, x_eval[:16]), str(tmp_path / "dist.png"))
     with Image.open(plot) as im:
         assert im.size[0] > 100
@@ -153,5 +154,5 @@ def test_write_rollout_pngs_names_label_and_prediction(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in paths] == ["rollout_0_label2_pred0.png", "rollout_1_label0_pred0.png"]
     for p in paths:  # zero-init head: every logit is 0, argmax 0
         with Image.open(p) as im:
-            assert im.size == (64, 32)
+            assert im.size == (2 * VIEW_SIZE, VIEW_SIZE)
     assert m.training  # the caller's mode is left as it was

@@ -1,0 +1,72 @@
+"""How much third-party output a user sees: `vitp --verbose` (env VITP_VERBOSE=1) shows it all;
+by default our lines, warnings and errors only. No pipeline imports (every layer uses it).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from typing import Iterator
+
+VERBOSE_ENV = "VITP_VERBOSE"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_env() -> dict[str, str]:
+    """Environment for the driver and every Ray process of a local cluster, so a run prints our
+    lines and errors only: Train's print patch off (it logs each print a second time), Ray Data's
+    console at WARNING (its config ships with this package), Tune's classic (silent) reporter. Empty with `vitp --verbose`. Set it
+    before ray.data is imported (Ray Data reads it then)."""
+    if verbose():
+        return {}
+    # Tune's newer console output prints a settings box even at verbose=0; the classic one does not
+    return {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AIR_NEW_OUTPUT": "0",
+            "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "cluster",
+                                                    "ray_data_logging.yaml")}
+
+
+# Driver-side loggers whose lines a user cannot act on: MLflow creating its SQLite tables, Ray's
+# note that a local cluster uses token authentication.
+QUIET_LOGGERS = {"mlflow.store.db.utils": logging.WARNING, "alembic.runtime.migration": logging.WARNING,
+                 "ray._private.authentication.authentication_token_setup": logging.ERROR}
+
+
+def quiet_loggers() -> None:
+    """Raise QUIET_LOGGERS' levels in this process (not with `vitp --verbose`)."""
+    if not verbose():
+        for name, level in QUIET_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def library_log_level() -> str:
+    """Ray's and Ray Train's own log level: WARNING quiets their INFO lines (worker group starts,
+    every report) but keeps what a user may need to act on."""
+    return "INFO" if verbose() else "WARNING"
+
+
+@contextlib.contextmanager
+def quiet_output() -> Iterator[None]:
+    """Hold a library's stdout/stderr chatter (progress bars, "processing ..." lines); printed
+    after all if the block raises, so nothing that explains an error is lost."""
+    if verbose():
+        yield
+        return
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            yield
+    except BaseException:
+        sys.stderr.write(buf.getvalue())
+        raise
+
+
+def name_cpu_accelerator(use_gpu: bool) -> None:
+    """Tell DeepSpeed the accelerator before it is imported, instead of letting it detect one and
+    warn "Setting accelerator to CPU" in every process that has no GPU."""
+    if not use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,0 +1,32 @@
+"""What a run was made from, as MLflow records it: the shards it trained on (a dataset input, the
+UI's Dataset column) and the registered model it started from (a model input). Registering a
+model is pipeline.train.registry's job; this module only links runs to what exists.
+"""
+from __future__ import annotations
+
+import warnings
+
+from mlflow import MlflowClient
+
+
+def log_dataset(client: MlflowClient, run_id: str, name: str, source: str, digest: str,
+                context: str = "train") -> None:
+    """Record a dataset as an input of `run_id`: `source` a path or URI (shown as MLflow resolves
+    it), `digest` what identifies its content (same shards, same digest)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source  # lazy: mlflow.data
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    with warnings.catch_warnings():  # MLflow registers its local source twice and says so
+        warnings.simplefilter("ignore", UserWarning)
+        resolved = resolve_dataset_source(source)
+    dataset = MetaDataset(resolved, name=name, digest=digest)
+    client.log_inputs(run_id, datasets=[DatasetInput(
+        dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+
+
+def log_model_input(client: MlflowClient, run_id: str, model_id: str) -> None:
+    """Record the logged model `model_id` as an input of `run_id` (a fine-tune's starting point)."""
+    from mlflow.entities import LoggedModelInput
+
+    client.log_inputs(run_id, models=[LoggedModelInput(model_id)])

@@ -1,0 +1,91 @@
+"""What a sweep prints, and what it records of trials Tune stopped: a Tune callback on the driver.
+
+One line per trial start and end with the sweep's ETA (Tune's own tables are off: they show
+nested configs); a trial the scheduler stopped early has its MLflow run ended KILLED with tags
+naming the scheduler and step, never left FAILED. MLflow only through `pipeline.tracking`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from ray.tune import Callback
+
+from ..tracking import find_runs
+from ..tracking.store import get_client, quote
+
+STOPPED_BY_TAG = "vitp.stopped_by"  # who ended a run early: "asha" (the scheduler), ...
+STOPPED_AT_TAG = "vitp.stopped_at_step"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class SweepProgress(Callback):
+    """Prints `[sweep NAME] trial i/N ...` lines with an ETA, and marks pruned trials' runs."""
+
+    def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
+                 experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
+                 log: Callable[[str], None] = print):
+        self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.scheduler, self.log = scheduler, log
+        self.started: dict[str, float] = {}
+        self.durations: list[float] = []
+        self.ended = 0
+
+    def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
+        return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, log=print, run_name=lambda config: "?")
+
+    def _eta(self) -> str:
+        left = self.total - self.ended
+        if not self.durations or left <= 0:
+            return ""
+        mean = sum(self.durations) / len(self.durations)
+        return f", ETA {_duration(mean * left / min(self.concurrency, left))}"
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.started[trial.trial_id] = time.time()
+        self.log(f"[sweep {self.name}] trial {trial.trial_id} started: {self.run_name(trial.config)}")
+
+    def _end(self, trial, what: str) -> None:
+        self.ended += 1
+        t0 = self.started.pop(trial.trial_id, None)
+        took = time.time() - t0 if t0 is not None else None
+        if took is not None:
+            self.durations.append(took)
+        self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config)}: {what}"
+                 f"{f' in {_duration(took)}' if took is not None else ''}{self._eta()}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        result = trial.last_result or {}
+        value = result.get(self.metric)
+        score = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {self.metric}"
+        if result.get("done", True):
+            self._end(trial, score)
+            return
+        step = result.get("step")
+        self._end(trial, f"stopped early by {self.scheduler} at step {step} ({score})")
+        self._mark_stopped(trial.trial_id, step)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        error = str(getattr(trial, "error_msg", None) or "see the trial's error.txt").strip().splitlines()
+        self._end(trial, f"FAILED: {error[-1][:200] if error else '?'}")
+
+    def _mark_stopped(self, trial_id: str, step: Any) -> None:
+        """End the trial's MLflow run KILLED with who stopped it and when (not FAILED)."""
+        try:
+            runs = find_runs(self.tracking_uri, self.experiment,
+                             f"tags.trial_id = {quote(trial_id)} and tags.sweep = {quote(self.name)}")
+            client = get_client(self.tracking_uri)
+            for run in runs:
+                client.set_tag(run["run_id"], STOPPED_BY_TAG, self.scheduler)
+                client.set_tag(run["run_id"], STOPPED_AT_TAG, str(step))
+                client.set_terminated(run["run_id"], "KILLED")
+        except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
+            self.log(f"[sweep {self.name}] could not mark trial {trial_id}'s MLflow run KILLED: {e}")

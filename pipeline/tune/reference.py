@@ -1,0 +1,75 @@
+"""A reference a reader knows: a linear classifier (scikit-learn's logistic regression) on the raw
+pixels of a dataset's shards, scored on the same val split the fine-tuning runs are.
+
+The pixels are read and fitted in one Ray task, never on the driver; the result is an MLflow
+run (source "pixels", kind "reference") that `vitp compare` lists beside the fine-tuning runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ..config import ExperimentConfig
+from ..data.ingest import build_eval_dataset, dataset_name
+from ..errors import InputError
+
+SOURCE = "pixels"  # the `source` tag of a reference run: what `vitp compare` shows
+MAX_ITER = 2000
+
+
+def _pixels(cfg: ExperimentConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(n, S*S*3) float32 in [0, 1], (n,) labels of `split`, in row-key order: the images the
+    model is evaluated on (resize + centre crop to data.image_size)."""
+    xs, ys, keys = [], [], []
+    for b in build_eval_dataset(cfg, split).iter_batches(batch_size=None, batch_format="numpy"):
+        xs.append(b["image"].reshape(len(b["image"]), -1).astype(np.float32) / 255.0)
+        ys.append(b["label"])
+        keys.append(b["key"].astype(str))
+    if not xs:
+        raise InputError(f"split {split!r} of the {dataset_name(cfg)} shards is empty: rerun preprocess")
+    order = np.argsort(np.concatenate(keys), kind="stable")
+    return np.concatenate(xs)[order], np.concatenate(ys)[order]
+
+
+def linear_on_pixels(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Fit on cfg's train split, score on its val split: {"top1", "train_examples", "val_examples"}.
+    Standardised pixels, L2-regularised multinomial logistic regression (scikit-learn defaults)."""
+    from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    train_x, train_y = _pixels(cfg, "train")
+    val_x, val_y = _pixels(cfg, "val")
+    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=MAX_ITER))
+    clf.fit(train_x, train_y)
+    return {"top1": float(np.mean(clf.predict(val_x) == val_y)), "train_examples": len(train_y),
+            "val_examples": len(val_y)}
+
+
+def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
+                  tracking: bool = True) -> dict[str, Any]:
+    """linear_on_pixels in a Ray task (the pixels stay off the driver), logged as the MLflow run
+    `reference-pixels-<dataset>[-train<fraction>]` with val/top1 at step 0."""
+    import ray  # lazy: ray
+
+    result = ray.get(ray.remote(num_cpus=1)(linear_on_pixels).remote(cfg))
+    if not tracking:
+        return result
+
+    from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+
+    d = cfg.data
+    name = f"reference-{SOURCE}-{dataset_name(cfg)}" + (f"-train{d.train_fraction:g}" if d.train_fraction < 1 else "")
+    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name, resume_by_name=False,
+                         tags={"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),
+                               "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe,
+                               **(tags or {})}) as logger:
+        logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
+                                         "image_size": d.image_size, "max_iter": MAX_ITER,
+                                         "train_examples": result["train_examples"],
+                                         "val_examples": result["val_examples"]},
+                           "data.train_fraction": d.train_fraction, "data.source": d.source})
+        logger.log_metrics({"val/top1": result["top1"]}, step=0)
+        result["run_id"] = logger.run_id
+    return result
