@@ -14,7 +14,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install test test-e2e test-all demo clean
+.PHONY: install browser test test-e2e test-all demo clean
 
 install: $(STAMP)
 
@@ -30,14 +30,21 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
 	touch $(STAMP)
 
+# The MLflow UI test drives Debian's headless chromium (no browser can be downloaded at run time);
+# where apt is missing it is left to the test, which fails and says how to install one.
+browser:
+	@command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q chromium; } || \
+		{ sudo apt-get update -q && sudo apt-get install -y -q chromium; }
+
 # The default suite (~14 min on 2 cores); the multi-minute end-to-end scenarios run in test-e2e.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e" $(PYTEST_ARGS)
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) browser
 	$(BIN)/python -m pytest -m "e2e and not gpu" $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

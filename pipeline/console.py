@@ -20,20 +20,28 @@ def verbose() -> bool:
 def quiet_env() -> dict[str, str]:
     """Environment for the driver and every Ray process of a local cluster, so a run prints our
     lines and errors only: Train's print patch off (it logs each print a second time), Ray Data's
-    console at WARNING (its config ships with this package), Tune's classic (silent) reporter. Empty with `vitp --verbose`. Set it
-    before ray.data is imported (Ray Data reads it then)."""
+    console at WARNING (its config ships with this package) and without progress bars, Tune's
+    classic (silent) reporter. Empty with `vitp --verbose`. Set it before ray.data is imported
+    (Ray Data reads it then)."""
     if verbose():
         return {}
     # Tune's newer console output prints a settings box even at verbose=0; the classic one does not
     return {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AIR_NEW_OUTPUT": "0",
+            # Ray Data's bars redraw in every task that runs a dataset (a log of escape codes);
+            # our commands print their own progress lines
+            "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+            # Ray folds lines that differ only in numbers into "[repeated Nx across cluster]":
+            # that folds our progress lines; pipeline.cluster.output drops repeats instead
+            "RAY_DEDUP_LOGS": "0",
             "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "cluster",
                                                     "ray_data_logging.yaml")}
 
 
 # Driver-side loggers whose lines a user cannot act on: MLflow creating its SQLite tables, Ray's
-# note that a local cluster uses token authentication.
+# note that a local cluster uses token authentication, Ray Data's that its bars are off.
 QUIET_LOGGERS = {"mlflow.store.db.utils": logging.WARNING, "alembic.runtime.migration": logging.WARNING,
-                 "ray._private.authentication.authentication_token_setup": logging.ERROR}
+                 "ray._private.authentication.authentication_token_setup": logging.ERROR,
+                 "ray.data._internal.progress": logging.ERROR}
 
 
 def quiet_loggers() -> None:

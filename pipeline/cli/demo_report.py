@@ -70,7 +70,7 @@ def print_summary(result: dict[str, Any], main: tuple[str, float], margin: float
         out(f"\nplots:   {'  '.join(result['plots'])}  (also in MLflow, run sweep-{'demo-quick' if quick else 'demo'})")
     if result.get("tracking_uri"):
         out(f"mlflow:  mlflow ui --backend-store-uri {result['tracking_uri']} --host 127.0.0.1 --port 5000")
-        out(f"         then open http://127.0.0.1:5000 and the experiment {result['experiment']!r}")
+        out(f"         then open {result['ui_url']}")
     out(f"time:    {_duration(result['seconds'])} ("
         + ", ".join(f"{k} {x:.0f}s" for k, x in result["timings"].items()) + ")")
     if result["failed"]:

@@ -1,13 +1,13 @@
 """What of the Ray processes' output reaches the driver's console: known chatter dropped, each
-warning once per run. Replaces Ray's printer of worker output (a private Ray hook: if it moves,
-Ray's own printer stays and nothing breaks). `vitp --verbose` leaves Ray's printer alone.
+warning once per run. Wraps Ray's printers of worker output and raylet messages (private Ray hooks:
+if they move, Ray's own printers stay and nothing breaks). `vitp --verbose` leaves them alone.
 """
 from __future__ import annotations
 
 import functools
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 # Lines from Ray, Ray Data and DeepSpeed that a user cannot act on.
 CHATTER = tuple(re.compile(p) for p in (
@@ -17,6 +17,9 @@ CHATTER = tuple(re.compile(p) for p in (
     # Train's placement-group cleaner polls the State API, which a local Ray without its dashboard
     # does not serve: every second, harmless
     r"Failed to query Ray Train Controller actor state",
+    # the raylet counting the worker processes a sweep's trials start (each trial's controller,
+    # workers and data tasks): expected here, and nothing a user changes
+    r"PYTHON worker processes have been started on node",
     r"^Reporting training result \d+: TrainingReport\(",  # Train logs every report at INFO on a path-named logger
 ))
 # Deprecations raised inside installed libraries (torch calling its own deprecated API, Ray's
@@ -57,26 +60,33 @@ class OutputFilter:
             out.append(line)
         return out
 
-    def __call__(self, printer, data: dict[str, Any]) -> None:
-        lines = self.lines(list(data.get("lines") or []))
-        if lines:
-            printer({**data, "lines": lines})
+    def wrap(self, printer: Callable[..., None]) -> Callable[..., None]:
+        """`printer` (a Ray printer of output records: a dict with "lines") behind this filter; a
+        record left with no lines is not printed."""
+        def filtered(data: dict[str, Any], **kwargs: Any) -> None:
+            lines = self.lines(list(data.get("lines") or []))
+            if lines:
+                printer({**data, "lines": lines}, **kwargs)
+        return filtered
 
 
 def install() -> bool:
-    """Put an OutputFilter in front of Ray's printer of worker output (after ray.init); False
-    when this Ray has no such hook (its printer is left as it is)."""
+    """Put one OutputFilter in front of Ray's two printers (after ray.init): worker output, and
+    the raylet's messages to the driver; False when this Ray has no such hook (its printers are
+    left as they are)."""
     try:
         from ray._private import worker as w  # private: guarded, see the module docstring
 
         dispatcher = w.global_worker_stdstream_dispatcher
-        names = [name for name, _ in dispatcher.handlers]
-        if "ray_print_logs" not in names:
+        if "ray_print_logs" not in [name for name, _ in dispatcher.handlers]:
             return False
-        printer = functools.partial(w.print_to_stdstream,
-                                    ignore_prefix=w._should_ignore_worker_log_prefix(w.global_worker))
+        original = getattr(w.print_to_stdstream, "__wrapped__", w.print_to_stdstream)
+        filtered = OutputFilter().wrap(original)
+        filtered.__wrapped__ = original  # installing twice wraps once
         dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("ray_print_logs", functools.partial(OutputFilter(), printer))
+        dispatcher.add_handler("ray_print_logs", functools.partial(
+            filtered, ignore_prefix=w._should_ignore_worker_log_prefix(w.global_worker)))
+        w.print_to_stdstream = filtered  # what listen_error_messages calls for the raylet's lines
         return True
     except (ImportError, AttributeError, TypeError):
         return False

@@ -25,12 +25,13 @@ from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop
 def shards_dir(cfg) -> str:
     """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>[-seedN][-trainF]
     (a fractal corpus of another seed, a subset of the train split)."""
-    d = cfg.data
-    if d.shards:
-        return d.shards
-    name = d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")
-    name += f"-train{d.train_fraction:g}" if d.train_fraction < 1 else ""
-    return join(cfg.work_dir, "shards", name)
+    return cfg.data.shards or join(cfg.work_dir, "shards", shards_name(cfg))
+
+
+def shards_name(cfg) -> str:
+    """The dataset and the part of its train split a run reads: `<dataset_name>[-trainF]`."""
+    fraction = cfg.data.train_fraction
+    return dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else "")
 
 
 def dataset_name(cfg) -> str:

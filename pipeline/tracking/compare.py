@@ -154,9 +154,12 @@ def _source(tags: dict[str, str], params: dict[str, str]) -> str | None:
 
 
 def _is_parent(run: dict[str, Any], parent_ids: set[str]) -> bool:
-    # A sweep parent carries the sweep tag but has no parent itself; any run another run names as its
-    # parent is one too (a parent whose trials are all filtered out keeps the first rule).
-    return run["run_id"] in parent_ids or (bool(run["tags"].get("sweep")) and not run["parent_run_id"])
+    # A sweep parent is tagged kind=sweep (before that tag: it carries the sweep tag and has no
+    # parent itself, and no other kind); any run another run names as its parent is one too.
+    # Runs of another kind in a sweep's name (the demo's raw-pixel references) are rows.
+    kind, tags = run["tags"].get("kind"), run["tags"]
+    return run["run_id"] in parent_ids or kind == "sweep" or (
+        kind is None and bool(tags.get("sweep")) and not run["parent_run_id"])
 
 
 def _row(tracking_uri: str, run: dict[str, Any], experiment_names: dict[str, str]) -> dict[str, Any]:

@@ -136,9 +136,15 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+def ui_url(base: str, experiment_id: str) -> str:
+    """The MLflow UI page of an experiment's training runs. The UI opens in its GenAI mode (an empty
+    traces overview) unless told otherwise: `workflowType=machine_learning` is its switch."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
-    """Experiment id for `name`, creating it if needed (tagged a model-training experiment);
-    safe when several processes race to create it."""
+    """Experiment id for `name`, creating it if needed; tagged a model-training experiment unless
+    it has a kind already. Safe when several processes race to create it."""
     if not name:
         raise TrackingError("experiment name is empty: set --set tracking.experiment=<name>")
     exp = client.get_experiment_by_name(name)
@@ -165,6 +171,8 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
             f"deleted: restore it (`mlflow experiments restore --experiment-id {exp.experiment_id}`) "
             "or choose another --set tracking.experiment=<name>"
         )
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older version or by hand: mark it (a kind set is kept)
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
 
 

@@ -20,7 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
 from ..console import library_log_level
-from ..data.ingest import dataset_name, peek_rows, shards_dir
+from ..data.ingest import dataset_name, peek_rows, shards_dir, shards_name
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
 from ..tracking.lineage import log_dataset, log_model_input
@@ -117,7 +117,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                                  parent_run_id=parent_run_id, background=True,
                                  timeout_s=cfg.tracking.log_timeout_s,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
-                                       "dataset": dataset_name(cfg),
+                                       **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
                                        "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
                                        **(extra_tags or {})})
         logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None)
@@ -200,6 +200,15 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
         return None
 
 
+def _source_tags(cfg: ExperimentConfig, extra_tags: Optional[dict[str, str]]) -> dict[str, str]:
+    """MLflow's Source column: the vitp command that made the run (its driver may be a Tune trial,
+    whose argv is Ray's)."""
+    sweep = (extra_tags or {}).get("sweep")
+    command = (f"vitp sweep {sweep}" if sweep else
+               f"vitp {'pretrain' if cfg.model.head == 'pretrain' else 'finetune'} {cfg.recipe}")
+    return {"mlflow.source.name": command, "mlflow.source.type": "JOB"}
+
+
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:
     """The shards' manifest as an artifact, and the shards as the run's dataset input (named by
     dataset and train fraction, digest of the manifest: same shards, same digest)."""
@@ -209,6 +218,4 @@ def _log_manifest(logger, cfg: ExperimentConfig) -> None:
         manifest = storage.read_json(path)
         logger.log_dict(manifest, "data/manifest.json")
         digest = hashlib.sha1(json.dumps(manifest.get("shards"), sort_keys=True).encode()).hexdigest()[:12]
-        fraction = cfg.data.train_fraction
-        log_dataset(logger.client, logger.run_id,
-                    dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else ""), root, digest)
+        log_dataset(logger.client, logger.run_id, shards_name(cfg), root, digest)

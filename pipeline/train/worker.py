@@ -31,6 +31,7 @@ from .engine import device_for
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .step import all_reduce_max, all_reduce_sum
+from .sysmetrics import SystemSampler
 
 
 def train_placeholder():
@@ -228,12 +229,13 @@ def train_per_worker(config: dict[str, Any]) -> None:
             print(f"[{cfg.run_name}] {line}", flush=True)
 
     watch = PreemptionWatch(device, say)
+    sampler = SystemSampler() if logger and cfg.tracking.system_metrics else None
 
     def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
         if rank == 0:
             print(_progress_line(cfg, step, metrics, t_start, start_step), flush=True)
             if logger:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics({**metrics, **(sampler.sample() if sampler else {})}, step=step)
         if "val/top1" in metrics and not checkpoint_due:
             # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
             ray.train.report({"step": step, **metrics})

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..config import ExperimentConfig
-from ..data.ingest import build_eval_dataset, dataset_name
+from ..data.ingest import build_eval_dataset, dataset_name, shards_name
 from ..errors import InputError
 
 SOURCE = "pixels"  # the `source` tag of a reference run: what `vitp compare` shows
@@ -50,21 +50,29 @@ def linear_on_pixels(cfg: ExperimentConfig) -> dict[str, Any]:
 def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
                   tracking: bool = True) -> dict[str, Any]:
     """linear_on_pixels in a Ray task (the pixels stay off the driver), logged as the MLflow run
-    `reference-pixels-<dataset>[-train<fraction>]` with val/top1 at step 0."""
+    `reference-pixels-<dataset>[-train<fraction>]` with val/top1 at step 0. A finished run of that
+    name and `tags` is reused (the same shards give the same fit): {top1, run_id, reused}."""
     import ray  # lazy: ray
+
+    name = f"reference-{SOURCE}-{shards_name(cfg)}"
+    d = cfg.data
+    run_tags = {"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),
+                "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe, **(tags or {})}
+    if tracking:
+        from ..tracking import RunLogger, find_runs, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+        from ..tracking.store import quote, tag_filters
+
+        uri = resolve_tracking_uri(cfg)
+        done = find_runs(uri, cfg.tracking.experiment, " and ".join(
+            [f"attributes.run_name = {quote(name)}", "attributes.status = 'FINISHED'",
+             *tag_filters(None, run_tags)]), max_results=1)
+        if done and "val/top1" in done[0]["metrics"]:
+            return {"top1": done[0]["metrics"]["val/top1"], "run_id": done[0]["run_id"], "reused": True}
 
     result = ray.get(ray.remote(num_cpus=1)(linear_on_pixels).remote(cfg))
     if not tracking:
         return result
-
-    from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
-
-    d = cfg.data
-    name = f"reference-{SOURCE}-{dataset_name(cfg)}" + (f"-train{d.train_fraction:g}" if d.train_fraction < 1 else "")
-    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name, resume_by_name=False,
-                         tags={"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),
-                               "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe,
-                               **(tags or {})}) as logger:
+    with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False, tags=run_tags) as logger:
         logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
                                          "image_size": d.image_size, "max_iter": MAX_ITER,
                                          "train_examples": result["train_examples"],
@@ -72,4 +80,4 @@ def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
                            "data.train_fraction": d.train_fraction, "data.source": d.source})
         logger.log_metrics({"val/top1": result["top1"]}, step=0)
         result["run_id"] = logger.run_id
-    return result
+    return {**result, "reused": False}

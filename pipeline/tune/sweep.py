@@ -288,7 +288,10 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
                 param_space=param_space,
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                             num_samples=spec.num_samples,
-                                            max_concurrent_trials=concurrency),
+                                            max_concurrent_trials=concurrency,
+                                            # a trial's driver is light; its process and imports
+                                            # are not: the next trial reuses them
+                                            reuse_actors=True),
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
                                           storage_filesystem=fs,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),

@@ -4,8 +4,8 @@ on tiny inputs, checking what it printed or wrote (not only the exit code).
 Fast part (`make test`, ~1 min): --help, config (+ --list, --keys), model, import (each
 --format), and bad invocations (one line on stderr, the documented exit code). The e2e part
 (`make test-e2e`): one chained scenario in a temporary work dir, synth -> preprocess -> pretrain
--> export -> import / attention / finetune / fewshot / sweep -> compare; demo --quick;
-mlflow-server; submit + jobs against a local Ray cluster (cluster/local.sh).
+-> export -> import / attention / finetune / fewshot / sweep -> compare; mlflow-server; submit +
+jobs against a local Ray cluster (cluster/local.sh). The demo has its own file (test_demo_e2e.py).
 """
 from __future__ import annotations
 
@@ -413,7 +413,7 @@ class Scenario:
 
     def _export(self) -> Run:
         self.need("pretrain")
-        return vitp("export", self.facts["checkpoint"], "--out", str(self.export))
+        return vitp("export", self.facts["checkpoint"], "--out", str(self.export), "--register", "vit-e2e")
 
     def _finetune(self) -> Run:
         self.need("export")
@@ -470,6 +470,24 @@ class TestChain:
         run = client.get_run(scenario.facts["pretrain_run"])
         assert run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4]
+        # system metrics (tracking.system_metrics, on by default) at each log step
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [2, 4]
+        (dataset,) = run.inputs.dataset_inputs  # the shards, as MLflow's Dataset column shows them
+        assert dataset.dataset.name == "synthetic" and str(scenario.shards) in dataset.dataset.source
+        assert run.data.tags["mlflow.source.name"] == "vitp pretrain debug"
+
+    def test_pretrain_console_says_each_thing_once(self, scenario):
+        """What the user reads: every progress line once (Train's print patch logged each twice),
+        no warning twice, none of Ray's or DeepSpeed's chatter."""
+        r = scenario.need("pretrain")
+        lines = (r.out + r.err).splitlines()
+        progress = [line for line in lines if re.search(r"\] step \d+/4 ", line)]
+        assert [re.search(r"step (\d+)/4", line).group(1) for line in progress] == ["2", "4"], str(r)
+        warnings = [line for line in lines if re.search(r"\w+Warning: ", line)]
+        assert len(warnings) == len(set(warnings)), "\n".join(warnings)
+        for chatter in ("Reporting training result", "built successfully", "Token authentication",
+                        "Creating initial MLflow database tables", "Failed to query Ray Train Controller"):
+            assert chatter not in r.out + r.err, chatter
 
     def test_export_writes_weights_and_config(self, scenario):
         r = scenario.need("export")
@@ -479,6 +497,14 @@ class TestChain:
         weights = load_tensors(scenario.export / "model.safetensors")
         assert weights["pos_embed"].shape == (1, 17, 64) and weights["pos_embed"].dtype == np.float32
         assert weights["head.weight"].shape[0] == 10 and np.isfinite(weights["head.weight"]).all()
+        # --register: an MLflow model of the pre-training run, with its config and metrics
+        assert "registered models:/vit-e2e/1" in r.out, str(r)
+        client = scenario.tracking_client()
+        version = client.get_model_version("vit-e2e", "1")
+        model = client.get_logged_model(version.model_id)
+        assert model.source_run_id == scenario.facts["pretrain_run"]
+        assert model.params["train.steps"] == "4" and {m.key for m in model.metrics} >= {"train/loss", "val/top1"}
+        assert cfg["_export"]["registered"] == {"name": "vit-e2e", "version": "1", "model_id": version.model_id}
 
     def test_import_of_the_export_keeps_the_weights(self, scenario):
         scenario.need("export")
@@ -508,6 +534,8 @@ class TestChain:
         assert run.info.status == "FINISHED"
         assert run.data.tags["source"] == str(scenario.export)
         assert run.data.tags["source_run_id"] == scenario.facts["pretrain_run"]  # one click to the pre-training
+        assert run.data.tags["source_model"] == "models:/vit-e2e/1"  # the registered version it started from
+        assert [m.model_id for m in run.inputs.model_inputs] == [run.data.tags["source_model_id"]]
 
     def test_fewshot_reports_every_shot_count(self, scenario):
         r = scenario.need("fewshot")
@@ -543,19 +571,6 @@ class TestChain:
         csv_out = ok(vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
         csv_rows = [line for line in csv_out.splitlines() if line]
         assert csv_rows[0].startswith("best,recipe,variant,dataset,source,lr") and len(csv_rows) == 3
-
-
-@pytest.mark.e2e
-@pytest.mark.ray
-@pytest.mark.slow
-def test_demo_quick_runs_the_whole_pipeline(tmp_path):
-    work = tmp_path / "demo"
-    r = ok(vitp("demo", "--quick", "--work-dir", str(work), timeout=1500))
-    assert re.search(r"^demo finished in \d+s", r.out, re.M), str(r)
-    assert f"plot: {work}/compare.png" in r.out and is_png(work / "compare.png")
-    assert (work / "export" / "model.safetensors").is_file()
-    for stage in ("1/5 corpus", "2/5 pre-training", "3/5 few-shot", "4/5 Tune sweep", "5/5 comparison"):
-        assert f"[demo] {stage}" in r.out, stage
 
 
 # --- submit / jobs against a local Ray cluster (cluster/local.sh: one head node, no auth)

@@ -224,3 +224,46 @@ def test_plot_is_written_and_logged_to_the_sweep_parent(store, tmp_path):
     # No curves at all still gives a (placeholder) PNG rather than an error.
     empty = plot_compare(uri, compare_rows(uri, exp, tags={"recipe": "fewshot"}), tmp_path / "e.png")
     assert open(empty, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seeds_aggregate_to_one_row_per_configuration(sqlite_uri, experiment):
+    """Three seeds of two sources and a KILLED (pruned) run: one row per configuration, its values
+    in seed order, mean and sample std of the best top-1s; the KILLED run is not counted."""
+    import statistics
+
+    from pipeline.tracking.compare import aggregate_rows, format_aggregate
+
+    peaks = {("scratch", 0): 0.31, ("scratch", 1): 0.27, ("scratch", 2): 0.35,
+             (CKPT, 0): 0.52, (CKPT, 1): 0.61, (CKPT, 2): 0.49}
+    for (source, seed), peak in peaks.items():
+        with RunLogger.start(sqlite_uri, experiment, f"t-{source[-3:]}-{seed}", resume_by_name=False,
+                             tags={"recipe": "demo_fractals", "dataset": "synthetic-seed1",
+                                   "train_fraction": "0.2", "source": source}) as run:
+            run.log_params({"train": {"seed": seed}, "optim": {"lr": 0.03}})
+            run.log_metrics({"val/top1": peak - 0.1}, step=50)
+            run.log_metrics({"val/top1": peak}, step=100)
+    pruned = RunLogger.start(sqlite_uri, experiment, "t-pruned", resume_by_name=False,
+                             tags={"recipe": "demo_fractals", "dataset": "synthetic-seed1",
+                                   "train_fraction": "0.2", "source": "scratch"})
+    pruned.log_params({"train": {"seed": 3}, "optim": {"lr": 0.03}})
+    pruned.log_metrics({"val/top1": 0.99}, step=50)
+    pruned.end("KILLED")
+
+    groups = aggregate_rows(compare_rows(sqlite_uri, experiment))
+    assert len(groups) == 2
+    by_source = {g["source"]: g for g in groups}
+    for source in ("scratch", CKPT):
+        g = by_source[source]
+        want = [peaks[(source, s)] for s in range(3)]
+        assert g["seeds"] == [0, 1, 2] and g["values"] == pytest.approx(want)
+        assert g["mean"] == pytest.approx(statistics.mean(want))
+        assert g["std"] == pytest.approx(statistics.stdev(want))
+        assert (g["min"], g["max"], g["n"]) == (pytest.approx(min(want)), pytest.approx(max(want)), 3)
+        assert g["train_fraction"] == pytest.approx(0.2)
+    assert [g["source"] for g in groups] == [CKPT, "scratch"]  # best mean first
+
+    text = format_aggregate(groups)
+    assert f"{statistics.mean(peaks[(CKPT, s)] for s in range(3)):.3f} +- " in text and "0.990" not in text
+    parsed = list(csv.DictReader(io.StringIO(format_aggregate(groups, "csv"))))
+    assert [float(v) for v in parsed[0]["values"].split()] == pytest.approx([0.52, 0.61, 0.49])
+    assert json.loads(format_aggregate(groups, "json"))[1]["seeds"] == [0, 1, 2]

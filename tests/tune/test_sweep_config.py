@@ -12,7 +12,7 @@ from pipeline.model.vit import ViT
 from pipeline.model.weights import write_export
 from pipeline.recipes import resolve, with_overrides
 from pipeline.train.transfer import finetune_config
-from pipeline.tune.sweep import build_spec, dataset_configs, trial_config
+from pipeline.tune.sweep import _grid, build_spec, dataset_configs, trial_config
 
 
 @pytest.fixture
@@ -104,3 +104,31 @@ def test_a_sweep_saved_without_configs_rebuilds_them_from_its_overrides(tmp_path
     restored = type(spec)(**old)
     trial = {k: v[0] for k, v in spec.space.items()}
     assert trial_config(restored, trial)[0].to_dict() == trial_config(spec, trial)[0].to_dict()
+
+
+def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, export_dir):
+    """Explicit trials (the demo's seeds and data fractions) x every source; shard sets deduplicated
+    by what they read; a point repeating a space key or naming a bad value fails before Ray."""
+    base = resolve("demo_fractals", [f"work_dir={tmp_path}"], check_paths=False)
+    points = [{"recipe": "demo_fractals", "data.train_fraction": 0.2, "train.seed": s} for s in (0, 1)]
+    points.append({"recipe": "demo_finetune", "data.train_fraction": 1.0, "train.seed": 0})
+    spec = build_spec("s", base, "demo_fractals", [], changes={"work_dir": str(tmp_path)},
+                      sources=[export_dir, "scratch"], points=points)
+    trials = _grid(spec)
+    assert len(trials) == 6
+    assert sorted((t["recipe"], t["train.seed"], t["source"]) for t in trials) == sorted(
+        (p["recipe"], p["train.seed"], s) for p in points for s in (export_dir, "scratch"))
+    cfg, _ = trial_config(spec, trials[0])
+    assert (cfg.data.train_fraction, cfg.data.synth_seed) == (0.2, 1)
+    names = {trial_config(spec, t)[0].tracking.run_name for t in trials}
+    assert len(names) == 6  # seeds and fractions name the runs apart
+    # two seeds share the fractals' 20% shards; digits has its own
+    assert [(c.recipe, c.data.train_fraction) for c in dataset_configs(spec)] == [
+        ("demo_fractals", 0.2), ("demo_finetune", 1.0)]
+
+    with pytest.raises(ConfigError, match="also in the search space"):
+        build_spec("s", base, "demo_fractals", [], sources=["scratch"], points=[{"source": "scratch"}])
+    with pytest.raises(ConfigError, match=r"train_fraction"):
+        build_spec("s", base, "demo_fractals", [], points=[{"data.train_fraction": 0.0}])
+    with pytest.raises(ConfigError, match="nope"):
+        build_spec("s", base, "demo_fractals", [], points=[{"train.nope": 1}])

@@ -1,0 +1,110 @@
+"""`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
+both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
+non-zero; headless Chromium on the printed page shows the training runs, the sweep's nested trials,
+the dataset input and the registered model (a screenshot is kept in test-artifacts/).
+"""
+from __future__ import annotations
+
+import html
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .test_every_command import ROOT, is_png, ok, vitp
+
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    work = tmp_path_factory.mktemp("demo") / "work"
+    r = ok(vitp("demo", "--quick", "--work-dir", str(work), timeout=1500))
+    return work, r
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_demo_quick_prints_the_comparison_reference_fewshot_and_plots(demo):
+    work, r = demo
+    assert re.search(r"^demo finished in \d+s", r.out, re.M), str(r)
+    for n, stage in enumerate(("corpus", "pre-training", "reference", "few-shot", "sweep", "results"), 1):
+        assert f"[demo] {n}/6 {stage}: " in r.out, stage
+    table = r.out[r.out.index("== vit-pipeline demo --quick"):]
+    seeds = re.search(r"^  source\s+(seed \d+\s+)+mean \+- std$", table, re.M)
+    assert seeds, str(r)
+    for label in ("pre-trained", "scratch", "linear on raw pixels"):
+        assert re.search(rf"^  {label}\s+0\.\d{{3}}", table, re.M), label
+    assert re.search(r"^  margin \(points\)\s+[+-]\d", table, re.M)
+    assert re.search(r"^pre-training (beat|did NOT beat) training from scratch", table, re.M)
+    assert re.search(r"^few-shot linear probe .* on demo_fractals: 1-shot 0\.\d+", table, re.M), table
+    for png in ("low_data.png", "compare.png"):
+        assert f"{work}/{png}" in table and is_png(work / png)
+    assert "status:  every stage succeeded" in table
+    assert (work / "export" / "model.safetensors").is_file()
+
+
+def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:
+    """The page's text after its scripts ran, as headless Chromium renders it."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, ("no chromium on PATH: `make browser` installs Debian's package "
+                      "(apt-get install chromium); browsers cannot be downloaded at run time")
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--virtual-time-budget=20000", "--window-size=1600,1000"]
+    p = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    dump.write_text(p.stdout)
+    if screenshot:
+        subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180,
+                       cwd=screenshot.parent)
+        assert is_png(screenshot), f"no screenshot of {url}"
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", p.stdout, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(demo, tmp_path):
+    from pipeline.tracking import start_server
+
+    work, r = demo
+    printed = re.search(r"then open (http://127\.0\.0\.1:5000(/\S*))", r.out)
+    assert printed, str(r)
+    ARTIFACTS.mkdir(exist_ok=True)
+    server = start_server(f"sqlite:///{work}/mlflow.db", str(work / "mlartifacts"), host="127.0.0.1", port=0)
+    try:
+        url = server.uri + printed.group(2)
+        runs = _page_text(url, tmp_path / "runs.html", ARTIFACTS / "mlflow-demo-runs.png")
+        print(f"screenshot: {ARTIFACTS / 'mlflow-demo-runs.png'}")
+        assert "Traces" not in runs.split("Runs")[0][-200:] or "Runs" in runs
+        assert "No data available" not in runs, runs[:2000]  # not the GenAI overview
+        assert "demo-pico8-synthetic" in runs, runs[:3000]  # the pre-training run
+        assert "sweep-demo-quick" in runs, runs[:3000]  # the sweep parent
+        assert re.search(r"synthetic \([0-9a-f]{12}\)", runs), runs[:3000]  # its dataset input
+        assert re.search(r"vit-demo v\d+", runs), runs[:3000]  # the registered model it became
+
+        models = _page_text(server.uri + "/#/models", tmp_path / "models.html", ARTIFACTS / "mlflow-demo-models.png")
+        assert "vit-demo" in models, models[:2000]
+    finally:
+        server.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
+    """Run again on what the first run built, with one of the digits shards broken: the few-shot
+    probe that reads it fails and says so, the other stages reuse their results, exit code 1."""
+    work, _ = demo
+    shard = sorted((work / "shards" / "digits").rglob("*.parquet"))[0]
+    shard.write_bytes(b"not a parquet file")
+    r = vitp("demo", "--quick", "--work-dir", str(work), timeout=1500)
+    assert r.rc == 1, str(r)
+    assert re.search(r"^\[demo\] few-shot FAILED: ", r.out, re.M), str(r)
+    assert re.search(r"^FAILED:  few-shot: ", r.out, re.M), str(r)
+    assert re.search(r"^  pre-trained\s+0\.\d{3}", r.out, re.M), str(r)  # the rest is still reported
+    assert "every stage succeeded" not in r.out

@@ -1,0 +1,33 @@
+"""The filter in front of Ray's printer of worker output: chatter dropped, each warning shown once
+with its source line, library deprecations dropped, everything else kept in order."""
+from pipeline.cluster.output import OutputFilter
+
+WARN = ("/srv/pipeline/train/loop.py:88: UserWarning: grad norm is not finite at step 3",
+        "  warnings.warn(msg)")
+DEPRECATION = ("/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: "
+               "`torch.distributed.all_gather_into_tensor` is deprecated.", "  return func(*args, **kwargs)")
+
+
+def test_chatter_dropped_warnings_once_our_lines_kept():
+    f = OutputFilter()
+    first = f.lines(["[run] step 5/60 loss 2.3", *WARN, "DeepSpeed cpu_adam built successfully",
+                     "Progress bars disabled. To enable, set ...", *DEPRECATION,
+                     "Reporting training result 1: TrainingReport(checkpoint=None, metrics={})",
+                     "[run] step 10/60 loss 2.2"])
+    assert first == ["[run] step 5/60 loss 2.3", *WARN, "[run] step 10/60 loss 2.2"]
+    # the same warning from another worker, later: neither it nor its source line again
+    again = f.lines([*WARN, "[run] step 15/60 loss 2.1"])
+    assert again == ["[run] step 15/60 loss 2.1"]
+    # a different warning is news; an indented line that is not after a dropped warning is kept
+    other = f.lines(["/srv/x.py:1: UserWarning: another", "  src", "  indented output"])
+    assert other == ["/srv/x.py:1: UserWarning: another", "  src", "  indented output"]
+
+
+def test_a_record_left_empty_is_not_printed():
+    printed = []
+    show = OutputFilter().wrap(lambda data, **kw: printed.append((data, kw)))
+    show({"lines": ["DeepSpeed cpu_adam built successfully"], "pid": 1})
+    show({"lines": ["WARNING: 9 PYTHON worker processes have been started on node: 7c8a"], "pid": "raylet"},
+         ignore_prefix=False)
+    show({"lines": ["[run] done"], "pid": 1}, ignore_prefix=True)
+    assert printed == [({"lines": ["[run] done"], "pid": 1}, {"ignore_prefix": True})]

@@ -1,0 +1,36 @@
+"""What MLflow's UI reads to show a run's lineage, checked in the store: experiments marked as
+model training, the shards as a dataset input, a registered model as a fine-tune's model input."""
+from mlflow.tracking import MlflowClient
+
+from pipeline.tracking import RunLogger
+from pipeline.tracking.lineage import log_dataset, log_model_input
+from pipeline.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, get_or_create_experiment
+
+
+def test_experiments_are_marked_model_training_even_when_made_elsewhere(tracking_uri, experiment):
+    client = MlflowClient(tracking_uri)
+    exp_id = get_or_create_experiment(client, experiment)
+    assert client.get_experiment(exp_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    bare = client.create_experiment(experiment + "-bare")  # e.g. by an older version
+    assert EXPERIMENT_KIND_TAG not in client.get_experiment(bare).tags
+    assert get_or_create_experiment(client, experiment + "-bare") == bare
+    assert client.get_experiment(bare).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    chosen = client.create_experiment(experiment + "-genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    get_or_create_experiment(client, experiment + "-genai")  # a kind someone chose is kept
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+def test_dataset_and_model_inputs_are_recorded_on_the_run(tracking_uri, experiment, tmp_path):
+    with RunLogger.start(tracking_uri, experiment, "pre") as pre:
+        pass
+    client = MlflowClient(tracking_uri)
+    model = client.create_logged_model(pre.experiment_id, name="vit-x", source_run_id=pre.run_id)
+    with RunLogger.start(tracking_uri, experiment, "ft") as ft:
+        log_dataset(ft.client, ft.run_id, "digits-train0.2", str(tmp_path / "shards"), "abc123def456")
+        log_model_input(ft.client, ft.run_id, model.model_id)
+    inputs = client.get_run(ft.run_id).inputs
+    (d,) = inputs.dataset_inputs
+    assert (d.dataset.name, d.dataset.digest) == ("digits-train0.2", "abc123def456")
+    assert str(tmp_path / "shards") in d.dataset.source
+    assert {t.key: t.value for t in d.tags}["mlflow.data.context"] == "train"
+    assert [m.model_id for m in inputs.model_inputs] == [model.model_id]
