@@ -4,9 +4,13 @@ model is pipeline.train.registry's job; this module only links runs to what exis
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 
 from mlflow import MlflowClient
+
+from .. import storage
 
 
 def log_dataset(client: MlflowClient, run_id: str, name: str, source: str, digest: str,
@@ -23,6 +27,16 @@ def log_dataset(client: MlflowClient, run_id: str, name: str, source: str, diges
     dataset = MetaDataset(resolved, name=name, digest=digest)
     client.log_inputs(run_id, datasets=[DatasetInput(
         dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+
+
+def log_shards(client: MlflowClient, run_id: str, name: str, root: str, context: str = "train") -> None:
+    """The Parquet shards at `root` as a dataset input of `run_id`, their digest taken from the
+    manifest's shard list (same shards, same digest); nothing when there is no manifest."""
+    path = storage.join(root, "manifest.json")
+    if storage.exists(path):
+        shards = storage.read_json(path).get("shards")
+        digest = hashlib.sha1(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:12]
+        log_dataset(client, run_id, name, root, digest, context)
 
 
 def log_model_input(client: MlflowClient, run_id: str, model_id: str) -> None:

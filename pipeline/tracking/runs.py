@@ -70,6 +70,12 @@ def params_for_mlflow(cfg_dict: dict[str, Any]) -> dict[str, str]:
     return {k: _truncate(k, _to_str(v), MAX_PARAM_VALUE) for k, v in flat.items()}
 
 
+def source_tags(command: str) -> dict[str, str]:
+    """MLflow's Source column for a run: the vitp command that made it (not argv: a Tune trial's
+    driver runs in a Ray worker)."""
+    return {"mlflow.source.name": command, "mlflow.source.type": "JOB"}
+
+
 def _tags_for_mlflow(tags: dict[str, Any]) -> dict[str, str]:
     return {
         str(k): _truncate(str(k), _to_str(redact_value(str(k), v)), MAX_TAG_VALUE)

@@ -6,8 +6,6 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,8 +21,8 @@ from ..console import library_log_level
 from ..data.ingest import dataset_name, peek_rows, shards_dir, shards_name
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
-from ..tracking.lineage import log_dataset, log_model_input
-from ..tracking.runs import RunLogger
+from ..tracking.lineage import log_model_input, log_shards
+from ..tracking.runs import RunLogger, source_tags
 from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
 from .export import consolidate
@@ -206,7 +204,7 @@ def _source_tags(cfg: ExperimentConfig, extra_tags: Optional[dict[str, str]]) ->
     sweep = (extra_tags or {}).get("sweep")
     command = (f"vitp sweep {sweep}" if sweep else
                f"vitp {'pretrain' if cfg.model.head == 'pretrain' else 'finetune'} {cfg.recipe}")
-    return {"mlflow.source.name": command, "mlflow.source.type": "JOB"}
+    return source_tags(command)
 
 
 def _log_manifest(logger, cfg: ExperimentConfig) -> None:
@@ -215,7 +213,5 @@ def _log_manifest(logger, cfg: ExperimentConfig) -> None:
     root = shards_dir(cfg)
     path = storage.join(root, "manifest.json")
     if storage.exists(path):
-        manifest = storage.read_json(path)
-        logger.log_dict(manifest, "data/manifest.json")
-        digest = hashlib.sha1(json.dumps(manifest.get("shards"), sort_keys=True).encode()).hexdigest()[:12]
-        log_dataset(logger.client, logger.run_id, shards_name(cfg), root, digest)
+        logger.log_dict(storage.read_json(path), "data/manifest.json")
+        log_shards(logger.client, logger.run_id, shards_name(cfg), root)

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InputError
 from .. import storage
 from ..config import ExperimentConfig
-from ..data.ingest import build_eval_dataset, dataset_name, normalize
+from ..data.ingest import build_eval_dataset, dataset_name, normalize, shards_dir, shards_name
 from ..model.weights import SourceInfo, read_config, source_info
 
 SHOTS = (1, 5, 10, 25)
@@ -180,13 +180,17 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
         return result
 
     from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+    from ..tracking.lineage import log_shards
+    from ..tracking.runs import source_tags
 
     name = f"fewshot-{_source_name(weights, src)}-{dataset_name(cfg)}"
-    tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg)}
+    tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg),
+            **source_tags(f"vitp fewshot {cfg.recipe}")}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
     with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name,
                          resume_by_name=False, tags=tags) as logger:
+        log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
                                        "dataset": dataset_name(cfg), "shards": cfg.data.shards,
                                        "source": weights,

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..config import ExperimentConfig
-from ..data.ingest import build_eval_dataset, dataset_name, shards_name
+from ..data.ingest import build_eval_dataset, dataset_name, shards_dir, shards_name
 from ..errors import InputError
 
 SOURCE = "pixels"  # the `source` tag of a reference run: what `vitp compare` shows
@@ -60,6 +60,8 @@ def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
                 "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe, **(tags or {})}
     if tracking:
         from ..tracking import RunLogger, find_runs, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+        from ..tracking.lineage import log_shards
+        from ..tracking.runs import source_tags
         from ..tracking.store import quote, tag_filters
 
         uri = resolve_tracking_uri(cfg)
@@ -72,7 +74,9 @@ def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
     result = ray.get(ray.remote(num_cpus=1)(linear_on_pixels).remote(cfg))
     if not tracking:
         return result
-    with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False, tags=run_tags) as logger:
+    with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False,
+                         tags={**run_tags, **source_tags("vitp demo")}) as logger:
+        log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
         logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
                                          "image_size": d.image_size, "max_iter": MAX_ITER,
                                          "train_examples": result["train_examples"],

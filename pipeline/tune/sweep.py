@@ -25,6 +25,7 @@ from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, 
 from ..recipes import RECIPES, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
+from ..tracking.runs import source_tags
 from ..tracking.store import quote, tag_filters
 from ..train.transfer import finetune_config
 from .progress import SweepProgress
@@ -253,7 +254,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
                              run_id=_parent_run_id(spec) if resume else None,
-                             tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe})
+                             tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe,
+                                   **source_tags(f"vitp sweep {spec.name}")})
     if not parent.resumed:  # a resumed parent keeps the params of the run that started it
         parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
                            "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,

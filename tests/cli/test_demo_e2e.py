@@ -74,18 +74,32 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
     work, r = demo
     printed = re.search(r"then open (http://127\.0\.0\.1:5000(/\S*))", r.out)
     assert printed, str(r)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{work}/mlflow.db")
+    runs_in_store = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = next(x for x in runs_in_store if x.data.tags.get("kind") == "sweep")
+    trials = [x.info.run_name for x in runs_in_store if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(trials) == 4, trials
     ARTIFACTS.mkdir(exist_ok=True)
     server = start_server(f"sqlite:///{work}/mlflow.db", str(work / "mlartifacts"), host="127.0.0.1", port=0)
     try:
-        url = server.uri + printed.group(2)
-        runs = _page_text(url, tmp_path / "runs.html", ARTIFACTS / "mlflow-demo-runs.png")
+        page = _page_text(server.uri + printed.group(2), tmp_path / "runs.html", ARTIFACTS / "mlflow-demo-runs.png")
         print(f"screenshot: {ARTIFACTS / 'mlflow-demo-runs.png'}")
-        assert "Traces" not in runs.split("Runs")[0][-200:] or "Runs" in runs
-        assert "No data available" not in runs, runs[:2000]  # not the GenAI overview
-        assert "demo-pico8-synthetic" in runs, runs[:3000]  # the pre-training run
-        assert "sweep-demo-quick" in runs, runs[:3000]  # the sweep parent
-        assert re.search(r"synthetic \([0-9a-f]{12}\)", runs), runs[:3000]  # its dataset input
-        assert re.search(r"vit-demo v\d+", runs), runs[:3000]  # the registered model it became
+        assert "Run Name" in page and "No data available" not in page, page[:2000]  # runs, not the GenAI overview
+        assert "demo-pico8-synthetic" in page, page[:3000]  # the pre-training run ...
+        assert re.search(r"synthetic \([0-9a-f]{12}\) train", page), page[:3000]  # ... its shards as Dataset
+        assert "vitp pretrain demo" in page, page[:3000]  # ... its Source
+        assert re.search(r"vit-demo v\d+", page), page[:3000]  # ... and the registered model it became
+        assert "sweep-demo-quick" in page, page[:3000]
+        # the trials are nested under the sweep parent: not top-level rows, but counted
+        assert not [t for t in trials if t in page], page[:3000]
+        assert f"{len(runs_in_store)} matching runs" in page, page[:3000]
+
+        run_page = _page_text(f"{server.uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+                              "?workflowType=machine_learning", tmp_path / "parent.html")
+        children = run_page[run_page.index("Child runs"):]
+        assert all(t in children for t in trials), run_page[:3000]
 
         models = _page_text(server.uri + "/#/models", tmp_path / "models.html", ARTIFACTS / "mlflow-demo-models.png")
         assert "vit-demo" in models, models[:2000]
