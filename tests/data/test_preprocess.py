@@ -177,7 +177,7 @@ def test_same_seed_same_shards_overwrite_and_unfinished(ray_session, tmp_path):
     def run(name, seed, overwrite=False):
         cfg = make_cfg(tmp_path, shards=str(tmp_path / name), synth_images_per_class=12,
                        storage_size=24, shard_mb=0.05, val_fraction=0.25)
-        cfg = cfg.replace(train=__import__("dataclasses").replace(cfg.train, seed=seed))
+        cfg = cfg.replace(data=__import__("dataclasses").replace(cfg.data, synth_seed=seed))
         run_preprocess(cfg, overwrite=overwrite)
         m = read_manifest(str(tmp_path / name))
         return m, read_shards(str(tmp_path / name))

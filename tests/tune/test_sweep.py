@@ -159,6 +159,27 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
     assert parent.data.metrics["sweep/failed"] == 1
 
 
+@pytest.mark.e2e
+def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp_path, server, ray_session):
+    """One trial at a time: the first (lr 0.1) sets the bar at the first evaluation; the second
+    (lr 1e-7: its zero-initialised head barely moves) is below it and ASHA stops it there."""
+    from pipeline.tracking.store import get_client
+    from pipeline.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
+
+    args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={tmp_path}",
+            "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "asha",
+            "--set=tune.max_concurrent_trials=1", "--set=train.steps=40", "--set=train.eval_every=10",
+            "--set=train.log_every=10"]
+    proc = _vitp(args, _env(ray_session))
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]  # a pruned trial is not a failure
+    assert "stopped early by asha at step 10" in log, log[-4000:]
+    runs = {("lr1e-07" in r["run_name"]): r for r in _children(server.uri, "s-asha")}
+    assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
+    tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
+    assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "10")
+
+
 def _mark_trials_pending(sweep_dir) -> int:
     """Rewrite the newest saved sweep state as if the driver died before Tune recorded its
     trials as done (their training and MLflow runs had finished). Returns how many changed."""
