@@ -17,6 +17,7 @@ from PIL import Image
 from pipeline import storage
 from pipeline.cli import main
 from pipeline.config import ExperimentConfig
+from pipeline.model.attention import VIEW_SIZE
 from pipeline.model.convert import export_timm, import_weights
 from pipeline.model.vit import ViT
 from pipeline.model.weights import CONFIG, WEIGHTS, read_config, read_weights, source_info, write_export
@@ -115,7 +116,7 @@ def test_vitp_attention_reads_and_writes_uris(store, capsys):
     assert main(["attention", out, image, "--out", att]) == 0
     assert f"wrote {att}/rollout.png and {att}/attention_distance.png" in capsys.readouterr().out
     assert storage.listdir(att) == ["attention_distance.png", "rollout.png"]
-    assert _png(storage.join(att, "rollout.png")) == (2 * 16, 16)  # image | overlay
+    assert _png(storage.join(att, "rollout.png")) == (2 * VIEW_SIZE, VIEW_SIZE)  # image | overlay, readable
     assert main(["attention", out, storage.join(store, "img", "nope.png"), "--out", att]) == 2
     assert "nope.png: no such image file" in capsys.readouterr().err
 

@@ -18,8 +18,8 @@ MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their
 FRACTIONS = (0.05, 0.2, 1.0)  # the low-data curve on the same dataset
 SEEDS = 3
 MODEL_NAME = "vit-demo"  # the pre-trained model's name in the MLflow model registry
-MARGIN = 0.05
-UI_ADDRESS = "http://127.0.0.1:5000"  # where the printed `mlflow ui` command serves  # what "beats" means in the verdict: this much top-1 in every seed
+MARGIN = 0.05  # what "beats" means in the verdict: this much top-1 in every seed
+UI_ADDRESS = "http://127.0.0.1:5000"  # where the printed `mlflow ui` command serves
 
 # --quick: the same stages and the same headline comparison, smaller.
 QUICK_PRETRAIN: dict[str, Any] = {
@@ -77,10 +77,6 @@ class Stages:
         finally:
             self.timings[name] = time.time() - t
             self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
-
-
-def _fmt_duration(s: float) -> str:
-    return f"{int(s) // 60}m{int(s) % 60:02d}s"
 
 
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,

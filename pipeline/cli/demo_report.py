@@ -4,6 +4,7 @@ aggregated, few-shot, plots, the `mlflow ui` command and the stage timings. Prin
 from __future__ import annotations
 
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 
 def _duration(s: float) -> str:
@@ -69,7 +70,8 @@ def print_summary(result: dict[str, Any], main: tuple[str, float], margin: float
     if result.get("plots"):
         out(f"\nplots:   {'  '.join(result['plots'])}  (also in MLflow, run sweep-{'demo-quick' if quick else 'demo'})")
     if result.get("tracking_uri"):
-        out(f"mlflow:  mlflow ui --backend-store-uri {result['tracking_uri']} --host 127.0.0.1 --port 5000")
+        ui = urlsplit(result["ui_url"])
+        out(f"mlflow:  mlflow ui --backend-store-uri {result['tracking_uri']} --host {ui.hostname} --port {ui.port}")
         out(f"         then open {result['ui_url']}")
     out(f"time:    {_duration(result['seconds'])} ("
         + ", ".join(f"{k} {x:.0f}s" for k, x in result["timings"].items()) + ")")

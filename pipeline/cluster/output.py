@@ -1,11 +1,13 @@
 """What of the Ray processes' output reaches the driver's console: known chatter dropped, each
-warning once per run. Wraps Ray's printers of worker output and raylet messages (private Ray hooks:
-if they move, Ray's own printers stay and nothing breaks). `vitp --verbose` leaves them alone.
+warning once per run, training progress as one redrawn bar on an interactive terminal. Wraps Ray's
+printers (private hooks: if they move, Ray's own printers stay). `vitp --verbose` leaves them be.
 """
 from __future__ import annotations
 
 import functools
 import re
+import shutil
+import sys
 import threading
 from typing import Any, Callable
 
@@ -25,16 +27,60 @@ CHATTER = tuple(re.compile(p) for p in (
 # Deprecations raised inside installed libraries (torch calling its own deprecated API, Ray's
 # options): only the library's authors can act on them
 LIBRARY_DEPRECATION = re.compile(r"site-packages/.*: (\w*DeprecationWarning|FutureWarning): ")
+# A training progress line (pipeline.train.worker): "[run] step N/M ... ETA 0h01m02s"; one that
+# also carries an evaluation ("| val top1 ...") is kept in the scrollback like any other line.
+PROGRESS = re.compile(r"^\[[^\]]+\] step (\d+)/(\d+) [^|]*\bETA (\S+)$")
 # "path:line: SomeWarning: message" as the warnings module prints it (the next line is the source)
 WARNING_LINE = re.compile(r"^\S+:\d+: (\w*Warning): (.*)$")
 
 
-class OutputFilter:
-    """Filters the `lines` of Ray's worker-output records (thread-safe)."""
+class LiveLine:
+    """One line of a terminal that progress redraws in place (`\\r`, erase to the end). Output
+    through `guard(stream)` ends that line first, so nothing is written over it."""
 
-    def __init__(self):
+    BAR = 20
+
+    def __init__(self, stream):
+        self.stream, self.open, self.lock = stream, False, threading.Lock()
+
+    def progress(self, line: str, step: int, total: int, eta: str) -> None:
+        filled = self.BAR * min(step, total) // max(total, 1)
+        text = f"[{'#' * filled}{'.' * (self.BAR - filled)}] ETA {eta} {line}"  # cut on the right
+        width = shutil.get_terminal_size((120, 20)).columns - 1
+        with self.lock:
+            self.stream.write("\r\x1b[K" + text[:width])
+            self.stream.flush()
+            self.open = True
+
+    def guard(self, stream):
+        return _EndsLiveLine(stream, self)
+
+
+class _EndsLiveLine:
+    """A text stream (sys.stdout / sys.stderr) whose writes first end the live line."""
+
+    def __init__(self, stream, live: LiveLine):
+        self._stream, self._live = stream, live
+
+    def write(self, text: str) -> int:
+        with self._live.lock:
+            if text and self._live.open:
+                self._live.stream.write("\n")
+                self._live.open = False
+            return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class OutputFilter:
+    """Filters the `lines` of Ray's worker-output records (thread-safe); with a `live` line,
+    training progress goes there instead of scrolling."""
+
+    def __init__(self, live: LiveLine | None = None):
         self.seen_warnings: set[str] = set()
         self.lock = threading.Lock()
+        self.live = live
 
     def lines(self, lines: list[str]) -> list[str]:
         out, skip_source = [], False
@@ -65,6 +111,15 @@ class OutputFilter:
         record left with no lines is not printed."""
         def filtered(data: dict[str, Any], **kwargs: Any) -> None:
             lines = self.lines(list(data.get("lines") or []))
+            if self.live:
+                rest = []
+                for line in lines:
+                    m = PROGRESS.match(line)
+                    if m:
+                        self.live.progress(line, int(m.group(1)), int(m.group(2)), m.group(3))
+                    else:
+                        rest.append(line)
+                lines = rest
             if lines:
                 printer({**data, "lines": lines}, **kwargs)
         return filtered
@@ -81,7 +136,11 @@ def install() -> bool:
         if "ray_print_logs" not in [name for name, _ in dispatcher.handlers]:
             return False
         original = getattr(w.print_to_stdstream, "__wrapped__", w.print_to_stdstream)
-        filtered = OutputFilter().wrap(original)
+        live = None
+        if sys.stdout.isatty() and not isinstance(sys.stdout, _EndsLiveLine):
+            live = LiveLine(sys.stdout)
+            sys.stdout, sys.stderr = live.guard(sys.stdout), live.guard(sys.stderr)
+        filtered = OutputFilter(live).wrap(original)
         filtered.__wrapped__ = original  # installing twice wraps once
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", functools.partial(

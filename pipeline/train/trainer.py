@@ -130,6 +130,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         result = trainer.fit()
     except BaseException as e:
         if logger:
+            if not isinstance(e, KeyboardInterrupt):
+                _record_error(logger, e)
             logger.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
@@ -196,6 +198,17 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
         return get_client(uri).get_run(run_id)
     except Exception:  # a different store: start or resume by name instead
         return None
+
+
+ERROR_TAG = "vitp.error"  # a FAILED run's error: its type and last line, as the UI shows tags
+
+
+def _record_error(logger, e: BaseException) -> None:
+    lines = str(e).strip().splitlines()
+    try:
+        logger.set_tags({ERROR_TAG: f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]})
+    except Exception:  # noqa: BLE001 - MLflow down too: the run still ends FAILED below (or stays spooled)
+        pass
 
 
 def _source_tags(cfg: ExperimentConfig, extra_tags: Optional[dict[str, str]]) -> dict[str, str]:

@@ -71,5 +71,5 @@ def test_summary_prints_every_seed_the_failures_and_the_ui_command():
     assert v["holds"] and re.search(r"pre-trained\s+0\.500\s+0\.480\s+0\.470\s+0\.483", text)
     assert re.search(r"margin \(points\)\s+\+20\.0\s+\+15\.0\s+\+18\.0", text)
     assert "linear on raw pixels" in text and "5-shot 0.610" in text
-    assert "mlflow ui --backend-store-uri sqlite:////w/m.db" in text and "http://h:5000/#/experiments/3/runs" in text and "/w/low_data.png" in text
+    assert "mlflow ui --backend-store-uri sqlite:////w/m.db --host h --port 5000" in text and "http://h:5000/#/experiments/3/runs" in text and "/w/low_data.png" in text
     assert "FAILED:  few-shot: InputError: no shards" in text and "every stage succeeded" not in text

@@ -31,3 +31,22 @@ def test_a_record_left_empty_is_not_printed():
          ignore_prefix=False)
     show({"lines": ["[run] done"], "pid": 1}, ignore_prefix=True)
     assert printed == [({"lines": ["[run] done"], "pid": 1}, {"ignore_prefix": True})]
+
+
+def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
+    import io
+
+    from pipeline.cluster.output import LiveLine
+
+    term = io.StringIO()
+    live = LiveLine(term)
+    out = live.guard(term)  # what sys.stdout becomes
+    show = OutputFilter(live).wrap(lambda data, **kw: out.write("\n".join(data["lines"]) + "\n"))
+    show({"lines": ["[run] step 5/20 loss 2.30 ETA 0h00m09s"]})
+    show({"lines": ["[run] step 10/20 loss 2.20 ETA 0h00m05s"]})
+    show({"lines": ["[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0"]})
+    out.write("[run] done\n")
+    assert term.getvalue() == (
+        "\r\x1b[K[#####...............] ETA 0h00m09s [run] step 5/20 loss 2.30 ETA 0h00m09s"
+        "\r\x1b[K[##########..........] ETA 0h00m05s [run] step 10/20 loss 2.20 ETA 0h00m05s"
+        "\n[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0\n[run] done\n")

@@ -152,6 +152,8 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
     status = sorted(("num_classes5-" in r["run_name"], r["status"]) for r in rows)
     assert status == [(False, "FINISHED"), (True, "FAILED")]
     client = get_client(server.uri)
+    failed = next(r for r in rows if r["status"] == "FAILED")
+    assert client.get_run(failed["run_id"]).data.tags["vitp.error"].strip()  # what went wrong, in the run
     exp = client.get_experiment_by_name("vit-pipeline-debug")
     (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s2'")
     assert parent.info.status == "FINISHED"
