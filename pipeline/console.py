@@ -33,6 +33,8 @@ def quiet_env() -> dict[str, str]:
             # Ray folds lines that differ only in numbers into "[repeated Nx across cluster]":
             # that folds our progress lines; pipeline.cluster.output drops repeats instead
             "RAY_DEDUP_LOGS": "0",
+            # MLflow prints "View run ... at: URL" whenever a run on a server ends (every trial)
+            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
             "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "cluster",
                                                     "ray_data_logging.yaml")}
 

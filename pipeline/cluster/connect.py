@@ -28,10 +28,15 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     os.environ.update(env)  # this process (Ray Data on the driver) and local Ray's workers
     # every Ray process of this job: Ray's and Ray Train's own INFO lines stay in the log files
     logging_config = None if verbose() else ray.LoggingConfig(log_level="WARNING")
-    if address:  # a remote cluster's nodes may keep the package elsewhere: Train's patch only
+    if address:
+        # the job's processes get the same environment, but the package (and so the Ray Data
+        # YAML) may live elsewhere on the nodes: Ray Data's level instead (its INFO lines then
+        # leave ray-data.log as well as the console)
+        remote_env = {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}
+        if env:
+            remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
         ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
-                 logging_config=logging_config, runtime_env={
-                     "env_vars": {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}})
+                 logging_config=logging_config, runtime_env={"env_vars": remote_env})
     else:
         p = cfg.parallel
         need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2

@@ -28,19 +28,21 @@ class SweepProgress(Callback):
 
     def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
                  experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
+                 planned_steps: Callable[[Mapping[str, Any]], int] | None = None,
                  log: Callable[[str], None] = print):
         self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.planned_steps = planned_steps
         self.scheduler, self.log = scheduler, log
         self.started: dict[str, float] = {}
         self.durations: list[float] = []
         self.ended = 0
 
     def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
-        return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, log=print, run_name=lambda config: "?")
+        self.__dict__.update(state, log=print, run_name=lambda config: "?", planned_steps=None)
 
     def _eta(self) -> str:
         left = self.total - self.ended
@@ -63,14 +65,17 @@ class SweepProgress(Callback):
                  f"{f' in {_duration(took)}' if took is not None else ''}{self._eta()}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
+        # A trial the scheduler stopped completes too (Tune marks its last result done): it is
+        # told apart by its last reported step, short of the steps it was planned to train.
         result = trial.last_result or {}
         value = result.get(self.metric)
         score = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {self.metric}"
-        if result.get("done", True):
+        step = result.get("step")
+        planned = self.planned_steps(trial.config) if self.planned_steps else None
+        if self.scheduler == "none" or step is None or planned is None or step >= planned:
             self._end(trial, score)
             return
-        step = result.get("step")
-        self._end(trial, f"stopped early by {self.scheduler} at step {step} ({score})")
+        self._end(trial, f"stopped early by {self.scheduler} at step {step} of {planned} ({score})")
         self._mark_stopped(trial.trial_id, step)
 
     def on_trial_error(self, iteration, trials, trial, **info):

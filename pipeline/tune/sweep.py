@@ -272,7 +272,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     total = len(_grid(spec)) * spec.num_samples if spec.search == "grid" else spec.num_samples
     progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri,
                              spec.experiment, run_name=lambda config: trial_run_name(spec, trial_params(config)),
-                             scheduler=spec.scheduler, log=log)
+                             scheduler=spec.scheduler, log=log,
+                             planned_steps=lambda config: trial_config(spec, trial_params(config))[0].train.steps)
     t0 = time.time()
     try:
         if resume:

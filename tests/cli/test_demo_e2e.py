@@ -114,7 +114,7 @@ def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
     """Run again on what the first run built, with one of the digits shards broken: the few-shot
     probe that reads it fails and says so, the other stages reuse their results, exit code 1."""
     work, _ = demo
-    shard = sorted((work / "shards" / "digits").rglob("*.parquet"))[0]
+    shard = sorted((work / "shards" / "digits" / "train").glob("*.parquet"))[0]
     shard.write_bytes(b"not a parquet file")
     r = vitp("demo", "--quick", "--work-dir", str(work), timeout=1500)
     assert r.rc == 1, str(r)

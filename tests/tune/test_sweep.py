@@ -175,7 +175,7 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
     proc = _vitp(args, _env(ray_session))
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]  # a pruned trial is not a failure
-    assert "stopped early by asha at step 10" in log, log[-4000:]
+    assert "stopped early by asha at step 10 of 40" in log, log[-4000:]
     runs = {("lr1e-07" in r["run_name"]): r for r in _children(server.uri, "s-asha")}
     assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
     tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
