@@ -473,7 +473,7 @@ class TestChain:
         # system metrics (tracking.system_metrics, on by default) at each log step
         assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [2, 4]
         (dataset,) = run.inputs.dataset_inputs  # the shards, as MLflow's Dataset column shows them
-        assert dataset.dataset.name == "synthetic" and str(scenario.shards) in dataset.dataset.source
+        assert dataset.dataset.name == "imagefolder" and str(scenario.shards) in dataset.dataset.source
         assert run.data.tags["mlflow.source.name"] == "vitp pretrain debug"
 
     def test_pretrain_console_says_each_thing_once(self, scenario):
