@@ -1,5 +1,6 @@
 """How much third-party output a user sees: `vitp --verbose` (env VITP_VERBOSE=1) shows it all;
-by default our lines, warnings and errors only. No pipeline imports (every layer uses it).
+by default our lines, warnings and errors only; progress is a bar redrawn in place on a terminal,
+a line per report elsewhere. No pipeline imports (every layer uses it).
 """
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import sys
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 VERBOSE_ENV = "VITP_VERBOSE"
 
@@ -80,3 +83,65 @@ def name_cpu_accelerator(use_gpu: bool) -> None:
     warn "Setting accelerator to CPU" in every process that has no GPU."""
     if not use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class LiveLine:
+    """One terminal line that progress redraws in place (`\\r`, erase to the end). Output through
+    `guard(stream)` ends that line first, so nothing is written over it."""
+
+    BAR = 20
+
+    def __init__(self, stream):
+        self.stream, self.open, self.lock = stream, False, threading.Lock()
+
+    def progress(self, line: str, done: int, total: int, eta: str) -> None:
+        filled = self.BAR * min(done, total) // max(total, 1)
+        text = f"[{'#' * filled}{'.' * (self.BAR - filled)}] ETA {eta} {line}"  # cut on the right
+        width = shutil.get_terminal_size((120, 20)).columns - 1
+        with self.lock:
+            self.stream.write("\r\x1b[K" + text[:width])
+            self.stream.flush()
+            self.open = True
+
+    def guard(self, stream) -> "_EndsLiveLine":
+        return _EndsLiveLine(stream, self)
+
+
+class _EndsLiveLine:
+    """A text stream (sys.stdout / sys.stderr) whose writes first end the live line."""
+
+    def __init__(self, stream, live: LiveLine):
+        self._stream, self._live = stream, live
+
+    def write(self, text: str) -> int:
+        with self._live.lock:
+            if text and self._live.open:
+                self._live.stream.write("\n")
+                self._live.open = False
+            return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+_live: LiveLine | None = None
+
+
+def start_live_line() -> LiveLine | None:
+    """On an interactive terminal (and not `--verbose`), this process's LiveLine, with sys.stdout
+    and sys.stderr guarded by it; None elsewhere (logs, pipes, CI)."""
+    global _live
+    if _live is None and sys.stdout.isatty() and not verbose():
+        _live = LiveLine(sys.stdout)
+        sys.stdout, sys.stderr = _live.guard(sys.stdout), _live.guard(sys.stderr)
+    return _live
+
+
+def progress(line: str, done: int, total: int, eta: str, log: Callable[[str], None] = print) -> None:
+    """A progress report of the driver: the redrawn bar where there is a live line, else `line`
+    through `log` (one line per report in logs and CI)."""
+    if _live is not None:
+        _live.progress(line, done, total, eta)
+    else:
+        log(line)
+

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import re
-import shutil
-import sys
 import threading
 from typing import Any, Callable
+
+from ..console import LiveLine, start_live_line
 
 # Lines from Ray, Ray Data and DeepSpeed that a user cannot act on.
 CHATTER = tuple(re.compile(p) for p in (
@@ -32,45 +32,6 @@ LIBRARY_DEPRECATION = re.compile(r"site-packages/.*: (\w*DeprecationWarning|Futu
 PROGRESS = re.compile(r"^\[[^\]]+\] step (\d+)/(\d+) [^|]*\bETA (\S+)$")
 # "path:line: SomeWarning: message" as the warnings module prints it (the next line is the source)
 WARNING_LINE = re.compile(r"^\S+:\d+: (\w*Warning): (.*)$")
-
-
-class LiveLine:
-    """One line of a terminal that progress redraws in place (`\\r`, erase to the end). Output
-    through `guard(stream)` ends that line first, so nothing is written over it."""
-
-    BAR = 20
-
-    def __init__(self, stream):
-        self.stream, self.open, self.lock = stream, False, threading.Lock()
-
-    def progress(self, line: str, step: int, total: int, eta: str) -> None:
-        filled = self.BAR * min(step, total) // max(total, 1)
-        text = f"[{'#' * filled}{'.' * (self.BAR - filled)}] ETA {eta} {line}"  # cut on the right
-        width = shutil.get_terminal_size((120, 20)).columns - 1
-        with self.lock:
-            self.stream.write("\r\x1b[K" + text[:width])
-            self.stream.flush()
-            self.open = True
-
-    def guard(self, stream):
-        return _EndsLiveLine(stream, self)
-
-
-class _EndsLiveLine:
-    """A text stream (sys.stdout / sys.stderr) whose writes first end the live line."""
-
-    def __init__(self, stream, live: LiveLine):
-        self._stream, self._live = stream, live
-
-    def write(self, text: str) -> int:
-        with self._live.lock:
-            if text and self._live.open:
-                self._live.stream.write("\n")
-                self._live.open = False
-            return self._stream.write(text)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 class OutputFilter:
@@ -136,11 +97,7 @@ def install() -> bool:
         if "ray_print_logs" not in [name for name, _ in dispatcher.handlers]:
             return False
         original = getattr(w.print_to_stdstream, "__wrapped__", w.print_to_stdstream)
-        live = None
-        if sys.stdout.isatty() and not isinstance(sys.stdout, _EndsLiveLine):
-            live = LiveLine(sys.stdout)
-            sys.stdout, sys.stderr = live.guard(sys.stdout), live.guard(sys.stderr)
-        filtered = OutputFilter(live).wrap(original)
+        filtered = OutputFilter(start_live_line()).wrap(original)
         filtered.__wrapped__ = original  # installing twice wraps once
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", functools.partial(

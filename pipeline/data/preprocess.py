@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ..console import progress
 from ..errors import InputError
 from ..storage import filesystem, join, open_input
 from . import shards as sh
@@ -309,8 +310,9 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
             last = time.time()
             done = _inputs_of(records.values())
             rate = (done - done0) / max(last - t1, 1e-9)
-            log(f"preprocess: {done}/{n_in} inputs in {len(records)} shards ({rate:.0f}/s, "
-                f"ETA {(n_in - done) / max(rate, 1e-9):.0f}s)")
+            eta = f"{(n_in - done) / max(rate, 1e-9):.0f}s"
+            progress(f"preprocess: {done}/{n_in} inputs in {len(records)} shards ({rate:.0f}/s, "
+                     f"ETA {eta})", done, n_in, eta, log)
     return _finish(out_dir, fs, base, records, classes, ncls, n_in, plan, decode, t0,
                    manifest_extra, log)
 

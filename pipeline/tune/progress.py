@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 from ray.tune import Callback
 
+from ..console import progress
 from ..tracking import find_runs
 from ..tracking.store import get_client, quote
 
@@ -49,7 +50,7 @@ class SweepProgress(Callback):
         if not self.durations or left <= 0:
             return ""
         mean = sum(self.durations) / len(self.durations)
-        return f", ETA {_duration(mean * left / min(self.concurrency, left))}"
+        return _duration(mean * left / min(self.concurrency, left))
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.started[trial.trial_id] = time.time()
@@ -61,8 +62,12 @@ class SweepProgress(Callback):
         took = time.time() - t0 if t0 is not None else None
         if took is not None:
             self.durations.append(took)
+        eta = self._eta()
         self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config)}: {what}"
-                 f"{f' in {_duration(took)}' if took is not None else ''}{self._eta()}")
+                 f"{f' in {_duration(took)}' if took is not None else ''}{f', ETA {eta}' if eta else ''}")
+        # on a terminal, a bar of the sweep (the line above already says it elsewhere)
+        progress(f"[sweep {self.name}] {self.ended}/{self.total} trials", self.ended, self.total,
+                 eta or "-", log=lambda line: None)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         # A trial the scheduler stopped completes too (Tune marks its last result done): it is

@@ -36,7 +36,7 @@ def test_a_record_left_empty_is_not_printed():
 def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
     import io
 
-    from pipeline.cluster.output import LiveLine
+    from pipeline.console import LiveLine
 
     term = io.StringIO()
     live = LiveLine(term)
@@ -50,3 +50,19 @@ def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
         "\r\x1b[K[#####...............] ETA 0h00m09s [run] step 5/20 loss 2.30 ETA 0h00m09s"
         "\r\x1b[K[##########..........] ETA 0h00m05s [run] step 10/20 loss 2.20 ETA 0h00m05s"
         "\n[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0\n[run] done\n")
+
+
+def test_driver_progress_is_a_line_in_logs_and_the_bar_on_a_terminal(monkeypatch):
+    import io
+
+    from pipeline import console
+
+    lines = []
+    monkeypatch.setattr(console, "_live", None)  # not a terminal: the line, through log
+    console.progress("preprocess: 50/200 inputs (ETA 6s)", 50, 200, "6s", lines.append)
+    assert lines == ["preprocess: 50/200 inputs (ETA 6s)"]
+    term = io.StringIO()
+    monkeypatch.setattr(console, "_live", console.LiveLine(term))
+    console.progress("preprocess: 100/200 inputs (ETA 3s)", 100, 200, "3s", lines.append)
+    assert len(lines) == 1
+    assert term.getvalue() == "\r\x1b[K[##########..........] ETA 3s preprocess: 100/200 inputs (ETA 3s)"
