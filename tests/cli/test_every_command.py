@@ -319,7 +319,10 @@ def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
         [str(VITP), "mlflow-server", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
          "--artifacts-destination", str(tmp_path / "artifacts"), "--log", str(tmp_path / "server.log")],
-        env=vitp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=vitp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C reaches a foreground process with SIGINT at its default; a test run started in
+        # the background (`make test-e2e &`) would pass SIGINT down ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         deadline = time.monotonic() + 180
