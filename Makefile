@@ -6,6 +6,10 @@ PYTHON          ?= python3
 TORCH_VERSION   ?= 2.13.0
 TORCH_INDEX_URL ?=
 DEEPSPEED_VERSION ?= 0.19.8
+# test-only: timm's hybrids are what the hybrid ResNet+ViT is checked against (the torchvision
+# of the same release as TORCH_VERSION)
+TIMM_VERSION    ?= 1.0.31
+TORCHVISION_VERSION ?= 0.28.0
 PYTEST_ARGS     ?=
 DEMO_ARGS       ?=
 
@@ -28,6 +32,11 @@ $(STAMP): pyproject.toml Makefile
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation \
 		-c $(VENV)/constraints.txt "deepspeed==$(DEEPSPEED_VERSION)"
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
+	# timm and torchvision go into their own folder that only the timm tests put on sys.path
+	# (tests/timm_compat.py): the venv itself stays without torchvision, which other packages
+	# would import whenever it is present.
+	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/timm-pkgs \
+		"timm==$(TIMM_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
 	touch $(STAMP)
 
 # The MLflow UI test drives Debian's headless chromium (no browser can be downloaded at run time);

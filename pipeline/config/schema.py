@@ -64,6 +64,9 @@ class ModelConfig:
     dropout: float = 0.0
     attn_dropout: float = 0.0
     grad_checkpointing: bool = False  # recompute each block in backward (activation memory)
+    # a hybrid's (R50+B/16, ...) weight standardisation and GroupNorm epsilons: "bit" as the
+    # official code, "timm" as timm's hybrids (set by `vitp import` from the weights' source)
+    resnet_norm: Literal["bit", "timm"] = "bit"
 
 
 @dataclass
@@ -119,6 +122,11 @@ class TrainConfig:
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
     device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312
     compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile, inductor backend)
+    # >0: every N steps a snapshot of the weights is few-shot evaluated off the training path
+    # (train/fewshot_probe.py); metrics fewshot/<dataset>_<k>shot_top1 at the snapshot's step
+    fewshot_every: int = 0
+    # preprocessed shard dirs (path or URI), or names of <work_dir>/shards/<name> (vitp preprocess)
+    fewshot_datasets: tuple[str, ...] = ("digits",)
 
 
 @dataclass

@@ -52,11 +52,12 @@ def _shape_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(str(e))
         spec = None
     if spec is not None:
-        if d.image_size % spec.patch:
-            ok = [s for s in range(max(spec.patch, d.image_size - 2 * spec.patch), d.image_size + 2 * spec.patch + 1) if s % spec.patch == 0]
+        t = spec.stride  # the patch, or a hybrid's ResNet stride times its patch
+        if d.image_size % t:
+            ok = [s for s in range(max(t, d.image_size - 2 * t), d.image_size + 2 * t + 1) if s % t == 0]
             problems.append(
-                f"data.image_size={d.image_size} is not divisible by the patch size {spec.patch} "
-                f"of model.variant={m.variant!r}: use a multiple of {spec.patch} (e.g. {', '.join(map(str, ok[:3]))})"
+                f"data.image_size={d.image_size} is not divisible by the {'token' if spec.hybrid else 'patch'} size {t} "
+                f"of model.variant={m.variant!r}: use a multiple of {t} (e.g. {', '.join(map(str, ok[:3]))})"
             )
         if spec.width % spec.heads:
             problems.append(
@@ -183,6 +184,11 @@ def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
             problems.append(f"train.{name}={getattr(t, name)}: must be >= 0")
     if not 0 <= t.pause_at <= t.steps:
         problems.append(f"train.pause_at={t.pause_at} must be in 0..train.steps={t.steps} (0 = no pause)")
+    if t.fewshot_every < 0:
+        problems.append(f"train.fewshot_every={t.fewshot_every}: must be >= 0 (0 = no few-shot probes)")
+    elif t.fewshot_every and not [d for d in t.fewshot_datasets if d.strip()]:
+        problems.append(f"train.fewshot_every={t.fewshot_every} but train.fewshot_datasets is empty: "
+                        "name preprocessed shards, e.g. --set train.fewshot_datasets=digits")
     if t.nonfinite_patience < 1:
         problems.append(f"train.nonfinite_patience={t.nonfinite_patience}: must be >= 1")
     try:

@@ -86,7 +86,7 @@ def attention_distance_from_maps(maps: Sequence[torch.Tensor], grid: int | tuple
 @torch.no_grad()
 def mean_attention_distance(model: ViT, images: torch.Tensor) -> torch.Tensor:
     """Normalised images (B, 3, S, S) -> mean attention distance per layer and head (L, H), pixels."""
-    return attention_distance_from_maps(_maps(model, images), model.grid, model.spec.patch)
+    return attention_distance_from_maps(_maps(model, images), model.grid, model.spec.stride)
 
 
 # ------------------------------------------------------------------------------- pictures

@@ -19,18 +19,14 @@ from safetensors.torch import save
 from .. import storage
 from ..config import ExperimentConfig
 from ..errors import InputError
-from .variants import VARIANTS
+from .convert_hf import from_hf
+from .convert_hybrid import f32 as _t
+from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
+from .variants import VARIANTS, decode_variant
 from .vit import build_vit, resample_pos_embed
 from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_weights, write_export
 
 StateDict = dict[str, torch.Tensor]
-
-
-def _t(a: Any) -> torch.Tensor:
-    """numpy / torch -> contiguous fp32 torch tensor (we convert in fp32; bf16 sources upcast)."""
-    if isinstance(a, torch.Tensor):
-        return a.detach().to(torch.float32).contiguous()
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float32)))
 
 
 # --------------------------------------------------------------------------------------
@@ -41,7 +37,8 @@ def _t(a: Any) -> torch.Tensor:
 def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> dict[str, Any]:
     """Shape facts of a state dict in our naming: depth, width, mlp_dim, heads, patch, grid,
     image_size, head ("pretrain" if pre-logits are present), representation_size, num_classes
-    (None when there is no head), and `variant` ("B/16") from pipeline.model.variants.VARIANTS.
+    (None when there is no head), and `variant` ("B/16", or a hybrid's "R50+B/16") from
+    pipeline.model.variants; `stride` is the pixels per token (patch x a hybrid's ResNet stride).
 
     Heads are not visible in a fused qkv weight, so they come from `heads` (the official
     layout and HF configs carry them) or from the variant table row that matches the shapes.
@@ -53,7 +50,8 @@ def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> d
     width, in_chans, patch, patch_w = sd["patch_embed.proj.weight"].shape  # (D, C, P, P)
     if patch != patch_w:
         raise InputError(f"patch embedding kernel is {patch}x{patch_w}: only square patches are supported")
-    if in_chans != 3:
+    hybrid = hybrid_layout(sd)  # (ResNet blocks per stage, root width) or None
+    if in_chans != 3 and hybrid is None:
         raise InputError(f"patch embedding takes {in_chans} input channels: our ViT reads RGB (3)")
     depth = len({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
     mlp_dim = sd["blocks.0.mlp.fc1.weight"].shape[0]
@@ -61,19 +59,19 @@ def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> d
     grid = math.isqrt(n)
     if grid * grid != n:
         raise InputError(f"position embedding has {n} patch tokens: not a square grid (needs g*g)")
-    matches = [name for name, (d, w, m, h) in VARIANTS.items()
-               if (d, w, m) == (depth, width, mlp_dim) and (heads is None or h == heads)]
+    matches = vit_rows(depth, width, mlp_dim, heads)
     if not matches:
         raise InputError(
             f"weights have depth {depth}, width {width}, MLP {mlp_dim}, heads {heads or '?'}: no row "
             "of pipeline.model.variants.VARIANTS has that shape; add one there (name -> (depth, width, "
             f"mlp_dim, heads)) to import them. Known: {VARIANTS}"
         )
-    name = matches[0]
+    name = hybrid_variant(matches[0], *hybrid[:1], patch, hybrid[1]) if hybrid else f"{matches[0]}/{patch}"
+    stride = decode_variant(name).stride
     has_pre = "pre_logits.0.weight" in sd
     return {
-        "variant": f"{name}/{patch}", "depth": depth, "width": width, "mlp_dim": mlp_dim,
-        "heads": VARIANTS[name][3], "patch": patch, "grid": grid, "image_size": grid * patch,
+        "variant": name, "depth": depth, "width": width, "mlp_dim": mlp_dim, "heads": VARIANTS[matches[0]][3],
+        "patch": patch, "stride": stride, "grid": grid, "image_size": grid * stride,
         "head": "pretrain" if has_pre else "finetune",
         "representation_size": sd["pre_logits.0.weight"].shape[0] if has_pre else None,
         "num_classes": sd["head.weight"].shape[0] if "head.weight" in sd else None,
@@ -103,8 +101,9 @@ def _load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
 def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str, Any]]:
     """Official ViT `.npz` (path or {key: array}) -> (state dict in our naming, info).
 
-    Accepts the vision_transformer layout (optionally under `opt/target/`) and big_vision's
-    unscanned one (`params/`, `pos_embedding` at the top). Re-layouts: conv kernel HWIO (P,P,C,D)
+    Accepts the vision_transformer layout (optionally under `opt/target/`), its hybrids (ResNet
+    `conv_root`, `block{s}/unit{u}/...`) and big_vision's unscanned one (`params/`,
+    `pos_embedding` at the top). Re-layouts: conv kernel HWIO (P,P,C,D)
     -> OIHW (D,C,P,P); per-head q/k/v kernels (D,H,d) -> one fused (3D, D) qkv weight; out kernel
     (H,d,D) -> (D, H*d); Dense kernels (in, out) -> Linear weights (out, in).
     """
@@ -112,7 +111,7 @@ def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str
     roots = [k[: -len("embedding/kernel")] for k in w if k.endswith("embedding/kernel")]
     if not roots:
         raise InputError("no 'embedding/kernel' in the .npz: not an official ViT checkpoint "
-                       f"(first keys: {sorted(w)[:5]}); hybrid ResNet stems are not supported")
+                       f"(first keys: {sorted(w)[:5]})")
     p = min(roots, key=len)  # "" | "opt/target/" | "params/" | "params/img/"
     layout = "big_vision" if f"{p}pos_embedding" in w else "official"
     pos_key = f"{p}pos_embedding" if layout == "big_vision" else f"{p}Transformer/posembed_input/pos_embedding"
@@ -136,6 +135,7 @@ def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str
         "patch_embed.proj.bias": _t(get("embedding/bias")),
         "cls_token": _t(get("cls")),  # (1, 1, D)
         "pos_embed": _t(w[pos_key]),  # (1, N+1, D)
+        **resnet_from_npz([k[len(p):] for k in w if k.startswith(p)], get),  # hybrids
     }
     depth = len({int(m.group(1)) for k in w if (m := re.match(re.escape(p) + r"Transformer/encoderblock_(\d+)/", k))})
     heads = None
@@ -199,78 +199,13 @@ def from_timm(sd: Mapping[str, Any]) -> StateDict:
     if bad:
         raise InputError(f"timm weights use {', '.join(bad)}, which pipeline.model.ViT does not "
                          "implement: import a plain class-token ViT (e.g. vit_base_patch16_224)")
-    out = {}
-    for k, v in sd.items():
-        out[k.replace("pre_logits.fc.", "pre_logits.0.")] = _t(v)
-    return out
+    return {k.replace("pre_logits.fc.", "pre_logits.0."): _t(v) for k, v in timm_to_ours(sd).items()}
 
 
 def to_timm(sd: Mapping[str, torch.Tensor]) -> StateDict:
     """Ours -> timm naming. Pre-logits (pretrain head) use old timm's `pre_logits.fc` name:
     timm >= 0.6 dropped the representation layer, so only a finetune-head model loads there."""
-    return {k.replace("pre_logits.0.", "pre_logits.fc."): _t(v) for k, v in sd.items()}
-
-
-# --------------------------------------------------------------------------------------
-# Hugging Face ViTModel / ViTForImageClassification
-# --------------------------------------------------------------------------------------
-
-# Per-layer names: hub checkpoints (and save_pretrained) use the first spelling; transformers >= 5
-# renamed the in-memory modules (`layers.{i}.attention.q_proj`, `.mlp.fc1`) and maps on load/save.
-_HF_LAYER = {
-    "layernorm_before": "norm1", "layernorm_after": "norm2",
-    "attention.output.dense": "attn.proj", "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
-    "attention.o_proj": "attn.proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
-}
-_HF_QKV = re.compile(r"attention\.(?:attention\.(query|key|value)|(q|k|v)_proj)$")
-_HF_TOP = {
-    "embeddings.patch_embeddings.projection": "patch_embed.proj",
-    "layernorm": "norm", "pooler.dense": "pre_logits.0", "classifier": "head",
-}
-
-
-def from_hf(sd: Mapping[str, Any]) -> StateDict:
-    """HF `ViTModel` (its tanh pooler = our pre-logits) or `ViTForImageClassification`
-    (`classifier` = our head) state dict, with or without the `vit.` prefix, in the hub naming
-    (`encoder.layer.{i}...`) or the transformers >= 5 module naming (`layers.{i}...`) -> ours.
-
-    HF keeps q, k, v as three (D, D) Linears; we fuse them into one (3D, D) in q, k, v order.
-    """
-    src = {k.removeprefix("vit."): v for k, v in sd.items()}
-    src.pop("embeddings.mask_token", None)  # only for masked-image-modelling inputs
-    out: StateDict = {}
-    qkv: dict[int, dict[str, Any]] = {}
-    unknown = []
-    for k, v in src.items():
-        if k == "embeddings.cls_token":
-            out["cls_token"] = _t(v)
-        elif k == "embeddings.position_embeddings":
-            out["pos_embed"] = _t(v)
-        elif m := re.match(r"(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias)$", k):
-            i, mod, kind = int(m.group(1)), m.group(2), m.group(3)
-            if am := _HF_QKV.match(mod):
-                name = am.group(1) or {"q": "query", "k": "key", "v": "value"}[am.group(2)]
-                qkv.setdefault(i, {})[f"{name}.{kind}"] = v
-            elif mod in _HF_LAYER:
-                out[f"blocks.{i}.{_HF_LAYER[mod]}.{kind}"] = _t(v)
-            else:
-                unknown.append(k)
-        elif (m := re.match(r"(.+)\.(weight|bias)$", k)) and m.group(1) in _HF_TOP:
-            out[f"{_HF_TOP[m.group(1)]}.{m.group(2)}"] = _t(v)
-        else:
-            unknown.append(k)
-    if unknown:
-        raise InputError(f"HF ViT keys with no counterpart in our ViT: {unknown[:8]}: only "
-                         "ViTModel / ViTForImageClassification state dicts are supported")
-    for i, parts in qkv.items():
-        for kind in ("weight", "bias"):
-            try:
-                out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(
-                    [_t(parts[f"{n}.{kind}"]) for n in ("query", "key", "value")])
-            except KeyError as e:
-                raise InputError(f"encoder.layer.{i}: attention {e.args[0]} missing (HF ViT with "
-                               "qkv_bias=False is not supported)") from None
-    return out
+    return {k.replace("pre_logits.0.", "pre_logits.fc."): _t(v) for k, v in ours_to_timm(sd).items()}
 
 
 # --------------------------------------------------------------------------------------
@@ -350,14 +285,14 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
     notes = []
 
     # A different resolution keeps the patch size, so only the position-embedding grid changes.
+    t = info["stride"]  # pixels per token: the patch, or a hybrid's ResNet stride x patch
     if image_size is not None and image_size != info["image_size"]:
-        if image_size % info["patch"]:
-            raise InputError(f"image_size={image_size} is not a multiple of the patch size "
-                             f"{info['patch']} of {info['variant']}: use e.g. "
-                             f"{(image_size // info['patch']) * info['patch']}")
-        sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], image_size // info["patch"])
+        if image_size % t:
+            raise InputError(f"image_size={image_size} is not a multiple of the token size {t} of "
+                             f"{info['variant']}: use e.g. {max(image_size // t, 1) * t}")
+        sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], image_size // t)
         notes.append(f"pos_embed resampled {info['image_size']}px -> {image_size}px")
-        info["image_size"], info["grid"] = image_size, image_size // info["patch"]
+        info["image_size"], info["grid"] = image_size, image_size // t
     R = info["representation_size"] or info["width"]
     if info["num_classes"] is None or (num_classes is not None and num_classes != info["num_classes"]):
         k = num_classes or 1000
@@ -369,7 +304,10 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
     base = ExperimentConfig(recipe="import")
     cfg = base.replace(
         model=dataclasses.replace(base.model, variant=info["variant"], num_classes=info["num_classes"],
-                                  head=info["head"], representation_size=info["representation_size"]),
+                                  head=info["head"], representation_size=info["representation_size"],
+                                  # a hybrid keeps the standardisation its weights were trained with
+                                  resnet_norm="timm" if fmt == "timm" else ((side.get("config") or {}).get(
+                                      "model") or {}).get("resnet_norm", "bit")),
         data=dataclasses.replace(base.data, image_size=info["image_size"], num_classes=info["num_classes"],
                                  storage_size=max(info["image_size"], base.data.storage_size)),
     )

@@ -1,7 +1,7 @@
-"""Analytic FLOPs and parameter counts of a ViT, from its shape alone (no allocation).
+"""Analytic FLOPs and parameter counts of a ViT or hybrid, from its shape alone (no allocation).
 
-Counts the multiply-accumulates of every matmul (patch projection, qkv, attention QK^T and AV,
-output projection, MLP, pre-logits, head) and reports FLOPs = 2 x MACs, as timm/fvcore do.
+Counts the multiply-accumulates of every matmul and conv (a hybrid's ResNet, patch projection, qkv,
+attention QK^T and AV, output projection, MLP, pre-logits, head): FLOPs = 2 x MACs, as timm/fvcore.
 Training FLOPs ~ 3 x forward (backward costs twice the forward). Used for MFU.
 """
 from __future__ import annotations
@@ -15,14 +15,42 @@ def _spec(variant: str | ViTSpec) -> ViTSpec:
     return decode_variant(variant) if isinstance(variant, str) else variant
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def resnet_cost(s: ViTSpec, image_size: int, in_chans: int = 3) -> tuple[int, int]:
+    """(MACs for one image, parameters) of a hybrid's ResNet; (0, 0) for a plain ViT. Convs have
+    no bias; every GroupNorm has a scale and a bias per channel; SAME padding: out = ceil(in / s)."""
+    if not s.hybrid:
+        return 0, 0
+    r = s.resnet_width
+    hw = _ceil_div(image_size, 2)  # root conv /2
+    macs, params = hw * hw * 49 * in_chans * r, 49 * in_chans * r + 2 * r
+    hw, cin = _ceil_div(hw, 2), r  # max-pool /2
+    for i, blocks in enumerate(s.resnet):
+        mid = r * 2**i
+        for b in range(blocks):
+            stride = 2 if (i > 0 and b == 0) else 1
+            out_hw = _ceil_div(hw, stride)
+            macs += hw * hw * cin * mid + out_hw * out_hw * (9 * mid * mid + mid * 4 * mid)
+            params += cin * mid + 9 * mid * mid + mid * 4 * mid + 2 * (mid + mid + 4 * mid)
+            if cin != 4 * mid or stride != 1:  # projection shortcut
+                macs += out_hw * out_hw * cin * 4 * mid
+                params += cin * 4 * mid + 2 * 4 * mid
+            hw, cin = out_hw, 4 * mid
+    return macs, params
+
+
 def forward_flops(variant: str | ViTSpec, image_size: int = 224, num_classes: int = 1000,
                   representation_size: Optional[int] = None, in_chans: int = 3) -> float:
     """Forward FLOPs for one image (2 x MACs of all matmuls; elementwise ops ignored)."""
     s = _spec(variant)
     D, L = s.width, s.depth
-    n_patches = (image_size // s.patch) ** 2
+    n_patches = (image_size // s.stride) ** 2
     N = n_patches + 1  # tokens including the class token
-    macs = n_patches * (in_chans * s.patch**2) * D  # patch projection
+    macs = resnet_cost(s, image_size, in_chans)[0]
+    macs += n_patches * (s.feature_chans * s.patch**2) * D  # patch projection
     per_layer = (
         N * D * 3 * D  # qkv
         + 2 * N * N * D  # QK^T and attention x V, summed over heads
@@ -49,8 +77,9 @@ def param_count(variant: str | ViTSpec, image_size: int = 224, num_classes: int 
     """Parameters of `ViT(...)` computed from the shape (cross-checked against the module)."""
     s = _spec(variant)
     D, L, M = s.width, s.depth, s.mlp_dim
-    n = (image_size // s.patch) ** 2
-    embed = in_chans * s.patch**2 * D + D + D + (n + 1) * D  # conv w+b, cls, pos
+    n = (image_size // s.stride) ** 2
+    embed = s.feature_chans * s.patch**2 * D + D + D + (n + 1) * D  # conv w+b, cls, pos
+    embed += resnet_cost(s, image_size, in_chans)[1]
     block = (D * 3 * D + 3 * D) + (D * D + D) + (D * M + M) + (M * D + D) + 4 * D
     head_in = representation_size or D
     head = head_in * num_classes + num_classes

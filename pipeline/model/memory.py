@@ -80,7 +80,7 @@ def activation_bytes(spec: ViTSpec, image_size: int, micro_batch: int, precision
     """Activations kept for backward: ~34*s*h bytes per layer per image in 16-bit with fused
     attention (+5*a*s^2 without), twice that in fp32; checkpointing keeps each layer's input
     (2*s*h in 16-bit) and recomputes one layer at a time."""
-    s, h, a = (image_size // spec.patch) ** 2 + 1, spec.width, spec.heads
+    s, h, a = (image_size // spec.stride) ** 2 + 1, spec.width, spec.heads
     scale = 2.0 if precision == "fp32" else 1.0
     layer = s * h * 34 + (0 if fused_attention else 5 * a * s * s)
     if checkpointing:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .resnet import HybridEmbed, ResNetNorm
 from .variants import ViTSpec, decode_variant
 
 # gather(params): a context in which partitioned params are whole (see ViT.init_weights)
@@ -145,6 +146,8 @@ class ViT(nn.Module):
         representation_size: pre-logits width (default: the model width D).
         dropout / attn_dropout: dropout after the embedding, in the MLPs / on attention weights.
         grad_checkpointing: recompute each block in backward to save activation memory.
+        resnet_norm: a hybrid's weight-standardisation / GroupNorm epsilons, "bit" (official)
+            or "timm" (see pipeline.model.resnet).
     """
 
     def __init__(
@@ -160,22 +163,26 @@ class ViT(nn.Module):
         grad_checkpointing: bool = False,
         in_chans: int = 3,
         init: bool = True,
+        resnet_norm: ResNetNorm = "bit",
     ):
         super().__init__()
         spec = decode_variant(variant) if isinstance(variant, str) else variant
-        if image_size % spec.patch:
+        if image_size % spec.stride:
             raise ValueError(
-                f"image_size {image_size} is not divisible by patch {spec.patch}: "
-                f"use a multiple of {spec.patch}"
+                f"image_size {image_size} is not divisible by {spec.name}'s token size {spec.stride}: "
+                f"use a multiple of {spec.stride}"
             )
         self.spec, self.image_size, self.num_classes = spec, image_size, num_classes
         self.pool, self.head_type = pool, head
         self.grad_checkpointing = grad_checkpointing
         D = spec.width
-        self.grid = image_size // spec.patch
+        self.grid = image_size // spec.stride
         num_patches = self.grid**2
 
-        self.patch_embed = PatchEmbed(spec.patch, D, in_chans)
+        if spec.hybrid:
+            self.patch_embed = HybridEmbed(spec.resnet, spec.resnet_width, spec.patch, D, resnet_norm, in_chans)
+        else:
+            self.patch_embed = PatchEmbed(spec.patch, D, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, D))  # (1, N+1, D)
         self.pos_drop = nn.Dropout(dropout)
@@ -198,7 +205,7 @@ class ViT(nn.Module):
         """The parameters in the order `init_weights` and `load_grouped` visit them: the embedding,
         then one block at a time, then the final norm and head (a partitioned model gathers one
         group at a time, never the whole model)."""
-        embed = [self.patch_embed.proj.weight, self.patch_embed.proj.bias, self.pos_embed, self.cls_token]
+        embed = [*self.patch_embed.parameters(), self.pos_embed, self.cls_token]  # (hybrid: ResNet first)
         tail = [*self.norm.parameters(), *self.pre_logits.parameters(), *self.head.parameters()]
         return [embed, *(list(b.parameters()) for b in self.blocks), tail]
 
@@ -216,6 +223,8 @@ class ViT(nn.Module):
         gather = gather or _whole
         embed, *blocks, tail = self.init_groups()
         with gather(embed), _drawn_in_fp32(embed):
+            if self.spec.hybrid:
+                self.patch_embed.backbone.init_weights(lecun_normal_)
             lecun_normal_(self.patch_embed.proj.weight)
             nn.init.zeros_(self.patch_embed.proj.bias)
             nn.init.normal_(self.pos_embed, std=0.02)
@@ -375,4 +384,5 @@ def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | No
             cfg.variant, image_size=image_size, num_classes=cfg.num_classes, pool=cfg.pool,
             head=cfg.head, representation_size=cfg.representation_size, dropout=cfg.dropout,
             attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing, init=init,
+            resnet_norm=cfg.resnet_norm,
         )

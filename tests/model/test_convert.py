@@ -19,8 +19,10 @@ ATOL = 1e-5
 # ----------------------------------------------------------------------------- official .npz
 
 
-def official_npz(depth=2, width=64, mlp=128, heads=4, patch=8, grid=4, classes=7, rep=48, seed=0):
-    """Random weights in the google-research/vision_transformer key layout and shapes."""
+def official_npz(depth=2, width=64, mlp=128, heads=4, patch=8, grid=4, classes=7, rep=48, seed=0,
+                 in_chans=3):
+    """Random weights in the google-research/vision_transformer key layout and shapes (a hybrid's
+    embedding reads `in_chans` ResNet channels)."""
     rng = np.random.default_rng(seed)
     d = width // heads
 
@@ -28,7 +30,7 @@ def official_npz(depth=2, width=64, mlp=128, heads=4, patch=8, grid=4, classes=7
         return (rng.standard_normal(shape) * s).astype(np.float32)
 
     w = {
-        "embedding/kernel": r(patch, patch, 3, width, s=0.05),  # HWIO
+        "embedding/kernel": r(patch, patch, in_chans, width, s=0.05),  # HWIO
         "embedding/bias": r(width),
         "cls": r(1, 1, width),
         "Transformer/posembed_input/pos_embedding": r(1, grid * grid + 1, width),
