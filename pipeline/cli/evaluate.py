@@ -1,4 +1,4 @@
-"""`vitp` commands that evaluate or bring in weights: fewshot, import, attention, compare.
+"""`vitp` commands that evaluate or bring in weights: fewshot, import, attention, analyze, compare.
 
 Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
 Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
@@ -70,24 +70,36 @@ def _add_import(sub) -> Handler:
 # --------------------------------------------------------------------------- attention
 
 
+def _check_image(path: str) -> None:
+    """InputError naming `path` unless it is a file (checked before a model loads)."""
+    if not storage.isfile(path):
+        raise InputError(f"{path}: no such image file; give a JPEG or PNG (a path or URI)")
+
+
+def _read_image(path: str, size: int):
+    """An image file (path or URI) -> (the decoded original (H, W, 3) uint8, the model's (S, S, 3)
+    uint8 view as evaluation crops it); InputError naming the file if it is missing or unusable."""
+    from pipeline.data.decode import DecodeError, decode_image, resize_center_crop  # lazy: keeps vitp --help fast (numpy, pillow)
+
+    _check_image(path)
+    try:
+        original = decode_image(storage.read_bytes(path))
+        return original, resize_center_crop(original, size)
+    except DecodeError as e:
+        raise InputError(f"{path}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
+
+
 def cmd_attention(args: argparse.Namespace) -> int:
     import torch  # lazy: keeps vitp --help fast (torch)
 
-    from pipeline.data.decode import DecodeError, decode_image, resize_center_crop  # lazy: keeps vitp --help fast (numpy, pillow)
     from pipeline.data.ingest import normalize  # lazy: keeps vitp --help fast (torch)
     from pipeline.model.attention import (attention_rollout, mean_attention_distance,  # lazy: keeps vitp --help fast (torch)
                                           plot_attention_distance, save_rollout_png)
     from pipeline.train.export import load_model  # lazy: keeps vitp --help fast (torch)
 
-    if not storage.isfile(args.image):  # a missing image fails before the model loads
-        raise InputError(f"{args.image}: no such image file; give a JPEG or PNG (a path or URI)")
-    data = storage.read_bytes(args.image)
+    _check_image(args.image)  # a missing image fails before the model loads
     model = load_model(args.checkpoint)
-    try:
-        original = decode_image(data)
-        arr = resize_center_crop(original, model.image_size)  # (S, S, 3) uint8, as evaluation
-    except DecodeError as e:
-        raise InputError(f"{args.image}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
+    original, arr = _read_image(args.image, model.image_size)  # arr: (S, S, 3) uint8, as evaluation
     x = normalize(torch.tensor(arr)[None]).contiguous()  # (1, 3, S, S); a copy: arr is read-only
     roll = attention_rollout(model, x)[0]  # the writers make --out (a directory or URI prefix)
     # drawn over the original pixels at a readable size, not the model's few-pixel input
@@ -103,6 +115,62 @@ def _add_attention(sub) -> Handler:
     p.add_argument("image", help="an image file (path or URI)")
     p.add_argument("--out", default="attention", help="output directory or URI (default ./attention)")
     return cmd_attention
+
+
+# ----------------------------------------------------------------------------- analyze
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    import numpy as np  # lazy: keeps vitp --help fast
+    import torch  # lazy: keeps vitp --help fast (torch)
+
+    from pipeline.data.ingest import normalize  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.analysis import summary_lines, write_report  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.weights import read_config  # lazy: keeps vitp --help fast
+    from pipeline.train.export import load_model  # lazy: keeps vitp --help fast (torch)
+
+    for path in args.image:  # a missing image fails before the model loads
+        _check_image(path)
+    images = None
+    if args.images > 0 and not args.image:  # the first held-out rows of the run's own shards
+        images = _shard_images(read_config(args.checkpoint), args.checkpoint, args.images)
+    model = load_model(args.checkpoint)
+    if args.image:
+        images = np.stack([_read_image(p, model.image_size)[1] for p in args.image])  # (n, S, S, 3)
+    x = None if images is None else normalize(torch.from_numpy(np.ascontiguousarray(images))).contiguous()
+    report = write_report(model, args.out, x)  # (n, 3, S, S) as the model sees them, or None
+    for line in summary_lines(report):
+        print(line)
+    print(f"wrote {', '.join(storage.join(args.out, f) for f in report['files'])} and "
+          f"{storage.join(args.out, 'analysis.json')}")
+    return 0
+
+
+def _shard_images(cfg, source: str, count: int):
+    """The first `count` rows of the val split (else train) of the shards `source` was trained on."""
+    from pipeline.data.ingest import peek_rows, shards_dir  # lazy: keeps vitp --help fast (pyarrow)
+
+    root = shards_dir(cfg)
+    if not storage.exists(storage.join(root, "manifest.json")):
+        raise InputError(f"{source}: its training shards {root} are gone; give images with --image "
+                         "FILE, or --images 0 to skip the attention distances")
+    try:
+        return peek_rows(cfg, "val", count)["image"]
+    except InputError:  # no held-out split: the training rows will do for attention distances
+        return peek_rows(cfg, "train", count)["image"]
+
+
+def _add_analyze(sub) -> Handler:
+    p = sub.add_parser("analyze", help="paper Figure 7 report: patch-embedding filters, position-embedding "
+                                       "similarity, mean attention distance")
+    p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
+    p.add_argument("--out", default="analysis", help="output directory or URI (default ./analysis)")
+    p.add_argument("--images", type=int, default=8, metavar="N",
+                   help="images for the attention distances, the first N held-out rows of the shards "
+                        "the model was trained on (default 8; 0: skip that figure)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="use this image (path or URI) instead of the shards' (repeatable)")
+    return cmd_analyze
 
 
 # ----------------------------------------------------------------------------- compare
@@ -163,4 +231,4 @@ def _add_compare(sub) -> Handler:
 def add_parsers(sub) -> dict[str, Handler]:
     """Add this group's subcommands to `sub`; returns {command name: handler}."""
     return {"fewshot": _add_fewshot(sub), "import": _add_import(sub), "attention": _add_attention(sub),
-            "compare": _add_compare(sub)}
+            "analyze": _add_analyze(sub), "compare": _add_compare(sub)}

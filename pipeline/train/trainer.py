@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray.train
+import torch
 from ray.data import DataContext
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
 from ..console import library_log_level
-from ..data.ingest import dataset_name, peek_rows, shards_dir, shards_name
+from ..data.ingest import dataset_name, normalize, peek_rows, shards_dir, shards_name
+from ..model.analysis import REPORT, summary_lines, write_report
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
 from ..tracking.lineage import log_model_input, log_shards
@@ -144,6 +146,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                 {"vitp.paused_at": str(cfg.train.pause_at)} if cfg.train.pause_at else {})})
             if cfg.model.head == "finetune":
                 _log_rollouts(logger, cfg, checkpoint)
+            elif metrics.get("step", 0) >= cfg.train.steps:  # pre-training done (not paused)
+                _log_analysis(logger, cfg, checkpoint, int(metrics["step"]))  # paper Figure 7
         logger.end("FINISHED")
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)
@@ -174,19 +178,46 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     return TrainSummary(cfg.run_name, run_id, checkpoint, metrics, time.time() - t0, already_finished=True)
 
 
+def _final_model_and_rows(cfg: ExperimentConfig, checkpoint: str, count: int):
+    """The trained model (consolidated from `checkpoint`) and the first `count` held-out rows
+    (a few rows of one shard: no Ray Data pipeline), for the pictures logged after a run."""
+    model = build_vit(cfg.model, cfg.data.image_size)
+    model.load_state_dict(consolidate(checkpoint))
+    return model, peek_rows(cfg, "val", count)
+
+
 def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4) -> None:
     """Attention rollouts of the fine-tuned model on a few held-out images, as run artifacts
     (the paper's Figure 6 view). Best effort: a failure here is reported, not raised."""
     try:
-        model = build_vit(cfg.model, cfg.data.image_size)
-        model.load_state_dict(consolidate(checkpoint))
-        rows = peek_rows(cfg, "val", count)  # a few rows of one shard: no Ray Data pipeline
+        model, rows = _final_model_and_rows(cfg, checkpoint, count)
         with tempfile.TemporaryDirectory() as d:
             for path in write_rollout_pngs(model, rows["image"], rows["label"].tolist(), d,
                                            originals=rows["stored"]):
                 logger.log_artifact(path, "attention")
     except Exception as e:  # the run itself succeeded; say why the pictures are missing
         print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
+
+
+def _log_analysis(logger, cfg: ExperimentConfig, checkpoint: str, step: int, count: int = 4) -> None:
+    """The Figure 7 report of the pre-trained model (patch-embedding filters, position-embedding
+    similarity, attention distance on a few held-out images) under the run's `analysis/`
+    artifacts, and its numbers as `analysis/*` metrics. Best effort, like _log_rollouts."""
+    try:
+        model, rows = _final_model_and_rows(cfg, checkpoint, count)
+        images = normalize(torch.from_numpy(rows["image"])).contiguous()  # (n, 3, S, S)
+        with tempfile.TemporaryDirectory() as d:
+            report = write_report(model, d, images)
+            for name in (*report["files"], REPORT):
+                logger.log_artifact(storage.join(d, name), "analysis")
+        pos = report["pos_embed"]
+        logger.log_metrics({f"analysis/pos_embed_{k}": v for k, v in (
+            ("distance_corr", pos["distance_corr"]), ("neighbour_sim", pos["neighbour_similarity"]),
+            ("other_sim", pos["other_similarity"])) if v is not None}, step)
+        for line in summary_lines(report):
+            print(f"[{cfg.run_name}] {line}", flush=True)
+    except Exception as e:  # the run itself succeeded; say why the report is missing
+        print(f"[{cfg.run_name}] Figure 7 analysis not logged: {e}", flush=True)
 
 
 def _mlflow_run_of(uri: str, meta: dict[str, Any]):

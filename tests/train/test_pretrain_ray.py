@@ -56,6 +56,7 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
     for key in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/mfu", "perf/mem_gb", "perf/mem_model_gb"):
         assert len(_history(cfg, summary.mlflow_run_id, key)) == 8, key
     assert summary.metrics["val/count"] > 0
+    _analysis_was_logged(cfg, summary, tmp_path)
     if stage == 0:  # the same run started again: its final checkpoint is reported, nothing trains
         _rerun_of_finished_run_trains_nothing(cfg, summary)
     if stage == 3:  # the consolidated export loads into plain pipeline.model
@@ -66,6 +67,28 @@ def test_zero_stage_trains_on_shards(tmp_path, shards, stage):
         model = load_model(export(summary.checkpoint, str(tmp_path / "export")))
         out = model(torch.zeros(2, 3, 32, 32))
         assert out.shape == (2, 10) and torch.isfinite(out).all() and out.abs().sum() > 0
+
+
+def _analysis_was_logged(cfg, summary, tmp_path):
+    """The Figure 7 report of the final checkpoint is in the run's artifacts (`analysis/`), its
+    position-embedding correlation a metric at the last step, both from the same weights."""
+    from pipeline.model.analysis import write_report
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from pipeline.train.export import load_model
+
+    client = get_client(resolve_tracking_uri(cfg))
+    names = sorted(a.path for a in client.list_artifacts(summary.mlflow_run_id, "analysis"))
+    assert names == ["analysis/analysis.json", "analysis/attention_distance.png",
+                     "analysis/patch_embed_pcs.png", "analysis/pos_embed_similarity.png"], names
+    with open(client.download_artifacts(summary.mlflow_run_id, "analysis/analysis.json", str(tmp_path))) as f:
+        logged = json.load(f)
+    corr = _history(cfg, summary.mlflow_run_id, "analysis/pos_embed_distance_corr")
+    assert [s for s, _ in corr] == [summary.metrics["step"]]
+    assert corr[0][1] == pytest.approx(logged["pos_embed"]["distance_corr"])
+    assert logged["attention_distance"]["images"] == 4
+    model = load_model(summary.checkpoint)  # the report is of the final weights
+    mine = write_report(model, str(tmp_path / "analysis"))
+    assert mine["pos_embed"] == pytest.approx(logged["pos_embed"])
 
 
 def _rerun_of_finished_run_trains_nothing(cfg, summary):
