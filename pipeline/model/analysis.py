@@ -194,7 +194,7 @@ def write_report(model: ViT, out_dir: str, images: Optional[torch.Tensor] = None
     title = f"{variant} at {model.image_size} px"
     gh, gw = _grid_shape(model.grid)
     report: dict[str, Any] = {"model": {"variant": variant, "image_size": model.image_size,
-                                        "grid": [gh, gw], "pixels_per_token": getattr(spec, "stride", spec.patch)}}
+                                        "grid": [gh, gw], "pixels_per_token": spec.stride}}
     files: list[str] = []
 
     weight, why_not = _rgb_filters(model)
