@@ -48,7 +48,7 @@ def _add_config(sub) -> Handler:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from pipeline.model.flops import forward_flops, training_flops  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.flops import forward_flops, resnet_cost, training_flops  # lazy: keeps vitp --help fast (torch)
     from pipeline.model.memory import estimate
     from pipeline.model.vit import build_vit  # lazy: keeps vitp --help fast (torch)
 
@@ -80,6 +80,11 @@ def cmd_model(args: argparse.Namespace) -> int:
                    "precision": args.precision, "checkpointing": args.checkpointing, "offload": args.offload,
                    **{k: round(v, 3) for k, v in mem.gb().items() if k != "params_m"}},
     }
+    spec = model.spec
+    if spec.hybrid:  # the ResNet's share; the memory model counts its parameters, not its activations
+        macs, n = resnet_cost(spec, args.image_size)
+        info["resnet"] = {"blocks": list(spec.resnet), "root_width": spec.resnet_width, "stride": spec.stride,
+                          "patch": spec.patch, "params_m": round(n / 1e6, 3), "forward_gflops": round(2 * macs / 1e9, 2)}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -87,6 +92,11 @@ def cmd_model(args: argparse.Namespace) -> int:
           f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
     print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
           f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+    if "resnet" in info:
+        r = info["resnet"]
+        print(f"  ResNet: blocks {tuple(r['blocks'])}, root width {r['root_width']}, {r['params_m']:.2f}M params, "
+              f"{r['forward_gflops']:.1f} GFLOPs; {r['patch']}x{r['patch']} patches of its /{r['stride'] // r['patch']} "
+              f"map (activation memory below is the Transformer's)")
     print(f"  memory per worker, ZeRO-{args.zero} on {args.workers} workers, micro-batch {args.micro_batch}, "
           f"{args.precision}{', activation checkpointing' if args.checkpointing else ''}"
           f"{', offload' if args.offload else ''}: {mem.device / 1e9:.2f} GB")
