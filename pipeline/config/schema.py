@@ -18,7 +18,7 @@ from .coerce import from_mapping
 # --------------------------------------------------------------------------------------
 
 DataSource = Literal[
-    "synthetic", "imagefolder", "csv", "parquet", "webdataset", "cifar10", "cifar100",
+    "synthetic", "imagefolder", "unlabelled", "csv", "parquet", "webdataset", "cifar10", "cifar100",
     "digits", "pets", "flowers", "imagenet",
 ]
 

@@ -10,7 +10,7 @@ import dataclasses
 from ..errors import ConfigError
 # The one allowed edge from config into model: the variant table is a torch-free leaf module.
 from ..model.variants import decode_variant
-from ..storage import abspath, exists, is_uri
+from ..storage import abspath, exists, is_uri, isdir
 from .overrides import field_type
 from .schema import ExperimentConfig
 
@@ -221,6 +221,11 @@ def _path_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(
             f"data.path={d.path!r} does not exist: point it at the {d.source} dataset "
             "(local path or s3://, gs:// URI)"
+        )
+    elif d.source == "unlabelled" and not is_uri(d.path) and not isdir(d.path):
+        problems.append(
+            f"data.path={d.path!r} is a file: data.source='unlabelled' reads a folder of images "
+            "(any depth); point data.path at the folder"
         )
     if t.init_from and t.init_from != "scratch" and not is_uri(t.init_from) and not exists(t.init_from):
         problems.append(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..errors import InputError
 from . import datasets
 from .sources import (Listing, Plan, csv_list, expand_plan, imagefolder_plan, imagenet_plan,
-                      parquet_plan, synthetic_plan, webdataset_plan)
+                      parquet_plan, synthetic_plan, unlabelled_plan, webdataset_plan)
 
 
 def plan_source(source: str, path: str = "", *, synth_classes: int = 10,
@@ -21,7 +21,7 @@ def plan_source(source: str, path: str = "", *, synth_classes: int = 10,
         return _listed(datasets.digits())
     if not path:
         raise InputError(f"data.source={source!r} reads files: set --set data.path=/path/to/{source}")
-    planners = {"imagefolder": imagefolder_plan, "parquet": parquet_plan,
+    planners = {"imagefolder": imagefolder_plan, "unlabelled": unlabelled_plan, "parquet": parquet_plan,
                 "webdataset": webdataset_plan, "imagenet": imagenet_plan}
     listers = {"csv": csv_list, "cifar10": lambda p: datasets.cifar(p, "cifar10"),
                "cifar100": lambda p: datasets.cifar(p, "cifar100"), "pets": datasets.pets,
@@ -31,7 +31,7 @@ def plan_source(source: str, path: str = "", *, synth_classes: int = 10,
     if source in listers:
         return _listed(listers[source](path))
     raise InputError(f"data.source={source!r} is not a source; use one of synthetic, imagefolder, "
-                     "csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")
+                     "unlabelled, csv, parquet, webdataset, cifar10, cifar100, digits, pets, flowers, imagenet")
 
 
 def _listed(listing: Listing) -> Plan:

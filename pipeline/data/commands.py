@@ -10,6 +10,7 @@ import time
 from typing import Callable, Optional
 
 from .. import storage
+from ..errors import InputError
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
@@ -53,17 +54,19 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
     plan = plan_source(d.source, d.path, synth_classes=d.synth_classes,
                        synth_images_per_class=d.synth_images_per_class, seed=d.synth_seed)
     plan.info["source"] = d.source
+    labelled = plan.info.get("labelled", True)  # False: one class, recorded in the manifest
     what = f"{len(plan.units)} listing units" if plan.units else f"{len(plan.items)} inputs"
     log(f"preprocess: {what} from {d.source}{' ' + d.path if d.path else ''} "
         f"(planned in {time.time() - t0:.1f}s) -> {out}")
-    if d.num_classes and plan.classes is not None and len(plan.classes) > d.num_classes:
+    if labelled and d.num_classes and plan.classes is not None and len(plan.classes) > d.num_classes:
         log(f"preprocess: warning: the source has {len(plan.classes)} classes but "
             f"data.num_classes={d.num_classes}; labels >= {d.num_classes} will be quarantined "
             f"(set --set data.num_classes={len(plan.classes)})")
     return preprocess(
         plan, out, size=d.storage_size, storage_format=d.storage_format,
         jpeg_quality=d.jpeg_quality, shard_mb=d.shard_mb, val_fraction=d.val_fraction,
-        num_classes=d.num_classes or None, overwrite=overwrite, resume=resume,
+        num_classes=(d.num_classes or None) if labelled else len(plan.classes),
+        overwrite=overwrite, resume=resume,
         max_pixels=max_pixels, synth_seed=d.synth_seed, train_fraction=d.train_fraction,
         rows_per_task=rows_per_task,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
@@ -71,10 +74,11 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
 
 def ensure_shards(cfg, log: Callable[[str], None] = print) -> str:
     """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
-    (synthetic fractals, scikit-learn's digits), are made now."""
+    (synthetic fractals, scikit-learn's digits), are made now; unlabelled shards only for a
+    self-supervised objective (`require_labels`)."""
     root = shards_dir(cfg)
     try:
-        sh.read_manifest(root)
+        require_labels(cfg, root, sh.read_manifest(root))
         return root
     except FileNotFoundError:
         if cfg.data.source not in ("synthetic", "digits"):
@@ -85,3 +89,17 @@ def ensure_shards(cfg, log: Callable[[str], None] = print) -> str:
     log(f"[{cfg.run_name}] no shards at {root}: preprocessing the bundled {cfg.data.source} corpus")
     run_preprocess(cfg, overwrite=False, log=log)
     return root
+
+
+SELF_SUPERVISED = ("mpp",)  # train.objective values that read no labels
+
+
+def require_labels(cfg, root: str, manifest: dict) -> None:
+    """InputError when `cfg` would train a classifier on shards written without labels
+    (manifest `labelled: false`: data.source=unlabelled, every image class 0)."""
+    # train.objective comes with masked patch prediction; a config without it classifies
+    objective = getattr(cfg.train, "objective", "classify")
+    if manifest.get("labelled", True) or objective in SELF_SUPERVISED:
+        return
+    raise InputError(f"{root}: unlabelled shards (one class) cannot train a classifier "
+                     f"(train.objective={objective!r}): set --set train.objective=mpp")

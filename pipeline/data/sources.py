@@ -1,7 +1,8 @@
 """Input layouts -> items (key, label, where the bytes are) plus the class names, read through
-pipeline.storage. Scalable sources (ImageFolder, ImageNet, Parquet, WebDataset, synthetic) are
-planned on the driver, which lists only directories or files, into listing units that Ray tasks
-expand into items (`expand_unit`); CSV lists are read on the driver. Must not decode images.
+pipeline.storage. Scalable sources (ImageFolder, unlabelled, ImageNet, Parquet, WebDataset,
+synthetic) are planned on the driver, which lists only directories or files, into listing units
+that Ray tasks expand into items (`expand_unit`); CSV lists are read on the driver. Must not
+decode images.
 """
 from __future__ import annotations
 
@@ -108,6 +109,11 @@ def list_files(root: str) -> list[tuple[str, str]]:
     return out
 
 
+def _info_type(path: str) -> pafs.FileType:
+    fs, base = filesystem(path)
+    return fs.get_file_info(base).type
+
+
 def _child_dirs(root: str) -> list[str]:
     fs, base = filesystem(root)
     names = [os.path.basename(fi.path) for fi in fs.get_file_info(pafs.FileSelector(base))
@@ -118,30 +124,38 @@ def _child_dirs(root: str) -> list[str]:
 # ----------------------------------------------------------------------------- sources
 
 
-def _folder_units(root: str, split: str, classes: list[str], key_prefix: str) -> list[dict]:
+def _folder_units(root: str, split: str, classes: list[str], key_prefix: str,
+                  unlabelled: bool = False) -> list[dict]:
     """One listing unit per child directory of `root` (its label, or why it has none) and one
-    for the files at the top level (inputs without a class)."""
+    for the files at the top level (inputs without a class). `unlabelled`: every image file,
+    at any depth, is an input of class 0, and files of other extensions are not inputs."""
     index = {c: i for i, c in enumerate(classes)}
-    units = [{"kind": "top", "root": root, "split": split, "prefix": key_prefix}]
+    top_error = "" if unlabelled else "bad_label: file at the top level, not inside a class directory"
+    units = [{"kind": "top", "root": root, "split": split, "prefix": key_prefix,
+              "label": 0 if unlabelled else -1, "error": top_error, "images_only": unlabelled}]
     for d in _child_dirs(root):
-        label = index.get(d, -1)
+        label = 0 if unlabelled else index.get(d, -1)
         units.append({"kind": "dir", "root": root, "dir": d, "label": label, "split": split,
-                      "prefix": key_prefix,
+                      "prefix": key_prefix, "images_only": unlabelled,
                       "error": "" if label >= 0 else f"bad_label: class directory {d!r} is not in the class map"})
     return units
 
 
+def is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
+
+
 def _expand_folder(u: dict) -> list[dict]:
+    keep = is_image_name if u["images_only"] else (lambda _: True)
     if u["kind"] == "top":
         fs, base = filesystem(u["root"])
         files = sorted(os.path.basename(fi.path) for fi in fs.get_file_info(pafs.FileSelector(base))
                        if fi.type == pafs.FileType.File)
-        return [item(u["prefix"] + f, -1, u["split"], join(u["root"], f),
-                     error="bad_label: file at the top level, not inside a class directory")
-                for f in files if not f.startswith(".")]
+        return [item(u["prefix"] + f, u["label"], u["split"], join(u["root"], f), error=u["error"])
+                for f in files if not f.startswith(".") and keep(f)]
     d = join(u["root"], u["dir"])
     return [item(f"{u['prefix']}{u['dir']}/{rel}", u["label"], u["split"], path, error=u["error"])
-            for rel, path in list_files(d)]
+            for rel, path in list_files(d) if keep(rel)]
 
 
 def imagefolder_plan(root: str, split: str = "", classes: Optional[list[str]] = None,
@@ -153,6 +167,20 @@ def imagefolder_plan(root: str, split: str = "", classes: Optional[list[str]] = 
         raise FileNotFoundError(f"{root}: no class directories; expected root/<class>/<image>")
     return Plan(list(classes), _folder_units(root, split, classes, key_prefix),
                 official_split=bool(split))
+
+
+UNLABELLED = "unlabelled"  # the one class name of an unlabelled corpus
+
+
+def unlabelled_plan(root: str) -> Plan:
+    """Any tree of images without classes (self-supervised pre-training): every image file
+    (IMAGE_EXTS) at any depth is an input of class 0, key = its path under root. Listed like an
+    ImageFolder: the driver lists the top directory, a Ray task each child directory. The
+    manifest records `labelled: false` (see `require_labels`)."""
+    if _info_type(root) != pafs.FileType.Directory:
+        raise FileNotFoundError(f"{root}: not a directory; set data.path to the folder of images")
+    return Plan([UNLABELLED], _folder_units(root, "", [], "", unlabelled=True),
+                info={"labelled": False})
 
 
 def imagefolder(root: str, split: str = "", classes: Optional[list[str]] = None,
