@@ -122,6 +122,9 @@ class TrainConfig:
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
     device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312
     compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile, inductor backend)
+    # "classify": cross-entropy on the labels; "mpp": masked patch prediction (paper 4.6), no
+    # labels used (an unlabelled corpus is a valid source); val/top1 is then per corrupted patch
+    objective: Literal["classify", "mpp"] = "classify"
     # >0: every N steps a snapshot of the weights is few-shot evaluated off the training path
     # (train/fewshot_probe.py); metrics fewshot/<dataset>_<k>shot_top1 at the snapshot's step
     fewshot_every: int = 0

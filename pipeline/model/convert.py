@@ -23,7 +23,8 @@ from .convert_hf import from_hf
 from .convert_hybrid import f32 as _t
 from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
 from .variants import VARIANTS, decode_variant
-from .vit import build_vit, resample_pos_embed
+from .loading import resample_pos_embed
+from .vit import build_vit
 from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_weights, write_export
 
 StateDict = dict[str, torch.Tensor]

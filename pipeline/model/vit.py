@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .mpp import MPPHead, colour_targets, corrupt
 from .resnet import HybridEmbed, ResNetNorm
 from .variants import ViTSpec, decode_variant
 
@@ -148,6 +149,8 @@ class ViT(nn.Module):
         grad_checkpointing: recompute each block in backward to save activation memory.
         resnet_norm: a hybrid's weight-standardisation / GroupNorm epsilons, "bit" (official)
             or "timm" (see pipeline.model.resnet).
+        mpp: add the masked-patch-prediction [mask] embedding and colour head (`self.mpp`),
+            used by `forward(x, mpp=True)`; downstream loads drop them (`adapt_state_dict`).
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class ViT(nn.Module):
         in_chans: int = 3,
         init: bool = True,
         resnet_norm: ResNetNorm = "bit",
+        mpp: bool = False,
     ):
         super().__init__()
         spec = decode_variant(variant) if isinstance(variant, str) else variant
@@ -197,6 +201,7 @@ class ViT(nn.Module):
             self.representation_size = D
             self.pre_logits = nn.Identity()
         self.head = nn.Linear(self.representation_size, num_classes)
+        self.mpp = MPPHead(D) if mpp else None
         if init:  # init=False: the caller runs init_weights (e.g. with a ZeRO-3 gather)
             self.init_weights()
 
@@ -206,7 +211,8 @@ class ViT(nn.Module):
         then one block at a time, then the final norm and head (a partitioned model gathers one
         group at a time, never the whole model)."""
         embed = [*self.patch_embed.parameters(), self.pos_embed, self.cls_token]  # (hybrid: ResNet first)
-        tail = [*self.norm.parameters(), *self.pre_logits.parameters(), *self.head.parameters()]
+        tail = [*self.norm.parameters(), *self.pre_logits.parameters(), *self.head.parameters(),
+                *(self.mpp.parameters() if self.mpp is not None else ())]
         return [embed, *(list(b.parameters()) for b in self.blocks), tail]
 
     @torch.no_grad()
@@ -250,6 +256,8 @@ class ViT(nn.Module):
                 lecun_normal_(self.pre_logits[0].weight)
                 nn.init.zeros_(self.pre_logits[0].bias)
             self.zero_head()
+            if self.mpp is not None:
+                self.mpp.init_weights()
 
     @torch.no_grad()
     def zero_head(self) -> None:
@@ -258,7 +266,7 @@ class ViT(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names excluded from weight decay: biases, norms, pos-embed, class token."""
-        out = {"pos_embed", "cls_token"}
+        out = {"pos_embed", "cls_token", "mpp.mask_token"} if self.mpp is not None else {"pos_embed", "cls_token"}
         for name, p in self.named_parameters():
             if len(full_shape(p)) <= 1:  # also when ZeRO-3 has partitioned p
                 out.add(name)
@@ -267,7 +275,10 @@ class ViT(nn.Module):
     # ------------------------------------------------------------------ forward
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> token sequence z_0 (B, N+1, D) (eq. 1)."""
-        x = self.patch_embed(x)  # (B, N, D)
+        return self._with_cls_and_pos(self.patch_embed(x))
+
+    def _with_cls_and_pos(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings (B, N, D) -> [class] token prepended, position embeddings added."""
         if x.shape[1] != self.pos_embed.shape[1] - 1:
             raise ValueError(
                 f"input gives {x.shape[1]} patches but the model was built for "
@@ -278,9 +289,9 @@ class ViT(nn.Module):
         x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, N+1, D)
         return self.pos_drop(x)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> final-LayerNorm tokens (B, N+1, D)."""
-        x = self.embed(x)
+    def forward_features(self, x: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Images (or given patch embeddings `tokens`) -> final-LayerNorm tokens (B, N+1, D)."""
+        x = self.embed(x) if tokens is None else self._with_cls_and_pos(tokens)
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
@@ -295,8 +306,20 @@ class ViT(nn.Module):
         x = self.pre_logits(x)  # (B, R)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, mpp: bool = False, generator: Optional[torch.Generator] = None):
+        """Logits (B, K); with `mpp`: masked patch prediction on a corrupted copy of the patch
+        embeddings, returning (colour logits (B, N, 512), corrupted positions (B, N) bool)."""
+        if not mpp:
+            return self.forward_head(self.forward_features(x))
+        if self.mpp is None:
+            raise ValueError("this model has no masked-patch-prediction head: build it with mpp=True")
+        tokens, corrupted = corrupt(self.patch_embed(x), self.mpp.mask_token, generator=generator)
+        z = self.forward_features(x, tokens)
+        return self.mpp.head(z[:, 1:]), corrupted
+
+    def colour_targets(self, images: torch.Tensor, mean, std) -> torch.Tensor:
+        """The masked-patch-prediction targets of `images` (B, N): see pipeline.model.mpp."""
+        return colour_targets(images, self.spec.stride, mean, std)
 
     @torch.no_grad()
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -309,80 +332,14 @@ class ViT(nn.Module):
         return maps
 
 
-# ---------------------------------------------------------------------------------------
-# Position-embedding resampling and loading weights trained at another resolution.
-# ---------------------------------------------------------------------------------------
-
-
-def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int | tuple[int, int],
-                       num_prefix_tokens: int = 1) -> torch.Tensor:
-    """Resample (1, prefix + gh*gw, D) position embeddings to a new patch grid.
-
-    The class-token embedding is kept as is; the grid part is reshaped to 2-D and resized
-    bilinearly (half-pixel centres, as jax.image.resize), then flattened back row-major.
-    """
-    if isinstance(new_grid, int):
-        new_grid = (new_grid, new_grid)
-    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
-    n_old = grid.shape[1]
-    g_old = int(math.isqrt(n_old))
-    if g_old * g_old != n_old:
-        raise ValueError(f"position embedding has {n_old} grid tokens: not a square grid")
-    D = grid.shape[-1]
-    dtype = grid.dtype
-    grid = grid.reshape(1, g_old, g_old, D).permute(0, 3, 1, 2).float()  # (1, D, g, g)
-    grid = F.interpolate(grid, size=new_grid, mode="bilinear", align_corners=False)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], D).to(dtype)
-    return torch.cat([prefix, grid], dim=1)  # (1, prefix + gh'*gw', D)
-
-
-def adapt_state_dict(model: ViT, state_dict: dict[str, torch.Tensor],
-                     keep_head: bool | None = None) -> dict[str, torch.Tensor]:
-    """Make a state dict from another resolution / head fit `model`.
-
-    Position embeddings are resampled to the model's grid; a head whose shape differs (or
-    `keep_head=False`) is replaced by the model's zero-initialised one; pre-logits weights are
-    dropped when the model has a fine-tuning head.
-    """
-    sd = dict(state_dict)
-    pe = sd.get("pos_embed")
-    if pe is not None and pe.shape != full_shape(model.pos_embed):
-        sd["pos_embed"] = resample_pos_embed(pe, model.grid)
-    own = {n: full_shape(p) for n, p in model.named_parameters()}
-    if not isinstance(model.pre_logits, nn.Sequential):
-        sd = {k: v for k, v in sd.items() if not k.startswith("pre_logits.")}
-    head_fits = all(k in sd and sd[k].shape == own[k] for k in ("head.weight", "head.bias"))
-    if keep_head is False or not head_fits:  # the zero-initialised head
-        sd["head.weight"], sd["head.bias"] = torch.zeros(own["head.weight"]), torch.zeros(own["head.bias"])
-    return sd
-
-
-@torch.no_grad()
-def load_grouped(model: ViT, state_dict: Optional[dict[str, torch.Tensor]], gather: Gather) -> None:
-    """`load_state_dict` for a partitioned model: one `init_groups` group at a time is gathered
-    and filled from `state_dict` (already adapted; it may be None on ranks whose writes `gather`
-    discards). Every rank must call it."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    if state_dict is not None:
-        want, have = set(names.values()), set(state_dict)
-        if want != have:
-            raise ValueError(f"weights do not fit the model: missing {sorted(want - have)[:5]}, "
-                             f"unexpected {sorted(have - want)[:5]}")
-    for params in model.init_groups():
-        with gather(params):
-            if state_dict is not None:
-                for p in params:
-                    p.copy_(state_dict[names[id(p)]])
-
-
 def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | None = None,
-              init: bool = True) -> ViT:
+              init: bool = True, mpp: bool = False) -> ViT:
     """The model a config describes (on `device`; "meta" allocates nothing; init=False leaves
-    the initialisation to the caller's `init_weights`)."""
+    the initialisation to the caller's `init_weights`; `mpp` adds the masked-patch head)."""
     with torch.device(device or "cpu"):
         return ViT(
             cfg.variant, image_size=image_size, num_classes=cfg.num_classes, pool=cfg.pool,
             head=cfg.head, representation_size=cfg.representation_size, dropout=cfg.dropout,
             attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing, init=init,
-            resnet_norm=cfg.resnet_norm,
+            resnet_norm=cfg.resnet_norm, mpp=mpp,
         )

@@ -85,6 +85,8 @@ def load_model(path: str) -> ViT:
     """A `pipeline.model.vit.ViT` with the weights of `path`, built from its stored config: no DeepSpeed
     (unless `path` is a ZeRO checkpoint dir, which is consolidated first)."""
     cfg = weights.read_config(path)
-    model = build_vit(cfg.model, cfg.data.image_size)
-    model.load_state_dict(load_weights(path))
+    sd = load_weights(path)
+    # a masked-patch-prediction pre-training keeps its [mask] embedding and colour head
+    model = build_vit(cfg.model, cfg.data.image_size, mpp=any(k.startswith("mpp.") for k in sd))
+    model.load_state_dict(sd)
     return model.eval()

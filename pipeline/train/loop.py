@@ -19,7 +19,9 @@ from ..config import ExperimentConfig, drill_steps
 from ..model import memory
 from ..model.flops import training_flops
 from ..model.variants import decode_variant
-from ..model.vit import adapt_state_dict, build_vit, load_grouped
+from ..model.loading import adapt_state_dict, load_grouped
+from .objective import objective_for
+from ..model.vit import build_vit
 from . import checkpoint as ckpt
 from .engine import build_engine, partitioned_construction, return_freed_host_memory
 from .export import load_weights
@@ -48,6 +50,9 @@ class LoopHooks:
     # when there is none (the run then stops). Training goes on with the next batches (no data
     # rewind). Called at most once a run; every rank must return the same answer.
     restore: Optional[Callable[[], Optional[int]]] = None
+    # (step) every train.fewshot_every steps, after the step's log and checkpoint: take a
+    # snapshot of the weights for an evaluation off the training path (a collective under ZeRO-3)
+    on_fewshot: Optional[Callable[[int], None]] = None
 
 
 @dataclass
@@ -125,7 +130,7 @@ def build_model_and_engine(cfg: ExperimentConfig, world_size: int | None = None)
     keep = None if cfg.model.head == "pretrain" else False  # a fine-tuning head is always fresh
     if cfg.parallel.zero_stage == 3:
         with partitioned_construction(cfg, world_size) as gather:
-            model = build_vit(cfg.model, cfg.data.image_size, init=False)
+            model = build_vit(cfg.model, cfg.data.image_size, init=False, mpp=cfg.train.objective == "mpp")
             model.init_weights(gather)
             if source:
                 rank0 = torch.distributed.get_rank() == 0  # the only writer of a gathered group
@@ -133,7 +138,7 @@ def build_model_and_engine(cfg: ExperimentConfig, world_size: int | None = None)
                 load_grouped(model, sd, gather)
                 del sd
         return build_engine(model, cfg, world_size)
-    model = build_vit(cfg.model, cfg.data.image_size)
+    model = build_vit(cfg.model, cfg.data.image_size, mpp=cfg.train.objective == "mpp")
     if source:
         # pre-logits dropped and the head zero-initialised for fine-tuning; pos-embed resampled
         model.load_state_dict(adapt_state_dict(model, load_weights(source), keep_head=keep))
@@ -170,6 +175,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
     window_applied = 0  # steps of the window that updated the weights (their loss is logged)
     steps = group(batches, p.grad_accum)
     guard, drill = NonFiniteGuard(cfg, hooks.restore, rank), drill_steps(t.nan_drill)
+    objective = objective_for(cfg)  # class labels, or masked patch prediction
     end = t.pause_at or t.steps  # pause_at: stop there with a checkpoint, schedule unchanged
     while state.step < end:
         try:
@@ -179,7 +185,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 f"the training data ran out at step {state.step} of {t.steps}: the stream must cover "
                 "train.steps x parallel.global_batch images (add epochs or lower train.steps)"
             ) from None
-        res = train_step(engine, micro, nan_drill=state.step + 1 in drill)
+        res = train_step(engine, micro, nan_drill=state.step + 1 in drill, objective=objective)
         state.step += 1
         state.samples_seen += res.images * world
         guard.after_step(state.step, res)  # raises on a run of non-finite steps
@@ -212,17 +218,20 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 **guard.metrics(),
             }
             if eval_due:
-                metrics.update(run_eval(engine, hooks.eval_batches(), device))
+                metrics.update(run_eval(engine, hooks.eval_batches(), device, objective))
             result.history.append({"step": state.step, **metrics})
             hooks.on_log(state.step, metrics, checkpoint_due)
             window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
             window_applied = 0
         if checkpoint_due:
             hooks.on_checkpoint(state.step, state, result.history[-1] if result.history else {})
+        if hooks.on_fewshot is not None and t.fewshot_every and state.step % t.fewshot_every == 0:
+            hooks.on_fewshot(state.step)
     return result
 
 
-def run_eval(engine, batches: Iterator[Batch], device: torch.device) -> dict[str, float]:
-    sums = all_reduce_sum(evaluate(engine, batches), device)
+def run_eval(engine, batches: Iterator[Batch], device: torch.device, objective=None) -> dict[str, float]:
+    """val/loss and val/top1 over all ranks (for mpp: per corrupted patch, top-1 of its colour)."""
+    sums = all_reduce_sum(evaluate(engine, batches, objective), device)
     n = max(sums["count"], 1)
     return {"val/loss": sums["loss_sum"] / n, "val/top1": sums["correct"] / n, "val/count": sums["count"]}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
+
+from .objective import Classify
 
 
 @dataclass
@@ -71,14 +72,16 @@ def skip_update(engine):
 
 
 def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-               nan_drill: bool = False) -> StepResult:
+               nan_drill: bool = False, objective=None) -> StepResult:
     """Forward/backward each micro-batch, then DeepSpeed's step at the accumulation boundary.
 
     `micro_batches` yields `grad_accum` pairs (images (B,3,H,W) on the device, labels (B,)).
     A step whose loss (any micro-batch, any rank) or global grad norm is not finite applies no
     update (`skip_update`); all ranks agree through one all-reduce per step. `nan_drill`: the
     loss is multiplied by NaN, a real NaN through backward (the train.nan_drill fault drill).
+    `objective`: what the loss is (pipeline.train.objective; default: class labels).
     """
+    objective = objective or Classify()
     t0 = time.perf_counter()
     engine.train()
     losses, images = [], 0
@@ -88,8 +91,7 @@ def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     stage0 = engine.zero_optimization_stage() == 0
     grad_norm, skip = float("nan"), False
     for x, y in micro_batches:
-        logits = engine(x.to(dtype))  # (B, K)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = objective.loss(engine, x.to(dtype), y)
         if nan_drill:
             loss = loss * float("nan")
         engine.backward(loss)
@@ -114,20 +116,22 @@ def train_step(engine, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def evaluate(engine_or_model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+def evaluate(engine_or_model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+             objective=None) -> dict[str, float]:
     """Summed loss / correct / count on this rank (the caller all-reduces across ranks)."""
+    objective = objective or Classify()
     module = getattr(engine_or_model, "module", engine_or_model)
     was_training = module.training
     module.eval()
     dtype = next(module.parameters()).dtype
-    total_loss, correct, count = 0.0, 0, 0
+    if hasattr(objective, "start_eval"):
+        objective.start_eval()
+    total = {"loss_sum": 0.0, "correct": 0, "count": 0}
     for x, y in batches:
-        logits = engine_or_model(x.to(dtype)).float()
-        total_loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(-1) == y).sum().item()
-        count += y.numel()
+        for k, v in objective.sums(engine_or_model, x.to(dtype), y).items():
+            total[k] += v
     module.train(was_training)
-    return {"loss_sum": total_loss, "correct": correct, "count": count}
+    return total
 
 
 def all_reduce_sum(values: dict[str, float], device: torch.device,

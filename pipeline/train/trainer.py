@@ -181,7 +181,7 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
 def _final_model_and_rows(cfg: ExperimentConfig, checkpoint: str, count: int):
     """The trained model (consolidated from `checkpoint`) and the first `count` held-out rows
     (a few rows of one shard: no Ray Data pipeline), for the pictures logged after a run."""
-    model = build_vit(cfg.model, cfg.data.image_size)
+    model = build_vit(cfg.model, cfg.data.image_size, mpp=cfg.train.objective == "mpp")
     model.load_state_dict(consolidate(checkpoint))
     return model, peek_rows(cfg, "val", count)
 
