@@ -97,8 +97,7 @@ SELF_SUPERVISED = ("mpp",)  # train.objective values that read no labels
 def require_labels(cfg, root: str, manifest: dict) -> None:
     """InputError when `cfg` would train a classifier on shards written without labels
     (manifest `labelled: false`: data.source=unlabelled, every image class 0)."""
-    # train.objective comes with masked patch prediction; a config without it classifies
-    objective = getattr(cfg.train, "objective", "classify")
+    objective = cfg.train.objective
     if manifest.get("labelled", True) or objective in SELF_SUPERVISED:
         return
     raise InputError(f"{root}: unlabelled shards (one class) cannot train a classifier "

@@ -127,8 +127,6 @@ def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed
 @pytest.mark.ray
 def test_self_supervised_objective_reads_unlabelled_shards(preprocessed):
     cfg, _, shards = preprocessed
-    if not hasattr(cfg.train, "objective"):
-        pytest.skip("train.objective (masked patch prediction) is not in TrainConfig yet")
     mpp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective="mpp"))
     assert ensure_shards(mpp, log=lambda _: None) == shards
 
