@@ -80,7 +80,8 @@ class Stages:
 
 
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
-             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
+             objective: str = "classify") -> dict:
     from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from pipeline.tracking.compare import aggregate_rows, compare_rows  # lazy: keeps vitp --help fast (mlflow)
@@ -94,18 +95,19 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     from pipeline.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
 
     t0 = time.time()
-    work = work_dir or ("work/demo" + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
+    mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
+    work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
     if fresh and storage.exists(work):
         log(f"[demo] --fresh: removing {work}")
         storage.rmtree(work)
     work = storage.abspath(work)
-    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
+    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed, "train.objective": objective,
                                                    **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
     stages = Stages(6, log)
     export_dir = storage.join(work, "export")
-    name = "demo-quick" if quick else "demo"
-    result: dict[str, Any] = {"work_dir": work, "seed": seed}
+    name = "demo" + mpp + ("-quick" if quick else "")
+    result: dict[str, Any] = {"work_dir": work, "seed": seed, "sweep_name": name}
 
     connect_ray(pre, address)
     points = _points(seed, quick)
@@ -130,9 +132,10 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
         summary = run_training(pre)
         export(summary.checkpoint, export_dir)
         result["pretrain_run_id"] = summary.mlflow_run_id
-        result["model"] = register_export(export_dir, MODEL_NAME, log=log)["model_uri"]
+        result["model"] = register_export(export_dir, MODEL_NAME + mpp, log=log)["model_uri"]
 
-    stages.run("pre-training", f"{pre.model.variant} for {pre.train.steps} steps with DeepSpeed "
+    stages.run("pre-training", f"{pre.model.variant} {'masked patch prediction' if mpp else 'classification'} "
+               f"for {pre.train.steps} steps with DeepSpeed "
                f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers, seed {seed} "
                "(resumes if interrupted), then export and register", pretrain, required=True)
 
@@ -193,7 +196,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
 def cmd_demo(args: argparse.Namespace) -> int:
     result = run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address,
-                      seed=args.seed)
+                      seed=args.seed, objective=args.objective)
     return 1 if result["failed"] else 0
 
 
@@ -204,7 +207,9 @@ def _add_demo(sub) -> Handler:
     p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the pre-training; the fine-tunes use SEED, SEED+1, SEED+2 (default 0)")
-    p.add_argument("--work-dir", help="where everything goes (default work/demo[-seedN][-quick])")
+    p.add_argument("--objective", choices=["classify", "mpp"], default="classify",
+                   help="pre-training objective: the corpus's labels, or masked patch prediction (self-supervised)")
+    p.add_argument("--work-dir", help="where everything goes (default work/demo[-mpp][-seedN][-quick])")
     add_address(p)
     return cmd_demo
 

@@ -68,7 +68,7 @@ def print_summary(result: dict[str, Any], main: tuple[str, float], margin: float
         out(f"few-shot linear probe of the pre-trained features on {name}: "
             + ", ".join(f"{k.split('/')[1].replace('shot_top1', '-shot')} {x:.3f}" for k, x in probe.items()))
     if result.get("plots"):
-        out(f"\nplots:   {'  '.join(result['plots'])}  (also in MLflow, run sweep-{'demo-quick' if quick else 'demo'})")
+        out(f"\nplots:   {'  '.join(result['plots'])}  (also in MLflow, run sweep-{result['sweep_name']})")
     if result.get("tracking_uri"):
         ui = urlsplit(result["ui_url"])
         out(f"mlflow:  mlflow ui --backend-store-uri {result['tracking_uri']} --host {ui.hostname} --port {ui.port}")

@@ -188,10 +188,12 @@ class ExperimentConfig:
     # ---------------------------------------------------------------- derived values
     @property
     def run_name(self) -> str:
-        """THE run-name formula (MLflow run, Ray Train run directory): `<recipe>-<variant>-<source>`."""
+        """THE run-name formula (MLflow run, Ray Train run directory): `<recipe>-<variant>-<source>`,
+        plus `-mpp` for masked patch prediction (so it never resumes a classification run)."""
         if self.tracking.run_name:
             return self.tracking.run_name
-        return f"{self.recipe}-{self.model.variant.replace('/', '')}-{self.data.source}"
+        mpp = "-mpp" if self.train.objective == "mpp" else ""
+        return f"{self.recipe}-{self.model.variant.replace('/', '')}-{self.data.source}{mpp}"
 
     def replace(self, **sections: Any) -> "ExperimentConfig":
         """A copy with whole sections (or `recipe`, `work_dir`) replaced: `cfg.replace(data=...)`."""

@@ -62,7 +62,7 @@ def test_summary_prints_every_seed_the_failures_and_the_ui_command():
     groups = [_group("pre-trained", [0.50, 0.48, 0.47]), _group("scratch", [0.30, 0.33, 0.29]),
               _group("linear on raw pixels", [0.25])]
     out = []
-    result = {"seed": 0, "groups": groups, "plots": ["/w/low_data.png"], "tracking_uri": "sqlite:////w/m.db",
+    result = {"seed": 0, "sweep_name": "demo", "groups": groups, "plots": ["/w/low_data.png"], "tracking_uri": "sqlite:////w/m.db",
               "experiment": "vit-pipeline-demo", "ui_url": "http://h:5000/#/experiments/3/runs", "seconds": 301.0, "timings": {"corpus": 20.0},
               "failed": ["few-shot: InputError: no shards"],
               "fewshot": {"demo_fractals": {"fewshot/5shot_top1": 0.61}}}
