@@ -28,6 +28,7 @@ from ..data.position import with_world
 from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
+from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .step import all_reduce_max, all_reduce_sum
@@ -231,11 +232,16 @@ def train_per_worker(config: dict[str, Any]) -> None:
     watch = PreemptionWatch(device, say)
     sampler = SystemSampler() if logger and cfg.tracking.system_metrics else None
 
+    # train.fewshot_every: weights copied at those steps, scored by an actor off the training path
+    probes = FewshotProbes(cfg, engine, rank, logger, say) if cfg.train.fewshot_every else None
+
     def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
         if rank == 0:
             print(_progress_line(cfg, step, metrics, t_start, start_step), flush=True)
             if logger:
                 logger.log_metrics({**metrics, **(sampler.sample() if sampler else {})}, step=step)
+            if probes:
+                probes.poll()  # results that are in, logged at their snapshot's step
         if "val/top1" in metrics and not checkpoint_due:
             # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
             ray.train.report({"step": step, **metrics})
@@ -285,9 +291,13 @@ def train_per_worker(config: dict[str, Any]) -> None:
     has_val = "val" in config.get("datasets", ["val"])
     hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
                       eval_batches=eval_batches if has_val else None, checkpoint_now=watch,
-                      restore=restore)
+                      restore=restore, on_fewshot=probes.snapshot if probes else None)
     try:
         run_loop(cfg, engine, stream, state, hooks, rank, world)
+        if probes and rank == 0:
+            probes.finish()  # the queued probes, before the run's metrics are flushed
     finally:
+        if probes:
+            probes.close()
         if logger:
             logger.close(timeout_s=30)  # bounded; what is unsent stays spooled for the driver's end()
