@@ -256,8 +256,12 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
         consumed = (seen - seg.start) // world
     stream = RankStream(sizes, cfg.train.seed, seg, rank, shuffle=train)
     first_slot, skip_rows = stream.position(consumed if consumed is not None else start_offset)
-    if num_epochs is None:  # +1: a rank's share of an epoch is up to one unit short of 1/world
-        num_epochs = epochs_needed(rows_per_epoch, cfg.train.steps, cfg.parallel.global_batch) + \
+    if num_epochs is None:
+        # each rank gets at least floor(units / world) units an epoch, of at least the smallest
+        # unit's rows: enough epochs for that share (+1 for a resumed, part-consumed epoch);
+        # epochs past what training reads are never read
+        share = (len(units) // world) * min(sizes) if world > 1 else rows_per_epoch
+        num_epochs = epochs_needed(share * world, cfg.train.steps, cfg.parallel.global_batch) + \
             (1 if world > 1 else 0) if train else 1
     total = len(stream.prefix) + stream.n * num_epochs - first_slot
     reader = UnitReader(units, stream, size=d.image_size, mode=d.augment if train else "none",

@@ -1,7 +1,7 @@
 """Masked patch prediction (paper Section 4.6, Appendix B.1.2): corrupt half of the patch
 embeddings (80% a learnable [mask] embedding, 10% another random patch's, 10% kept) and predict
 each corrupted patch's 3-bit mean colour (512 classes) from its output token.
-The paper leaves the colour quantisation open; ours is in docs/hybrid_and_mpp.md section 3.
+The paper leaves the colour quantisation open; ours is in docs/hybrid_and_mpp.md section 5.
 """
 from __future__ import annotations
 
