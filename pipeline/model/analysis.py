@@ -170,8 +170,12 @@ def save_similarity_grid(sim: np.ndarray, grid: int | tuple[int, int], path: str
 
 
 def _rgb_filters(model: ViT) -> tuple[Optional[torch.Tensor], str]:
-    """The patch-embedding filters (D, 3, P, P), or None and why not (e.g. a hybrid's projection
-    reads ResNet feature channels, whose filters are no picture)."""
+    """The first filters that read RGB: the patch embedding's (D, 3, P, P), or for a hybrid (whose
+    projection reads ResNet channels) its root convolution's 7x7 ones, standardised as they are
+    applied; or None and why not."""
+    backbone = getattr(getattr(model, "patch_embed", None), "backbone", None)
+    if backbone is not None:
+        return backbone.stem.conv.standardized(), ""
     w = getattr(getattr(getattr(model, "patch_embed", None), "proj", None), "weight", None)
     if w is None or w.ndim != 4:
         return None, "the model has no convolutional patch embedding (patch_embed.proj)"
@@ -203,7 +207,8 @@ def write_report(model: ViT, out_dir: str, images: Optional[torch.Tensor] = None
     else:
         comps, ratio = filter_components(weight, components)
         files.append(save_filter_grid(comps, storage.join(out_dir, FILTERS_PNG)))
-        report["patch_embed"] = {"components": len(comps), "explained_variance": ratio[:len(comps)].tolist(),
+        report["patch_embed"] = {"filters": "resnet root conv" if spec.hybrid else "patch embedding",
+                                 "components": len(comps), "explained_variance": ratio[:len(comps)].tolist(),
                                  "explained_variance_total": float(ratio[:len(comps)].sum())}
 
     pos = model.pos_embed[0, 1:]  # (N, D): the class token's slot left out

@@ -136,6 +136,16 @@ def test_a_non_rgb_patch_embedding_is_skipped_not_fatal(tmp_path):
     assert summary_lines(report)[0].startswith("patch-embedding filters: skipped: ")
 
 
+def test_a_hybrid_shows_its_resnet_root_filters(tmp_path):
+    m = ViT("R+pico/8", image_size=32, num_classes=3)
+    report = write_report(m, str(tmp_path), images=torch.randn(2, 3, 32, 32))
+    assert report["patch_embed"]["filters"] == "resnet root conv"
+    root = m.patch_embed.backbone.stem.conv.standardized()  # 32 filters of 7x7 RGB
+    comps, ratio = filter_components(root)
+    assert report["patch_embed"]["explained_variance"] == pytest.approx(ratio[:len(comps)].tolist())
+    assert (tmp_path / "patch_embed_pcs.png").exists() and report["model"]["pixels_per_token"] == 8
+
+
 # --------------------------------------------------------------------------- vitp analyze
 
 
