@@ -68,14 +68,15 @@ def test_param_counts_equal_timm(ours_name):
     assert sorted(to_timm(mine.state_dict())) == sorted(theirs.state_dict())  # same names, one to one
 
 
-@pytest.mark.parametrize("variant, timm_name", [("R+Ti/16", "vit_tiny_r_s16_p8_224"),
+@pytest.mark.parametrize("variant, timm_name", [("R50+B/16", "vit_base_r50_s16_224"), ("R+Ti/16", "vit_tiny_r_s16_p8_224"),
                                                 ("R26+S/32", "vit_small_r26_s32_224"),
                                                 ("R8+pico/8", None), ("R+pico/8", None)])
 def test_timm_state_dict_imports_with_the_same_logits(tmp_path, variant, timm_name):
     timm = import_timm()
     torch.manual_seed(0)
     if timm_name:
-        theirs, size = timm.create_model(timm_name, pretrained=False, num_classes=5), 224
+        # at 64 px (2x2 or 4x4 tokens) to keep the suite fast: the ResNet and blocks are the same
+        theirs, size = timm.create_model(timm_name, pretrained=False, num_classes=5, img_size=64), 64
     else:
         theirs, size = timm_tiny(timm, HYBRIDS[variant][1]), 32
     scramble(theirs).eval()
@@ -90,14 +91,18 @@ def test_timm_state_dict_imports_with_the_same_logits(tmp_path, variant, timm_na
     with torch.no_grad():
         got = mine(x)
     assert want.abs().max() > 0.1  # a real signal
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # float32 roundoff through R50+B/16's 16 bottlenecks and 12 blocks reaches ~5e-6 of logits ~3
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    with torch.no_grad():  # in float64 the two are the same function to roundoff
+        torch.testing.assert_close(mine.double()(x.double()), theirs.double()(x.double()), atol=1e-9, rtol=0)
+    mine.float(), theirs.float()
     # through a file and `vitp import`: the export remembers timm's standardisation
     torch.save(theirs.state_dict(), tmp_path / "timm.pth")
     exported = import_weights(str(tmp_path / "timm.pth"), str(tmp_path / "imported"))
     model, cfg = load_model(exported), read_config(exported)
     assert cfg.model.resnet_norm == "timm" and cfg.model.variant == variant
     with torch.no_grad():
-        torch.testing.assert_close(model.eval()(x), want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(model.eval()(x), want, atol=ATOL, rtol=ATOL)
     theirs.load_state_dict(to_timm(mine.state_dict()))  # and back into timm, strict
 
 
