@@ -51,7 +51,8 @@ def one_run(cfg, name: str) -> dict:
     steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, "fewshot/digits_10shot_top1")]
     return {"all": harmonic(ips), "steady": harmonic(ips[1:]), "probes": steps,
             "top1": hist("fewshot/digits_10shot_top1"), "snap_s": hist("perf/fewshot_snapshot_s"),
-            "eval_s": hist("perf/fewshot_eval_s"), "wall_s": summary.seconds}
+            "eval_s": hist("perf/fewshot_eval_s"), "cpu_s": hist("perf/fewshot_eval_cpu_s"),
+            "wall_s": summary.seconds, "load": os.getloadavg()[0]}
 
 
 def main() -> int:
@@ -91,24 +92,32 @@ def main() -> int:
             res = one_run(base if mode == "off" else on, f"fewshot-bench-{tag}-{mode}-{r}")
             runs[mode].append(res)
             print(f"round {r} {mode:3s}: {res['all']:.1f} images/s (all windows), {res['steady']:.1f} "
-                  f"(without the first), probes at {res['probes']}, wall {res['wall_s']:.0f} s", flush=True)
+                  f"(without the first), probes at {res['probes']}, wall {res['wall_s']:.0f} s, "
+                  f"load average {res['load']:.1f}", flush=True)
 
     def med(mode, key):
         return statistics.median(x[key] for x in runs[mode])
 
-    rows = ["| few-shot probes | images/s, all windows (median) | vs off | images/s without the first window "
-            "(median) | vs off | rounds (all / without first) |", "|---|---:|---:|---:|---:|---|"]
+    def ratio(key):  # on / off of the same round: the two runs of a pair saw about the same load
+        return statistics.median(a[key] / b[key] for a, b in zip(runs["on"], runs["off"]))
+
+    rows = ["| few-shot probes | images/s, all windows (median) | images/s without the first window "
+            "(median) | per round (all / without first; load average at the end) |", "|---|---:|---:|---|"]
     for mode in ("off", "on"):
-        per = " ".join(f"{x['all']:.1f}/{x['steady']:.1f}" for x in runs[mode])
-        rows.append(f"| {mode} | {med(mode, 'all'):.1f} | {med(mode, 'all') / med('off', 'all'):.3f} | "
-                    f"{med(mode, 'steady'):.1f} | {med(mode, 'steady') / med('off', 'steady'):.3f} | {per} |")
+        per = ", ".join(f"{x['all']:.0f}/{x['steady']:.0f} ({x['load']:.1f})" for x in runs[mode])
+        rows.append(f"| {mode} | {med(mode, 'all'):.1f} | {med(mode, 'steady'):.1f} | {per} |")
+    rows.append(f"| on / off, median of the rounds' ratios | {ratio('all'):.3f} | {ratio('steady'):.3f} | "
+                + ", ".join(f"{a['all'] / b['all']:.3f}/{a['steady'] / b['steady']:.3f}"
+                            for a, b in zip(runs["on"], runs["off"])) + " |")
     snap = [s for x in runs["on"] for s in x["snap_s"]]
     ev = [s for x in runs["on"] for s in x["eval_s"]]
+    cpu = [sum(x["cpu_s"]) / (2 * x["wall_s"]) for x in runs["on"]]  # of the run's 2-core budget
     notes = (f"{args.steps} steps, log every {args.log_every}, ZeRO-{args.zero}, batch {base.parallel.global_batch}; "
              f"`on`: a probe every {args.every} steps on digits (1/5/10/25 shots x 3 seeds), logged at steps "
              f"{runs['on'][0]['probes']}; 10-shot top-1 {[round(v, 3) for v in runs['on'][0]['top1']]}. "
              f"Rank 0's snapshot (copy + object store) took median {statistics.median(snap) * 1e3:.1f} ms of "
-             f"the training step; the actor's evaluation median {statistics.median(ev):.2f} s (niced, 1 thread).")
+             f"the training step; the actor's evaluation median {statistics.median(ev):.2f} s (SCHED_IDLE, 1 thread), "
+             f"its CPU seconds over a run {statistics.median(cpu):.2%} of the run's 2 cores x wall time.")
     table = "\n".join(rows)
     print(table + "\n\n" + notes)
     append_result(args.results, "Few-shot probes during pre-training (`benchmarks/fewshot_overhead.py`)",

@@ -14,16 +14,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
-import torch
 
 from .. import storage
 from ..config import ExperimentConfig
-from ..model.vit import build_vit
-from .fewshot_lsr import SHOTS, FeatureExtractor, fewshot_accuracy, num_classes_of, read_split, shot_indices
+from .fewshot_lsr import SHOTS, fewshot_accuracy, num_classes_of, read_split, shot_indices
 
 SEEDS = 3  # as `vitp fewshot` and big_vision
 PROBE_CPUS = 0.25  # the actor's logical CPU request: small, so it fits beside a full worker group
-PROBE_NICE = 19  # the actor's OS priority: it runs in the time the training processes leave idle
+PROBE_NICE = 19  # where SCHED_IDLE is not available: the lowest nice (Ray's workers run at 15)
 MAX_PENDING = 4  # snapshots queued or being scored; a later one is skipped (with a warning)
 FINISH_TIMEOUT_S = 600.0  # at the end of training, the longest wait for the queued ones
 
@@ -44,10 +42,12 @@ def metric_key(dataset: str, shots: int) -> str:
     return f"fewshot/{dataset}_{shots}shot_top1"
 
 
-def snapshot_weights(module: torch.nn.Module, zero_stage: int, rank: int) -> Optional[dict[str, np.ndarray]]:
+def snapshot_weights(module, zero_stage: int, rank: int) -> Optional[dict[str, np.ndarray]]:
     """An fp32 copy of the model's weights on rank 0 (None on other ranks). Under ZeRO-3 each rank
     holds a slice, so every rank must call it: one `init_groups` group at a time is gathered (as
     `load_grouped` does) and rank 0 copies it; the whole model is never gathered at once."""
+    import torch  # lazy: the actor imports this module before lowering its priority
+
     if zero_stage != 3:
         if rank != 0:
             return None
@@ -67,15 +67,27 @@ def snapshot_weights(module: torch.nn.Module, zero_stage: int, rank: int) -> Opt
                       for k, b in module.named_buffers() if k in keys}}
 
 
+def lower_priority() -> None:
+    """This thread, and the threads it starts, to SCHED_IDLE: CPU time no other process wants
+    (below any nice level; Ray's own workers run at nice 15); nice 19 where Linux's policy is missing."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(PROBE_NICE)
+
+
 class FewshotActor:
-    """The Ray actor that scores snapshots, one at a time, on one low-priority thread. Each
+    """The Ray actor that scores snapshots, one at a time, on one idle-priority thread. Each
     dataset's rows are read once (Ray Data) and kept: the test split, and of the train split only
     the rows some (seed, shots) draw uses (`shot_indices` depends on the labels alone)."""
 
     def __init__(self, cfg_dict: dict[str, Any], roots: dict[str, str]):
+        lower_priority()  # first: torch's import and the model build run at it too
         from threadpoolctl import threadpool_limits  # lazy: the actor only
 
-        os.nice(PROBE_NICE)
+        from ..model.vit import build_vit  # lazy: torch
+        from .fewshot_lsr import FeatureExtractor
+
         threadpool_limits(1)  # numpy's BLAS in the solver: one thread too
         self.cfg = ExperimentConfig.from_dict(cfg_dict)
         self.roots = roots
@@ -106,8 +118,11 @@ class FewshotActor:
                                for i in range(0, len(images), batch)])
 
     def evaluate(self, weights: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, str]]:
-        """({fewshot/<dataset>_<k>shot_top1: top-1, perf/fewshot_eval_s}, {dataset: error line})."""
-        t0 = time.perf_counter()
+        """({fewshot/<dataset>_<k>shot_top1: top-1, perf/fewshot_eval_s, perf/fewshot_eval_cpu_s},
+        {dataset: error line})."""
+        import torch  # lazy: loaded by __init__
+
+        t0, c0 = time.perf_counter(), time.process_time()
         wanted = set(self.model.state_dict())
         missing = sorted(wanted - set(weights))
         if missing:
@@ -131,7 +146,11 @@ class FewshotActor:
             except Exception as e:  # noqa: BLE001 - one dataset's failure is reported, not raised
                 lines = str(e).strip().splitlines()
                 errors[name] = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-        return ({**metrics, "perf/fewshot_eval_s": time.perf_counter() - t0} if metrics else {}), errors
+        if not metrics:
+            return {}, errors
+        # seconds from start to result, and CPU seconds this process spent (what training lost at most)
+        return {**metrics, "perf/fewshot_eval_s": time.perf_counter() - t0,
+                "perf/fewshot_eval_cpu_s": time.process_time() - c0}, errors
 
 
 class FewshotProbes:

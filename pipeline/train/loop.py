@@ -53,9 +53,6 @@ class LoopHooks:
     # (step) every train.fewshot_every steps, after the step's log and checkpoint: take a
     # snapshot of the weights for an evaluation off the training path (a collective under ZeRO-3)
     on_fewshot: Optional[Callable[[int], None]] = None
-    # (step) every train.fewshot_every steps, after the step's log and checkpoint: take a
-    # snapshot of the weights for an evaluation off the training path (a collective under ZeRO-3)
-    on_fewshot: Optional[Callable[[int], None]] = None
 
 
 @dataclass
@@ -228,8 +225,6 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
             window_applied = 0
         if checkpoint_due:
             hooks.on_checkpoint(state.step, state, result.history[-1] if result.history else {})
-        if hooks.on_fewshot is not None and t.fewshot_every and state.step % t.fewshot_every == 0:
-            hooks.on_fewshot(state.step)
         if hooks.on_fewshot is not None and t.fewshot_every and state.step % t.fewshot_every == 0:
             hooks.on_fewshot(state.step)
     return result
