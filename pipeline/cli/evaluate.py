@@ -133,7 +133,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _check_image(path)
     images = None
     if args.images > 0 and not args.image:  # the first held-out rows of the run's own shards
-        images = _shard_images(read_config(args.checkpoint), args.checkpoint, args.images)
+        images = _shard_images(read_config(args.checkpoint), args.images)
     model = load_model(args.checkpoint)
     if args.image:
         images = np.stack([_read_image(p, model.image_size)[1] for p in args.image])  # (n, S, S, 3)
@@ -146,18 +146,19 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shard_images(cfg, source: str, count: int):
-    """The first `count` rows of the val split (else train) of the shards `source` was trained on."""
+def _shard_images(cfg, count: int):
+    """The first `count` rows of the val split (else train) of the shards the model was trained
+    on; None, with a note, where there are none (an imported model, or shards since removed)."""
     from pipeline.data.ingest import peek_rows, shards_dir  # lazy: keeps vitp --help fast (pyarrow)
 
     root = shards_dir(cfg)
-    if not storage.exists(storage.join(root, "manifest.json")):
-        raise InputError(f"{source}: its training shards {root} are gone; give images with --image "
-                         "FILE, or --images 0 to skip the attention distances")
-    try:
-        return peek_rows(cfg, "val", count)["image"]
-    except InputError:  # no held-out split: the training rows will do for attention distances
-        return peek_rows(cfg, "train", count)["image"]
+    if storage.exists(storage.join(root, "manifest.json")):
+        try:
+            return peek_rows(cfg, ("val", "train"), count)["image"]
+        except InputError:
+            pass
+    print(f"no images for the attention distances: no shards at {root} (give --image FILE ...)")
+    return None
 
 
 def _add_analyze(sub) -> Handler:

@@ -169,15 +169,16 @@ class UnitReader:
             yield rows
 
 
-def peek_rows(cfg, split: str = "val", count: int = 4) -> dict:
-    """The first `count` rows of `split`, read straight from its first shard (no Ray, for a few
-    pictures): {"stored": [(h, w, 3) uint8 as stored], "image": (n, S, S, 3) uint8 as evaluation
-    sees them, "label": (n,) int64}."""
+def peek_rows(cfg, split: str | tuple[str, ...] = "val", count: int = 4) -> dict:
+    """The first `count` rows of `split` (or of the first of several that has rows), read straight
+    from its first shard (no Ray, for a few pictures): {"stored": [(h, w, 3) uint8 as stored],
+    "image": (n, S, S, 3) uint8 as evaluation sees them, "label": (n,) int64}."""
     root = shards_dir(cfg)
     manifest = sh.read_manifest(root)
-    units = plan_units(root, split, manifest, unit_rows=count)
+    splits = (split,) if isinstance(split, str) else split
+    units = next((u for s in splits if (u := plan_units(root, s, manifest, unit_rows=count))), [])
     if not units:
-        raise InputError(f"{root}: no {split} rows to show")
+        raise InputError(f"{root}: no {' or '.join(splits)} rows to show")
     fmt = manifest["storage"]["format"]
     rows = _read_unit(units[0], fmt)
     stored = [decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]), fmt)
@@ -257,10 +258,10 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     stream = RankStream(sizes, cfg.train.seed, seg, rank, shuffle=train)
     first_slot, skip_rows = stream.position(consumed if consumed is not None else start_offset)
     if num_epochs is None:
-        # each rank gets at least floor(units / world) units an epoch, of at least the smallest
-        # unit's rows: enough epochs for that share (+1 for a resumed, part-consumed epoch);
-        # epochs past what training reads are never read
-        share = (len(units) // world) * min(sizes) if world > 1 else rows_per_epoch
+        # each rank gets at least floor(units / world) units an epoch, so at least the rows of
+        # that many of the smallest units: epochs for that share, +1 for a part-consumed one
+        # (epochs past what training reads are never read)
+        share = int(np.sort(sizes)[:len(units) // world].sum()) if world > 1 else rows_per_epoch
         num_epochs = epochs_needed(share * world, cfg.train.steps, cfg.parallel.global_batch) + \
             (1 if world > 1 else 0) if train else 1
     total = len(stream.prefix) + stream.n * num_epochs - first_slot

@@ -180,7 +180,7 @@ def _rgb_filters(model: ViT) -> tuple[Optional[torch.Tensor], str]:
     if w is None or w.ndim != 4:
         return None, "the model has no convolutional patch embedding (patch_embed.proj)"
     if w.shape[1] != 3:
-        return None, f"the patch embedding reads {w.shape[1]} input channels, not RGB pixels (a hybrid's ResNet features)"
+        return None, f"the patch embedding reads {w.shape[1]} input channels, not RGB pixels"
     return w, ""
 
 

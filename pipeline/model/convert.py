@@ -206,7 +206,8 @@ def from_timm(sd: Mapping[str, Any]) -> StateDict:
 def to_timm(sd: Mapping[str, torch.Tensor]) -> StateDict:
     """Ours -> timm naming. Pre-logits (pretrain head) use old timm's `pre_logits.fc` name:
     timm >= 0.6 dropped the representation layer, so only a finetune-head model loads there."""
-    return {k.replace("pre_logits.0.", "pre_logits.fc."): _t(v) for k, v in ours_to_timm(sd).items()}
+    return {k.replace("pre_logits.0.", "pre_logits.fc."): _t(v) for k, v in ours_to_timm(sd).items()
+            if not k.startswith("mpp.")}  # masked patch prediction's training-only head
 
 
 # --------------------------------------------------------------------------------------
@@ -284,6 +285,9 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
         raise InputError(f"{src} as --format {fmt}: {e} (try --format auto, or the format it was "
                          f"saved in: {', '.join(IMPORT_FORMATS[1:])})") from None
     notes = []
+    if any(k.startswith("mpp.") for k in sd):  # a masked-patch-prediction pre-training's export
+        sd = {k: v for k, v in sd.items() if not k.startswith("mpp.")}
+        notes.append("masked patch prediction's [mask] embedding and colour head left out")
 
     # A different resolution keeps the patch size, so only the position-embedding grid changes.
     t = info["stride"]  # pixels per token: the patch, or a hybrid's ResNet stride x patch
@@ -307,8 +311,8 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
         model=dataclasses.replace(base.model, variant=info["variant"], num_classes=info["num_classes"],
                                   head=info["head"], representation_size=info["representation_size"],
                                   # a hybrid keeps the standardisation its weights were trained with
-                                  resnet_norm="timm" if fmt == "timm" else ((side.get("config") or {}).get(
-                                      "model") or {}).get("resnet_norm", "bit")),
+                                  resnet_norm=((side.get("config") or {}).get("model") or {}).get(
+                                      "resnet_norm", "timm" if fmt == "timm" else "bit")),
         data=dataclasses.replace(base.data, image_size=info["image_size"], num_classes=info["num_classes"],
                                  storage_size=max(info["image_size"], base.data.storage_size)),
     )

@@ -15,7 +15,6 @@ from .convert_hybrid import f32 as _t
 StateDict = dict[str, torch.Tensor]
 
 
-
 # Per-layer names: hub checkpoints (and save_pretrained) use the first spelling; transformers >= 5
 # renamed the in-memory modules (`layers.{i}.attention.q_proj`, `.mlp.fc1`) and maps on load/save.
 _HF_LAYER = {

@@ -13,7 +13,6 @@ from torch import nn
 from .vit import Gather, ViT, full_shape
 
 
-
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: int | tuple[int, int],
                        num_prefix_tokens: int = 1) -> torch.Tensor:
     """Resample (1, prefix + gh*gw, D) position embeddings to a new patch grid.

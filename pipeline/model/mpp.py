@@ -23,6 +23,11 @@ class MPPHead(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         self.head = nn.Linear(width, NUM_COLOURS)
 
+    def forward(self, tokens: torch.Tensor, generator: Optional[torch.Generator] = None):
+        """Corrupt patch embeddings (B, N, D): see `corrupt`. A module call, so that ZeRO-3's hooks
+        gather the [mask] embedding first."""
+        return corrupt(tokens, self.mask_token, generator=generator)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         nn.init.normal_(self.mask_token, std=0.02)

@@ -38,12 +38,15 @@ class StdConv2d(nn.Conv2d):
         self.norm = norm
 
     def standardized(self) -> torch.Tensor:
-        w = self.weight
+        """The kernel as applied, computed in at least fp32 (a 16-bit variance loses the epsilons)."""
+        w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
         mean = w.mean(dim=(1, 2, 3), keepdim=True)
         var = w.var(dim=(1, 2, 3), unbiased=False, keepdim=True)
         if self.norm == "bit":
-            return (w - mean) / (var.sqrt() + 1e-5)
-        return (w - mean) / torch.sqrt(var + 1e-8)
+            w = (w - mean) / (var.sqrt() + 1e-5)
+        else:
+            w = (w - mean) / torch.sqrt(var + 1e-8)
+        return w.to(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = pad_same(x, self.kernel_size[0], self.stride[0])

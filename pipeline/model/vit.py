@@ -1,7 +1,7 @@
 """The Vision Transformer of Dosovitskiy et al. (eq. 1-4), readable top to bottom.
 
-Patchify -> linear projection -> [class] token + 1-D position embedding -> L pre-LN blocks
--> final LayerNorm -> head. Initialisation follows the official JAX code. Must not know
+Patchify (or a hybrid's ResNet, resnet.py) -> linear projection -> [class] token + 1-D position
+embedding -> L pre-LN blocks -> final LayerNorm -> head (or masked patch prediction, mpp.py). Initialisation follows the official JAX code. Must not know
 about Ray or DeepSpeed: parallelism is applied outside the model, in `pipeline.train`.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from .mpp import MPPHead, colour_targets, corrupt
+from .mpp import MPPHead, colour_targets
 from .resnet import HybridEmbed, ResNetNorm
 from .variants import ViTSpec, decode_variant
 
@@ -283,7 +283,7 @@ class ViT(nn.Module):
             raise ValueError(
                 f"input gives {x.shape[1]} patches but the model was built for "
                 f"{self.pos_embed.shape[1] - 1} ({self.image_size}px): resize the input or build the "
-                "model at this resolution and load with resample_pos_embed"
+                "model at this resolution and load with pipeline.model.loading.adapt_state_dict"
             )
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
         x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, N+1, D)
@@ -306,6 +306,12 @@ class ViT(nn.Module):
         x = self.pre_logits(x)  # (B, R)
         return x if pre_logits else self.head(x)
 
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The features a linear probe reads (B, R): the pre-logits; for a masked-patch-prediction
+        model, whose class token and pre-logits no loss trained, the mean final patch token (B, D)."""
+        z = self.forward_features(x)
+        return z[:, 1:].mean(dim=1) if self.mpp is not None else self.forward_head(z, pre_logits=True)
+
     def forward(self, x: torch.Tensor, mpp: bool = False, generator: Optional[torch.Generator] = None):
         """Logits (B, K); with `mpp`: masked patch prediction on a corrupted copy of the patch
         embeddings, returning (colour logits (B, N, 512), corrupted positions (B, N) bool)."""
@@ -313,7 +319,7 @@ class ViT(nn.Module):
             return self.forward_head(self.forward_features(x))
         if self.mpp is None:
             raise ValueError("this model has no masked-patch-prediction head: build it with mpp=True")
-        tokens, corrupted = corrupt(self.patch_embed(x), self.mpp.mask_token, generator=generator)
+        tokens, corrupted = self.mpp(self.patch_embed(x), generator)
         z = self.forward_features(x, tokens)
         return self.mpp.head(z[:, 1:]), corrupted
 

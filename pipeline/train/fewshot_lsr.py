@@ -117,7 +117,7 @@ class FeatureExtractor:
         imgs = torch.from_numpy(np.ascontiguousarray(batch["image"]))  # (B, S, S, 3) uint8
         with torch.no_grad():
             x = normalize(imgs, self.mean, self.std)  # (B, 3, S, S) float32
-            f = self.model.forward_head(self.model.forward_features(x), pre_logits=True)  # (B, R)
+            f = self.model.representation(x)  # (B, R)
         out = {"features": f.float().numpy()}
         if "label" in batch:  # a Ray Data batch: its labels and keys come along
             out.update(label=np.asarray(batch["label"], np.int64), key=np.asarray(batch["key"], dtype=object))

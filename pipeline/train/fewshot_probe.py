@@ -20,7 +20,10 @@ from ..config import ExperimentConfig
 from .fewshot_lsr import SHOTS, fewshot_accuracy, num_classes_of, read_split, shot_indices
 
 SEEDS = 3  # as `vitp fewshot` and big_vision
-PROBE_CPUS = 0.25  # the actor's logical CPU request: small, so it fits beside a full worker group
+# The actor reserves no logical CPU: 0.25 left Ray Data's readers (whole-CPU tasks) one slot short
+# beside the worker group and slowed the input pipeline by 10-20% (benchmarks/RESULTS.md); at
+# SCHED_IDLE it only ever runs on cycles nothing else wants.
+PROBE_CPUS = 0
 PROBE_NICE = 19  # where SCHED_IDLE is not available: the lowest nice (Ray's workers run at 15)
 MAX_PENDING = 4  # snapshots queued or being scored; a later one is skipped (with a warning)
 FINISH_TIMEOUT_S = 600.0  # at the end of training, the longest wait for the queued ones
@@ -56,10 +59,16 @@ def snapshot_weights(module, zero_stage: int, rank: int) -> Optional[dict[str, n
 
     names = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, np.ndarray] = {}
+    failed: Optional[Exception] = None
     for params in module.init_groups():
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if rank == 0:
-                out.update({names[id(p)]: p.detach().to("cpu", torch.float32).numpy().copy() for p in params})
+            if rank == 0 and failed is None:
+                try:
+                    out.update({names[id(p)]: p.detach().to("cpu", torch.float32).numpy().copy() for p in params})
+                except Exception as e:  # noqa: BLE001 - keep joining the other ranks' gathers
+                    failed = e
+    if failed is not None:
+        raise failed
     if rank != 0:
         return None
     keys = set(module.state_dict())  # persistent buffers (none in our ViT) are not partitioned
@@ -91,7 +100,8 @@ class FewshotActor:
         threadpool_limits(1)  # numpy's BLAS in the solver: one thread too
         self.cfg = ExperimentConfig.from_dict(cfg_dict)
         self.roots = roots
-        self.model = build_vit(self.cfg.model, self.cfg.data.image_size, init=False)
+        self.model = build_vit(self.cfg.model, self.cfg.data.image_size, init=False,
+                               mpp=self.cfg.train.objective == "mpp")  # (its probe features differ)
         self.extract = FeatureExtractor(self.model, self.cfg.data.mean, self.cfg.data.std, threads=1)
         self.sets: dict[str, tuple] = {}
 
@@ -129,8 +139,6 @@ class FewshotActor:
             raise ValueError(f"the snapshot lacks {missing[:5]}")
         with warnings.catch_warnings():  # object-store arrays are read-only; load_state_dict copies
             warnings.simplefilter("ignore", UserWarning)
-            # only the encoder and pre-logits are needed: a training-only head (e.g. masked patch
-            # prediction's) is left out
             self.model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()
                                         if k in wanted})
         self.model.eval()

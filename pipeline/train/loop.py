@@ -18,12 +18,12 @@ import torch
 from ..config import ExperimentConfig, drill_steps
 from ..model import memory
 from ..model.flops import training_flops
-from ..model.variants import decode_variant
 from ..model.loading import adapt_state_dict, load_grouped
-from .objective import objective_for
+from ..model.variants import decode_variant
 from ..model.vit import build_vit
 from . import checkpoint as ckpt
 from .engine import build_engine, partitioned_construction, return_freed_host_memory
+from .objective import objective_for
 from .export import load_weights
 from .step import StepResult, all_reduce_sum, evaluate, group, memory_gb, train_step
 

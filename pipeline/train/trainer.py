@@ -183,7 +183,7 @@ def _final_model_and_rows(cfg: ExperimentConfig, checkpoint: str, count: int):
     (a few rows of one shard: no Ray Data pipeline), for the pictures logged after a run."""
     model = build_vit(cfg.model, cfg.data.image_size, mpp=cfg.train.objective == "mpp")
     model.load_state_dict(consolidate(checkpoint))
-    return model, peek_rows(cfg, "val", count)
+    return model, peek_rows(cfg, ("val", "train"), count)
 
 
 def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4) -> None:

@@ -135,7 +135,7 @@ def test_weights_from_224_run_at_384_and_change_output():
 
 def test_wrong_resolution_input_names_the_fix():
     model = ViT("mu/8", image_size=32, num_classes=2)
-    with pytest.raises(ValueError, match="resample_pos_embed"):
+    with pytest.raises(ValueError, match="adapt_state_dict"):
         model(torch.randn(1, 3, 48, 48))
     with pytest.raises(ValueError, match="multiple of 8"):
         ViT("mu/8", image_size=30)

@@ -12,7 +12,7 @@ from pipeline.recipes import resolve, with_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
-STEPS = 100  # the loss must be below half of ln 512 by then (measured: ~2.7 at step 100, docs/hybrid_and_mpp.md)
+STEPS = 100  # the loss must be below half of ln 512 by then (measured 2.42, docs/hybrid_and_mpp.md)
 
 
 def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, ray_session):
