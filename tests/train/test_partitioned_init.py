@@ -92,3 +92,30 @@ def test_init_from_weights_load_into_a_partitioned_model(tmp_path):
     assert not ft["head.weight"].any() and not ft["head.bias"].any(), "a fine-tuning head starts at zero"
     assert "pre_logits.0.weight" not in ft
     assert np.array_equal(ft["blocks.3.mlp.fc2.weight"], want["blocks.3.mlp.fc2.weight"])
+
+
+HYBRID = ["data.image_size=64", "data.storage_size=64"]  # R26+S/32: a 2x2 grid of 32-px tokens
+
+
+def test_partitioned_hybrid_is_the_full_build():
+    """A hybrid's ResNet goes into the embedding group: partitioned, initialised and gathered like
+    the Transformer (its convolutions are big enough to be split between the ranks)."""
+    cfg = workers.cfg_for("R26+S/32", "fp32", HYBRID)
+    results = launch(workers.partitioned_build, 2, "R26+S/32", "fp32", HYBRID)
+    check_shares(results)
+    got, want = results[0]["full"], full_build(cfg)
+    assert any(n.startswith("patch_embed.backbone.stages.") and held < whole
+               for n, (held, whole) in results[0]["shares"].items())
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name} differs"
+
+
+def test_masked_patch_prediction_trains_a_partitioned_model():
+    """The [mask] embedding and the colour head take part under ZeRO-3: the loss starts at ln 512
+    (zero head) and falls on a fixed batch, and the [mask] embedding moves."""
+    results = launch(workers.partitioned_mpp_steps, 2, "R26+S/32", HYBRID)
+    r = results[0]
+    assert "mpp.head.weight" in r["partitioned"]  # 384 x 512: split between the ranks
+    assert abs(r["losses"][0] - np.log(512)) < 1e-4 and r["losses"][-1] < r["losses"][0], r["losses"]
+    assert not np.array_equal(r["before"], r["after"])
+

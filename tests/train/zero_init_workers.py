@@ -32,3 +32,28 @@ def partitioned_build(rank, world, variant, precision, extra=()):
     decay = sorted(names[id(p)] for p in param_groups(engine.module, 0.1)[0]["params"])
     return {"shares": shares, "full": full if rank == 0 else None, "decay": decay}
 
+
+
+def partitioned_mpp_steps(rank, world, variant, extra=()):
+    """Masked patch prediction on a partitioned model: build, then three optimizer steps on a fixed
+    batch; the losses and the [mask] embedding (gathered) before and after, on rank 0."""
+    import deepspeed
+
+    from pipeline.train.loop import build_model_and_engine
+    from pipeline.train.objective import objective_for
+    from pipeline.train.step import train_step
+
+    cfg = cfg_for(variant, "fp32", ["train.objective=mpp", *extra])
+    engine, _, _ = build_model_and_engine(cfg, world)
+    mask = engine.module.mpp.mask_token
+    with deepspeed.zero.GatheredParameters([mask]):
+        before = mask.detach().float().numpy().copy()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.rand(cfg.parallel.micro_batch, 3, cfg.data.image_size, cfg.data.image_size, generator=g) * 2 - 1
+    objective = objective_for(cfg)
+    losses = [train_step(engine, [(x, torch.zeros(len(x), dtype=torch.long))], objective=objective).loss
+              for _ in range(3)]
+    with deepspeed.zero.GatheredParameters([mask]):
+        after = mask.detach().float().numpy().copy()
+    partitioned = sorted(n for n, p in engine.module.named_parameters() if p.ds_tensor.numel() < p.ds_numel)
+    return {"losses": losses, "before": before, "after": after, "partitioned": partitioned}
