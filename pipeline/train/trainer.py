@@ -19,7 +19,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
 from ..console import library_log_level
+from ..data.commands import require_labels
 from ..data.ingest import dataset_name, normalize, peek_rows, shards_dir, shards_name
+from ..data.shards import read_manifest
 from ..model.analysis import REPORT, summary_lines, write_report
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
@@ -92,6 +94,9 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     """
     cfg = absolute_paths(cfg)  # workers do not share the driver's working directory
     t0 = time.time()
+    root = shards_dir(cfg)
+    if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)
+        require_labels(cfg, root, read_manifest(root))  # no classifier on unlabelled shards
     existing = ckpt.latest_complete_checkpoint(cfg)
     if existing and cfg.train.resume == "never":
         raise FileExistsError(
@@ -132,9 +137,10 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         result = trainer.fit()
     except BaseException as e:
         if logger:
-            if not isinstance(e, KeyboardInterrupt):
+            killed = isinstance(e, KeyboardInterrupt) or _ended_killed(logger)
+            if not killed:
                 _record_error(logger, e)
-            logger.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            logger.end("KILLED" if killed else "FAILED")
         raise
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
     checkpoint = (storage.join(ckpt.run_dir(cfg), storage.basename(result.checkpoint.path))
@@ -232,6 +238,15 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
 
 
 ERROR_TAG = "vitp.error"  # a FAILED run's error: its type and last line, as the UI shows tags
+
+
+def _ended_killed(logger) -> bool:
+    """Whether the run was already ended KILLED from outside (a sweep's scheduler stopping this
+    trial, whose stop reaches the training here as an error): then it stays KILLED."""
+    try:
+        return logger.client.get_run(logger.run_id).info.status == "KILLED"
+    except Exception:  # noqa: BLE001 - MLflow unreachable: end as the error says
+        return False
 
 
 def _record_error(logger, e: BaseException) -> None:

@@ -38,6 +38,7 @@ class SweepProgress(Callback):
         self.started: dict[str, float] = {}
         self.durations: list[float] = []
         self.ended = 0
+        self.stopped: dict[str, Any] = {}  # trial id -> the step the scheduler stopped it at
 
     def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
         return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
@@ -81,7 +82,14 @@ class SweepProgress(Callback):
             self._end(trial, score)
             return
         self._end(trial, f"stopped early by {self.scheduler} at step {step} of {planned} ({score})")
+        self.stopped[trial.trial_id] = step
         self._mark_stopped(trial.trial_id, step)
+
+    def settle(self) -> None:
+        """Mark the stopped trials' runs KILLED again once every trial has ended: a stopped trial's
+        own driver sees the stop as an error and may end its run FAILED after the first mark."""
+        for trial_id, step in getattr(self, "stopped", {}).items():
+            self._mark_stopped(trial_id, step)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = str(getattr(trial, "error_msg", None) or "see the trial's error.txt").strip().splitlines()

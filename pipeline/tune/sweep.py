@@ -301,6 +301,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
                                           callbacks=[progress], verbose=0),
             )
         results = tuner.fit()
+        progress.settle()
     except BaseException as e:
         parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise

@@ -122,6 +122,11 @@ def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("vitp pretrain: ") and "--set train.objective=mpp" in err[0]
+    # and from Python (a Tune trainable, a notebook): run_training checks before anything starts
+    from pipeline.train.trainer import run_training
+
+    with pytest.raises(InputError, match=r"unlabelled shards .*train\.objective=mpp"):
+        run_training(cfg, tracking=False)
 
 
 @pytest.mark.ray
