@@ -64,6 +64,7 @@ def test_persistent_nan_rolls_back_once_then_stops(tmp_path, precision):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # ~45 s of spawned ranks: in the e2e run, for `make test`'s time
 def test_inf_loss_on_one_rank_skips_everywhere():
     """Finite gradients, so no DeepSpeed overflow check fires: only our all-reduced flag can make
     both ranks skip. ZeRO-Offload (DeepSpeedCPUAdam) and ZeRO-3 parameter offload included."""
