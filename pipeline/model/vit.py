@@ -266,7 +266,7 @@ class ViT(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names excluded from weight decay: biases, norms, pos-embed, class token."""
-        out = {"pos_embed", "cls_token", "mpp.mask_token"} if self.mpp is not None else {"pos_embed", "cls_token"}
+        out = {"pos_embed", "cls_token", *(("mpp.mask_token",) if self.mpp is not None else ())}
         for name, p in self.named_parameters():
             if len(full_shape(p)) <= 1:  # also when ZeRO-3 has partitioned p
                 out.add(name)

@@ -124,8 +124,7 @@ def evaluate(engine_or_model, batches: Iterable[tuple[torch.Tensor, torch.Tensor
     was_training = module.training
     module.eval()
     dtype = next(module.parameters()).dtype
-    if hasattr(objective, "start_eval"):
-        objective.start_eval()
+    objective.start_eval()
     total = {"loss_sum": 0.0, "correct": 0, "count": 0}
     for x, y in batches:
         for k, v in objective.sums(engine_or_model, x.to(dtype), y).items():
