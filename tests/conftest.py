@@ -3,6 +3,17 @@ import os
 
 import pytest
 
+# A test that uses one of these (directly or through another fixture) starts or joins Ray: it is
+# marked `ray` here, so `make test-fast` (-m "not ray ...") leaves it out without anyone having to
+# remember the marker.
+RAY_FIXTURES = {"ray_session", "two_node_cluster", "auth_cluster", "rehearsal"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+
 
 @pytest.fixture(scope="session")
 def ray_session():

@@ -248,6 +248,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
         st.epoch, st.epoch_offset = divmod(st.samples_seen, max(epoch_rows, 1))
+        if recorder:  # before the checkpoint can count as complete: a rank killed right after it
+            recorder.flush(step)  # must not lose the record of the steps that checkpoint covers
         t0 = time.perf_counter()
         os.makedirs(staging, exist_ok=True)
         local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-", dir=staging)
@@ -261,8 +263,6 @@ def train_per_worker(config: dict[str, Any]) -> None:
             written = sum(storage.file_sizes(local).values())
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        if recorder:
-            recorder.flush(step)
         io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
         watch.checkpoint_s = io["perf/ckpt_blocked_s"]
         if rank == 0:

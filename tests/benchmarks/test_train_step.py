@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # a benchmark process that builds a DeepSpeed engine
 def test_train_step_benchmark_engine_mode_cpu(tmp_path):
     out = tmp_path / "r.json"
     results = tmp_path / "RESULTS.md"

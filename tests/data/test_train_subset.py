@@ -2,6 +2,7 @@
 nested and leave the val split alone; a pose makes raw pixels a weak feature."""
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from pipeline.data.preprocess import assign_split, in_train_subset, subset_train
 from pipeline.data.synth import class_system, render
@@ -30,6 +31,7 @@ def test_subset_cuts_only_the_train_split():
     assert subset_train(table, 0.5, 1.0) is table
 
 
+@pytest.mark.slow  # renders and fits a corpus
 def test_posed_fractals_defeat_a_linear_classifier_on_raw_pixels():
     """Unposed, every image of a class sits at the same place and a logistic regression on the
     pixels separates 10 classes almost perfectly; posed, it must learn the shape instead."""

@@ -56,6 +56,7 @@ def own_server(tmp_path):
     own.handle.stop()
 
 
+@pytest.mark.slow  # two MLflow server starts and a restart
 def test_outage_spools_and_backfills_every_step_exactly_once(own_server, experiment, tmp_path):
     spool, uri = tmp_path / "spool", own_server.handle.uri
     run = RunLogger.start(uri, experiment, "outage", background=True, timeout_s=2.0, spool_dir=spool,
@@ -136,6 +137,7 @@ def _recv(sock):
         return b""
 
 
+@pytest.mark.slow  # a server behind a proxy, answers dropped
 def test_lost_answers_are_not_sent_twice(experiment, tmp_path):
     # A file store keeps every value it is sent (the SQL stores drop exact repeats themselves).
     server = start_server(str(tmp_path / "mlruns"), str(tmp_path / "artifacts"),
@@ -209,6 +211,7 @@ def test_attached_worker_logger_needs_no_server_and_drops_replayed_steps(mlflow_
     assert spooled_bytes(spool, driver.run_id) == 0
 
 
+@pytest.mark.slow  # two MLflow server starts and a restart
 def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experiment, tmp_path, caplog):
     spool, uri = tmp_path / "spool", own_server.handle.uri
     run = RunLogger.start(uri, experiment, "ended-in-outage", background=True, timeout_s=2.0, spool_dir=spool)
@@ -250,6 +253,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process killed, then heartbeats go stale
 def test_sigkilled_run_is_marked_killed_and_a_live_one_is_left_alone(mlflow_server, experiment, tmp_path):
     uri = mlflow_server.uri
     proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, experiment, str(tmp_path)], cwd=REPO,
@@ -279,6 +283,7 @@ def test_sigkilled_run_is_marked_killed_and_a_live_one_is_left_alone(mlflow_serv
     assert client.get_run(alive.run_id).info.status == "FINISHED"
 
 
+@pytest.mark.slow  # a child process killed, then heartbeats go stale
 def test_vitp_compare_shows_a_sigkilled_run_killed(mlflow_server, experiment, tmp_path):
     """`vitp compare` on the experiment first ends runs whose process died (no heartbeat) KILLED."""
     uri = mlflow_server.uri

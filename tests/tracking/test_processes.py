@@ -61,6 +61,7 @@ def test_sigkilled_run_stays_running_and_is_resumed_by_name(tracking_uri, experi
     assert [r["run_id"] for r in find_runs(tracking_uri, experiment)] == [run_id]
 
 
+@pytest.mark.slow  # two processes migrate one store
 def test_fresh_sqlite_default_store_opened_by_two_processes_at_once(tmp_path):
     """MLflow migrates a new SQLite schema on first open; racing processes must not break it."""
     work = tmp_path / "work"

@@ -160,6 +160,7 @@ def test_marker_listing_survives_ranks_writing_markers(tmp_path):
         t.join()
 
 
+@pytest.mark.slow  # three 2-rank launches
 def test_launch_retries_when_the_rendezvous_port_was_taken(tmp_path, capfd):
     assert launch(workers.port_taken_on_first_try, 2, str(tmp_path)) == [3.0, 3.0]
     assert "rendezvous port taken" in capfd.readouterr().out
