@@ -11,6 +11,10 @@ DEEPSPEED_VERSION ?= 0.19.8
 TIMM_VERSION    ?= 1.0.31
 TORCHVISION_VERSION ?= 0.28.0
 PYTEST_ARGS     ?=
+# `make test` and `make test-fast` run on this many pytest workers (pytest-xdist), each test file on
+# one worker (its module fixtures built once); the suites leave a core idle half the time otherwise.
+# 0: one process. The e2e scenarios always run one at a time (clusters, kills, timings).
+TEST_WORKERS    ?= 2
 DEMO_ARGS       ?=
 
 VENV  := .venv
@@ -18,7 +22,16 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install browser test test-e2e test-all demo clean
+.PHONY: install browser test test-fast test-e2e test-all demo clean
+
+define WARM_DS_OPS
+from deepspeed.accelerator import get_accelerator
+acc = get_accelerator()
+if acc.device_name() == "cpu":
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        acc.create_op_builder(name).load(verbose=False)
+endef
+export WARM_DS_OPS
 
 install: $(STAMP)
 
@@ -32,6 +45,9 @@ $(STAMP): pyproject.toml Makefile
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation \
 		-c $(VENV)/constraints.txt "deepspeed==$(DEEPSPEED_VERSION)"
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,demo]"
+	# DeepSpeed's CPU ops (Adam for optimizer offload, shared-memory collectives) are JIT-built on
+	# first use, about a minute on 2 cores: built now, into torch's extension cache, not in a run.
+	$(BIN)/python -c "$$WARM_DS_OPS"
 	# timm and torchvision go into their own folder that only the timm tests put on sys.path
 	# (tests/timm_compat.py): the venv itself stays without torchvision, which other packages
 	# would import whenever it is present.
@@ -46,9 +62,14 @@ browser:
 		{ apt-get update -q && apt-get install -y -q chromium; } || \
 		{ sudo apt-get update -q && sudo apt-get install -y -q chromium; }
 
-# The default suite (~14 min on 2 cores); the multi-minute end-to-end scenarios run in test-e2e.
+# The default suite; the multi-minute end-to-end scenarios run in test-e2e.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The inner loop (~1 min): config, model, data decoding, storage, tracking, CLI parsing; no Ray
+# (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-e2e: $(STAMP) browser
 	$(BIN)/python -m pytest -m "e2e and not gpu" $(PYTEST_ARGS)

@@ -41,6 +41,13 @@ def ray_session():
 
 def pytest_configure(config):
     import socket
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # under pytest -n: each worker its own TMPDIR (checkpoint staging, spools, conversions)
+        config._vitp_tmpdir = tempfile.mkdtemp(prefix=f"vitp-{worker}-", dir="/tmp")  # short: Ray's sockets
+        os.environ["TMPDIR"] = config._vitp_tmpdir
+        tempfile.tempdir = None
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -51,6 +58,13 @@ def pytest_configure(config):
                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ[key] = value
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if getattr(config, "_vitp_tmpdir", None):  # made by pytest_configure above, for this worker only
+        shutil.rmtree(config._vitp_tmpdir, ignore_errors=True)
 
 
 class S3Server:

@@ -1,14 +1,8 @@
 """Run a function on N local processes joined in a torch.distributed group, without Ray.
 
-For single-node benchmarks (one process per GPU) and for tests of the engine/loop on CPU with
-gloo. `fn(rank, world, *args)` must be importable (a module-level function); each rank's
-return value comes back in rank order.
-
-Ranks are forked from a forkserver that has imported torch and DeepSpeed once: a 2-rank launch of a
-function that imports both took 3.5 s spawned, 0.03 s forked (2.4 s for the first, which starts the
-forkserver). A rank
-starts with the launching process's environment, working directory and sys.path at launch time,
-as a spawned process would, not the forkserver's from when it started.
+For single-node benchmarks and for engine/loop tests on CPU with gloo. `fn(rank, world, *args)`
+must be a module-level function; results come back in rank order. Ranks fork from a forkserver
+that imported torch and DeepSpeed once (see PRELOAD), with the launcher's environment at launch.
 """
 from __future__ import annotations
 
@@ -22,8 +16,11 @@ import torch.multiprocessing as mp
 
 from ..net import free_port
 
-# imported once in the forkserver before any rank is forked from it (forking after these imports is what
-# torch's DataLoader workers do; no CPU thread pool has run yet in the forkserver)
+# Imported once in the forkserver before any rank is forked from it: a 2-rank launch of a function that
+# imports both took 3.5 s spawned, 0.03 s forked (2.4 s for the first, which starts the forkserver).
+# Forking after these imports is what torch's DataLoader workers do; no CPU thread pool has run here.
+# A rank takes the launcher's environment, cwd, sys.path and stdout/stderr at launch time, as a
+# spawned process would, not the forkserver's from when it started.
 PRELOAD = ["torch", "torch.distributed", "deepspeed"]
 
 
