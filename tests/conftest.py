@@ -9,10 +9,19 @@ import pytest
 RAY_FIXTURES = {"ray_session", "two_node_cluster", "auth_cluster", "rehearsal"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only what runs is weighed
 def pytest_collection_modifyitems(items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest -n hands out whole files in collection order: the files with the most slow or Ray
+        # tests first, so no long file starts last while the other worker has run out of work
+        weight: dict[str, int] = {}
+        for item in items:
+            heavy = item.get_closest_marker("slow") or item.get_closest_marker("ray")
+            weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0) + bool(heavy)
+        items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: order within a file kept
 
 
 @pytest.fixture(scope="session")
