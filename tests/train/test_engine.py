@@ -160,6 +160,27 @@ def test_marker_listing_survives_ranks_writing_markers(tmp_path):
         t.join()
 
 
+@pytest.mark.slow  # two 2-rank launches
+def test_launched_ranks_take_the_launchers_environment_cwd_and_stdout_at_launch(tmp_path, capfd, monkeypatch):
+    """Ranks fork from a forkserver started at the first launch; each launch must still look like
+    a fresh spawn of the launcher as it is now (TMPDIR for checkpoint conversions, env for tokens
+    and endpoints, cwd, and its stdout, here pytest's capture)."""
+    for tag in ("first", "second"):
+        (tmp_path / tag).mkdir()
+        monkeypatch.setenv("VITP_TEST_TAG", tag)
+        monkeypatch.setenv("TMPDIR", str(tmp_path / tag))
+        monkeypatch.chdir(tmp_path / tag)
+        if tag == "first":  # outside this test's capture: the forkserver (if new) starts with other fds
+            with capfd.disabled():
+                got = launch(workers.launch_context, 2, tag)
+        else:
+            got = launch(workers.launch_context, 2, tag)
+            out = capfd.readouterr().out
+            assert "rank 0 of 2 says second" in out and "rank 1 of 2 says second" in out
+        assert got == [{"tag": tag, "tmp": str(tmp_path / tag), "cwd": str(tmp_path / tag), "rank": r, "world": 2}
+                       for r in range(2)]
+
+
 @pytest.mark.slow  # three 2-rank launches
 def test_launch_retries_when_the_rendezvous_port_was_taken(tmp_path, capfd):
     assert launch(workers.port_taken_on_first_try, 2, str(tmp_path)) == [3.0, 3.0]

@@ -153,3 +153,12 @@ def loss_curve(rank, world, steps, extra=()):
     res = run_loop(cfg, engine, learnable_batches(cfg, rank, world, steps), ckpt.TrainState(), LoopHooks(), rank, world)
     return {"loss": [h["train/loss"] for h in res.history], "seconds": time.perf_counter() - t0,
             "compiled": bool(getattr(engine, "is_compiled", False))}
+
+
+def launch_context(rank, world, tag):
+    """What a launched rank sees: the launcher's environment and cwd at launch time, its stdout."""
+    import tempfile
+
+    print(f"rank {rank} of {world} says {tag}", flush=True)
+    return {"tag": os.environ.get("VITP_TEST_TAG"), "tmp": tempfile.gettempdir(), "cwd": os.getcwd(),
+            "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"])}
