@@ -40,6 +40,7 @@ def test_config_list_names_every_recipe():
         assert name in r.stdout
 
 
+@pytest.mark.slow  # three vitp processes that count a model's FLOPs
 def test_model_prints_params_and_flops():
     r = run("model", "B/16", "--json")
     info = json.loads(r.stdout)

@@ -46,6 +46,7 @@ def test_colour_targets_are_the_3_bit_mean_colour_of_each_token():
     assert got.tolist() == [want] and got.max() < NUM_COLOURS
 
 
+@pytest.mark.slow  # trains a hybrid for a few seconds
 @pytest.mark.parametrize("variant", ["R+pico/8"])  # plain pico/8: tests/train/test_mpp_ray.py
 def test_a_model_learns_the_colours_of_masked_patches(variant):
     """The loss starts at ln 512 (zero head) and a few hundred Adam steps on a small fixed set of
