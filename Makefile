@@ -15,6 +15,7 @@ PYTEST_ARGS     ?=
 # one worker (its module fixtures built once); the suites leave a core idle half the time otherwise.
 # 0: one process. The e2e scenarios always run one at a time (clusters, kills, timings).
 TEST_WORKERS    ?= 2
+XDIST           = -n $(TEST_WORKERS) --dist loadfile
 DEMO_ARGS       ?=
 
 VENV  := .venv
@@ -64,12 +65,12 @@ browser:
 
 # The default suite; the multi-minute end-to-end scenarios run in test-e2e.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not e2e" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop (~1 min): config, model, data decoding, storage, tracking, CLI parsing; no Ray
 # (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" $(XDIST) $(PYTEST_ARGS)
 
 test-e2e: $(STAMP) browser
 	$(BIN)/python -m pytest -m "e2e and not gpu" $(PYTEST_ARGS)

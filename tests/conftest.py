@@ -17,11 +17,11 @@ def pytest_collection_modifyitems(items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # pytest -n hands out whole files in collection order: the files with the most slow or Ray
         # tests first, so no long file starts last while the other worker has run out of work
-        weight: dict[str, int] = {}
+        weight: dict[object, int] = {}
         for item in items:
             heavy = item.get_closest_marker("slow") or item.get_closest_marker("ray")
-            weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0) + bool(heavy)
-        items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: order within a file kept
+            weight[item.path] = weight.get(item.path, 0) + bool(heavy)
+        items.sort(key=lambda item: -weight[item.path])  # stable: order within a file kept
 
 
 @pytest.fixture(scope="session")
