@@ -1,8 +1,14 @@
-"""Resume at another worker count on Ray Train: 2 workers -> 1 -> 2, for ZeRO 1, 2 and 3.
+"""Resume at another worker count on Ray Train: 2 workers -> 1 -> 2, ZeRO-3.
 
 Real Ray (4 logical CPUs), real DeepSpeed engines on CPU (gloo), MLflow on SQLite, the
 synthetic debug corpus. The run pauses at a checkpoint (train.pause_at) and is started again
 with parallel.num_workers changed; the global batch stays 32.
+
+What this checks is the Ray contract of a resize, which no ZeRO stage changes: one MLflow run
+continued, the step, LR schedule and batch arithmetic carried on, each sample once per epoch
+across the change. It runs once, at ZeRO-3 (partitioned parameters, the universal conversion on
+the Train workers). That each stage's weights, Adam moments, LR and loss curve survive 2 -> 1 -> 2
+ranks exactly is checked per stage (0-3, fp32 and bf16) in-process in tests/train/test_resize.py.
 """
 import json
 import os
@@ -64,7 +70,7 @@ def _samples(cfg) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_two_workers_to_one_and_back(tmp_path, shards, stage):
     from pipeline.data.shards import read_manifest
     from pipeline.train.trainer import run_training
