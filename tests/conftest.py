@@ -41,6 +41,34 @@ def ray_session():
         ray.shutdown()
 
 
+# ---------------------------------------------------------------- shards shared by the whole run
+# Preprocessed once per pytest process and only read by the tests that take them: a test that would
+# change its shards makes its own (or copies these first).
+
+
+@pytest.fixture(scope="session")
+def debug_shards(ray_session, tmp_path_factory) -> str:
+    """The `debug` recipe's synthetic fractal corpus as shards (`vitp preprocess debug`)."""
+    from pipeline.data.commands import run_preprocess
+    from pipeline.recipes import resolve
+
+    root = tmp_path_factory.mktemp("debug-shards")
+    run_preprocess(resolve("debug", [f"data.shards={root}"]), log=lambda s: None)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def digits_shards(ray_session, tmp_path_factory) -> str:
+    """scikit-learn's digits as shards (`vitp preprocess debug_finetune`): the fine-tuning and
+    few-shot set of the debug chain."""
+    from pipeline.data.commands import run_preprocess
+    from pipeline.recipes import resolve
+
+    root = tmp_path_factory.mktemp("digits-shards")
+    run_preprocess(resolve("debug_finetune", [f"data.shards={root}"]), log=lambda s: None)
+    return str(root)
+
+
 # --------------------------------------------------------------------------- S3 on 127.0.0.1
 # A real S3 HTTP API (moto in server mode) that pyarrow, boto3, Ray and MLflow talk to as to S3.
 # The endpoint and credentials go into the environment before any Ray or cluster starts, so

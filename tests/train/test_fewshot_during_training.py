@@ -31,16 +31,14 @@ def test_dataset_names_and_paths():
 
 
 @pytest.fixture(scope="module")
-def corpora(ray_session, tmp_path_factory):
-    """The debug pre-training corpus and the digits shards (as `vitp preprocess debug_finetune`)."""
-    from pipeline.data.commands import run_preprocess
-
+def corpora(debug_shards, digits_shards, tmp_path_factory):
+    """A work_dir whose shards/digits are the digits shards (where `vitp preprocess debug_finetune`
+    puts them), the debug pre-training corpus, and the digits config."""
     root = tmp_path_factory.mktemp("fewshot_train")
-    pre = resolve("debug", [f"data.shards={root / 'fractals'}"])
+    (root / "shards").mkdir()
+    (root / "shards" / "digits").symlink_to(digits_shards)
     digits = resolve("debug_finetune", [f"work_dir={root}"])
-    for cfg in (pre, digits):
-        run_preprocess(cfg, log=lambda s: None)
-    return str(root), pre.data.shards, digits
+    return str(root), debug_shards, digits
 
 
 def _history(cfg, run_id, key):

@@ -8,23 +8,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.mark.e2e
-def test_finetune_from_pretrain_checkpoint_at_higher_resolution(tmp_path, ray_session):
-    from pipeline.data.commands import ensure_shards, run_preprocess
+def test_finetune_from_pretrain_checkpoint_at_higher_resolution(tmp_path, debug_shards, digits_shards):
     from pipeline.tracking.store import get_client, resolve_tracking_uri
     from pipeline.train.trainer import run_training
     from pipeline.train.transfer import finetune_config
 
-    pre = resolve("debug", [f"work_dir={tmp_path}", "train.steps=20", "train.checkpoint_every=0"])
-    run_preprocess(pre, log=lambda s: None)
+    pre = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}", "train.steps=20",
+                            "train.checkpoint_every=0"])
     pre_summary = run_training(pre)
 
-    cfg, tags = finetune_config(with_overrides("debug_finetune", [f"work_dir={tmp_path}"]),
+    cfg, tags = finetune_config(with_overrides("debug_finetune", [f"work_dir={tmp_path}",
+                                                                  f"data.shards={digits_shards}"]),
                                 pre_summary.checkpoint)
     cfg = validate(cfg)
     assert cfg.model.variant == "pico/8" and cfg.model.head == "finetune"
     assert cfg.data.image_size == 48 and tags["source_image_size"] == "32"  # 4x4 -> 6x6 grid
     assert tags["source_run_id"] == pre_summary.mlflow_run_id
-    ensure_shards(cfg, log=lambda s: None)  # digits ship with scikit-learn
     summary = run_training(cfg, extra_tags=tags)
 
     client = get_client(resolve_tracking_uri(cfg))

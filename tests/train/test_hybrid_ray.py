@@ -8,8 +8,7 @@ from pipeline.recipes import resolve, with_overrides
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
-def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, ray_session):
-    from pipeline.data.commands import ensure_shards, run_preprocess
+def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards, digits_shards):
     from pipeline.model.attention import mean_attention_distance
     from pipeline.model.weights import read_config
     from pipeline.tracking.store import get_client, resolve_tracking_uri
@@ -20,19 +19,18 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, ray_session):
 
     import torch
 
-    pre = resolve("debug", [f"work_dir={tmp_path}", "model.variant=R8+pico/8", "parallel.zero_stage=3",
-                            "train.steps=20", "train.checkpoint_every=0"])
-    run_preprocess(pre, log=lambda s: None)
+    pre = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}", "model.variant=R8+pico/8",
+                            "parallel.zero_stage=3", "train.steps=20", "train.checkpoint_every=0"])
     pre_summary = run_training(pre)
     client = get_client(resolve_tracking_uri(pre))
     loss = sorted(client.get_metric_history(pre_summary.mlflow_run_id, "train/loss"), key=lambda m: m.step)
     assert loss and all(torch.isfinite(torch.tensor(m.value)) for m in loss)
 
-    cfg, tags = finetune_config(with_overrides("debug_finetune", [f"work_dir={tmp_path}"]),
+    cfg, tags = finetune_config(with_overrides("debug_finetune", [f"work_dir={tmp_path}",
+                                                                  f"data.shards={digits_shards}"]),
                                 pre_summary.checkpoint)
     cfg = validate(cfg)
     assert cfg.model.variant == "R8+pico/8" and cfg.data.image_size == 48  # 4x4 -> 6x6 tokens
-    ensure_shards(cfg, log=lambda s: None)
     summary = run_training(cfg, extra_tags=tags)
     top1 = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "val/top1"),
                                     key=lambda m: m.step)]

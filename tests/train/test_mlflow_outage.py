@@ -23,21 +23,19 @@ def _step_times(client, run_id):
     return {m.step: m.timestamp / 1000 for m in client.get_metric_history(run_id, "train/loss")}
 
 
-def test_training_goes_on_through_a_tracking_server_outage(ray_session, tmp_path):
+def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.data.commands import run_preprocess
     from pipeline.net import free_port
     from pipeline.tracking.server import start_server
     from pipeline.train.trainer import run_training
 
     store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()
     server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-1.log")
-    cfg = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={tmp_path}/shards",
+    cfg = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}",
                             f"tracking.uri={server.uri}", f"train.steps={STEPS}", "train.log_every=1",
                             "train.eval_every=0", "train.checkpoint_every=1000", "tracking.run_name=outage",
                             "tracking.log_timeout_s=2"])
-    run_preprocess(cfg, log=lambda s: None)
     out, errors = [], []
 
     def train():

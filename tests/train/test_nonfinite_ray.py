@@ -7,15 +7,6 @@ from pipeline.recipes import resolve
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
-@pytest.fixture(scope="module")
-def shards(ray_session, tmp_path_factory):
-    from pipeline.data.commands import run_preprocess
-
-    root = tmp_path_factory.mktemp("shards")
-    run_preprocess(resolve("debug", [f"data.shards={root}"]), log=lambda s: None)
-    return str(root)
-
-
 def _cfg(tmp_path, shards, *extra):
     return resolve("debug", [f"work_dir={tmp_path}", f"data.shards={shards}", "train.steps=16",
                              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4",

@@ -17,17 +17,6 @@ from pipeline.recipes import resolve
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def shards(ray_session, tmp_path_factory):
-    """Synthetic debug corpus preprocessed once for the module."""
-    from pipeline.data.commands import run_preprocess
-
-    root = tmp_path_factory.mktemp("shards")
-    cfg = resolve("debug", [f"data.shards={root}"])
-    run_preprocess(cfg, log=lambda s: None)
-    return str(root)
-
-
 def _cfg(tmp_path, shards, *extra):
     return resolve("debug", [f"work_dir={tmp_path}", f"data.shards={shards}",
                              "train.log_every=5", *extra])

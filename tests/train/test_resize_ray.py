@@ -27,15 +27,6 @@ STEPS, PAUSES = 48, (16, 32)
 LOSS_TOLERANCE = 0.15
 
 
-@pytest.fixture(scope="module")
-def shards(ray_session, tmp_path_factory):
-    from pipeline.data.commands import run_preprocess
-
-    root = tmp_path_factory.mktemp("shards")
-    run_preprocess(resolve("debug", [f"data.shards={root}"]), log=lambda s: None)
-    return str(root)
-
-
 def _cfg(tmp_path, shards, stage, name, workers, pause=0):
     return resolve("debug", [
         f"work_dir={tmp_path}", f"data.shards={shards}", f"parallel.zero_stage={stage}",

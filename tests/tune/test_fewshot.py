@@ -64,15 +64,12 @@ def test_missing_class_is_named():
 
 
 @pytest.fixture(scope="module")
-def digits_cfg(tmp_path_factory, ray_session):
+def digits_cfg(tmp_path_factory, digits_shards):
     """sklearn digits preprocessed into shards (train / val by key hash), as debug_finetune."""
-    from pipeline.data.commands import run_preprocess
     from pipeline.recipes import resolve
 
-    tmp = tmp_path_factory.mktemp("fewshot")
-    cfg = resolve("debug_finetune", [f"work_dir={tmp}"])
-    run_preprocess(cfg, log=lambda s: None)
-    return cfg
+    return resolve("debug_finetune", [f"work_dir={tmp_path_factory.mktemp('fewshot')}",
+                                      f"data.shards={digits_shards}"])
 
 
 def direct_features(model, cfg, split):
