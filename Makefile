@@ -13,9 +13,10 @@ TORCHVISION_VERSION ?= 0.28.0
 PYTEST_ARGS     ?=
 # `make test` and `make test-fast` run on this many pytest workers (pytest-xdist), each test file on
 # one worker (its module fixtures built once); the suites leave a core idle half the time otherwise.
+# Files go out longest first (tests/conftest.py; xdist's own reordering by test count is off).
 # 0: one process. The e2e scenarios always run one at a time (clusters, kills, timings).
 TEST_WORKERS    ?= 2
-XDIST           = -n $(TEST_WORKERS) --dist loadfile
+XDIST           = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 DEMO_ARGS       ?=
 
 VENV  := .venv

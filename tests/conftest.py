@@ -15,13 +15,26 @@ def pytest_collection_modifyitems(items):
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # pytest -n hands out whole files in collection order: the files with the most slow or Ray
-        # tests first, so no long file starts last while the other worker has run out of work
-        weight: dict[object, int] = {}
+        # pytest -n --dist loadfile --no-loadscope-reorder hands out whole files in collection
+        # order: the longest first (measured, tests/durations.json; else 30 s per slow or Ray test),
+        # so no long file starts last while the other worker has run out of work
+        measured = _durations()
+        weight: dict[str, float] = {}
         for item in items:
+            name = item.nodeid.split("::")[0]
             heavy = item.get_closest_marker("slow") or item.get_closest_marker("ray")
-            weight[item.path] = weight.get(item.path, 0) + bool(heavy)
-        items.sort(key=lambda item: -weight[item.path])  # stable: order within a file kept
+            weight[name] = weight.get(name, 0.0) + (30.0 if heavy else 0.1)
+        weight.update({name: s for name, s in measured.items() if name in weight})
+        items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: order in a file kept
+
+
+def _durations() -> dict[str, float]:
+    """{test file: seconds it took}, as tests/durations.py last recorded them."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).with_name("durations.json")
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 @pytest.fixture(scope="session")
