@@ -52,10 +52,13 @@ class LocalCluster:
         self.address = f"http://127.0.0.1:{self.dash_port}"
         cmd = [str(LOCAL_SH), "start", "--workers", str(workers), "--num-cpus", str(num_cpus),
                "--port", str(self.port), "--dashboard-port", str(self.dash_port),
-               "--state-dir", str(self.state_dir)] + (["--auth"] if auth else [])
+               "--state-dir", str(self.state_dir),
+               # nodes come up in seconds on an idle machine; the default 90 s has run out while
+               # other tests loaded every core
+               "--timeout", "300"] + (["--auth"] if auth else [])
         env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
         env.pop("RAY_ADDRESS", None)
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"cluster/local.sh start failed:\n{out.stdout}\n{out.stderr}")
