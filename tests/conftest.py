@@ -16,20 +16,20 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # pytest -n --dist loadfile --no-loadscope-reorder hands out whole files in collection
-        # order: the longest first (measured, tests/durations.json; else 30 s per slow or Ray test),
-        # so no long file starts last while the other worker has run out of work
+        # order: the longest first, so no long file starts last while the other worker has run out
+        # of work. A file's length: the seconds its selected tests took (tests/durations.json, by
+        # tests/durations.py), 1 s for a test not in it; with no such file, 30 s per slow or Ray test.
         measured = _durations()
         weight: dict[str, float] = {}
         for item in items:
-            name = item.nodeid.split("::")[0]
             heavy = item.get_closest_marker("slow") or item.get_closest_marker("ray")
-            weight[name] = weight.get(name, 0.0) + (30.0 if heavy else 0.1)
-        weight.update({name: s for name, s in measured.items() if name in weight})
+            guess = measured.get(item.nodeid, 1.0) if measured else (30.0 if heavy else 0.1)
+            weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + guess
         items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: order in a file kept
 
 
 def _durations() -> dict[str, float]:
-    """{test file: seconds it took}, as tests/durations.py last recorded them."""
+    """{test id: seconds it took}, as tests/durations.py last recorded them."""
     import json
     from pathlib import Path
 

@@ -1,11 +1,11 @@
-"""Record how long each test file takes, for ordering files under `pytest -n` (tests/conftest.py).
+"""Record how long each test takes, for handing out files under `pytest -n` (tests/conftest.py).
 
     python tests/durations.py LOG [LOG ...]
 
-reads the `--durations=0` lines of pytest logs (`.ci/run` prints 25; run a suite with
-PYTEST_ARGS="-q --durations=0" for all) and merges each file's total seconds into
-tests/durations.json. Only the order of files depends on it: a stale or missing entry makes a run
-no less correct, at worst longer.
+reads the `--durations=0` lines of pytest logs (run a suite with PYTEST_ARGS="-q --durations=0";
+`.ci/run` prints only the 25 slowest) and merges each test's seconds (setup + call + teardown)
+into tests/durations.json; tests under a second are left out. Only the order in which files are
+handed out depends on it: a stale or missing entry makes a run no less correct, at worst longer.
 """
 import json
 import re
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 PATH = Path(__file__).with_name("durations.json")
-LINE = re.compile(r"^(\d+\.\d+)s (?:setup|call|teardown)\s+(tests/[^:\s]+\.py)::")
+LINE = re.compile(r"^(\d+\.\d+)s (?:setup|call|teardown)\s+(tests/\S+\.py::\S+)")
 
 
 def main(logs: list[str]) -> None:
@@ -24,9 +24,11 @@ def main(logs: list[str]) -> None:
             if m:
                 seconds[m.group(2)] = seconds.get(m.group(2), 0.0) + float(m.group(1))
     table = json.loads(PATH.read_text()) if PATH.exists() else {}
-    table.update({name: round(s) for name, s in seconds.items()})
-    PATH.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
-    print(f"{len(seconds)} files from {len(logs)} log(s) -> {PATH}")
+    table.update({test: round(s) for test, s in seconds.items() if s >= 1})
+    root = PATH.parent.parent
+    table = {test: s for test, s in table.items() if (root / test.split("::")[0]).is_file()}
+    PATH.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+    print(f"{len(seconds)} tests from {len(logs)} log(s) -> {PATH}")
 
 
 if __name__ == "__main__":
