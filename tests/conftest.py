@@ -20,12 +20,13 @@ def pytest_collection_modifyitems(items):
         # of work. A file's length: the seconds its selected tests took (tests/durations.json, by
         # tests/durations.py), 1 s for a test not in it; with no such file, 30 s per slow or Ray test.
         measured = _durations()
+        file_of = lambda item: item.nodeid.split("::")[0]  # noqa: E731
         weight: dict[str, float] = {}
         for item in items:
             heavy = item.get_closest_marker("slow") or item.get_closest_marker("ray")
             guess = measured.get(item.nodeid, 1.0) if measured else (30.0 if heavy else 0.1)
-            weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + guess
-        items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: order in a file kept
+            weight[file_of(item)] = weight.get(file_of(item), 0.0) + guess
+        items.sort(key=lambda item: -weight[file_of(item)])  # stable: the order within a file is kept
 
 
 def _durations() -> dict[str, float]:
