@@ -60,27 +60,27 @@ def ray_session():
 # change its shards makes its own (or copies these first).
 
 
-@pytest.fixture(scope="session")
-def debug_shards(ray_session, tmp_path_factory) -> str:
-    """The `debug` recipe's synthetic fractal corpus as shards (`vitp preprocess debug`)."""
+def _preprocessed(tmp_path_factory, recipe: str) -> str:
+    """`vitp preprocess RECIPE` into a fresh directory; returns the shards' path."""
     from pipeline.data.commands import run_preprocess
     from pipeline.recipes import resolve
 
-    root = tmp_path_factory.mktemp("debug-shards")
-    run_preprocess(resolve("debug", [f"data.shards={root}"]), log=lambda s: None)
+    root = tmp_path_factory.mktemp(f"{recipe}-shards")
+    run_preprocess(resolve(recipe, [f"data.shards={root}"]), log=lambda s: None)
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def debug_shards(ray_session, tmp_path_factory) -> str:
+    """The `debug` recipe's synthetic fractal corpus as shards."""
+    return _preprocessed(tmp_path_factory, "debug")
 
 
 @pytest.fixture(scope="session")
 def digits_shards(ray_session, tmp_path_factory) -> str:
-    """scikit-learn's digits as shards (`vitp preprocess debug_finetune`): the fine-tuning and
-    few-shot set of the debug chain."""
-    from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import resolve
-
-    root = tmp_path_factory.mktemp("digits-shards")
-    run_preprocess(resolve("debug_finetune", [f"data.shards={root}"]), log=lambda s: None)
-    return str(root)
+    """scikit-learn's digits as shards (`debug_finetune`): the fine-tuning and few-shot set of the
+    debug chain."""
+    return _preprocessed(tmp_path_factory, "debug_finetune")
 
 
 # --------------------------------------------------------------------------- S3 on 127.0.0.1
