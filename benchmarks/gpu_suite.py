@@ -1,11 +1,14 @@
 """The GPU suite: the training step of B/16, L/16 and H/14 at 224 px, bf16, SDPA attention,
-eager and `torch.compile`, ZeRO 0 / 2 / 3 on one GPU, in one table.
+eager and `torch.compile`, ZeRO 0 / 1 / 2 / 3 on one GPU, in one table.
 
 Run (from the repository root):
 
   .venv/bin/python benchmarks/gpu_suite.py            # on a CUDA machine: the real suite
   .venv/bin/python benchmarks/gpu_suite.py --tiny     # anywhere (CPU here): the same cases on a
                                                       # pico/8 at 32 px, so the suite is known to run
+
+On a GPU machine whose python3 has torch but not DeepSpeed, `benchmarks/device_bundle.sh` packs
+what is missing into .gpu/; run there with PYTHONPATH=$PWD/.gpu/site:$PWD python3 benchmarks/....
 
 Each case is one child process of benchmarks/train_step.py in engine mode (DeepSpeed engine of a
 world of one and our train_step, no Ray imported; fused AdamW on CUDA), so device memory and
@@ -45,7 +48,11 @@ def run_case(args, variant: str, batch: int, zero: int, compiled: bool) -> dict:
         if compiled:
             cmd.append("--compile")
         print("$", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "zero": zero, "compile": compiled, "batch": batch,
+                    "error": f"did not finish in --case-timeout {args.case_timeout} s"}
         if proc.returncode:
             return {"variant": variant, "zero": zero, "compile": compiled, "batch": batch,
                     "error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]}
@@ -70,8 +77,13 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="pico/8 at 32 px on the CPU (tests, no GPU)")
-    ap.add_argument("--zero", nargs="+", type=int, default=[0, 2, 3])
+    ap.add_argument("--zero", nargs="+", type=int, default=[0, 1, 2, 3])
+    ap.add_argument("--variants", nargs="+", default=None, metavar="V",
+                    help=f"a subset of the cases, in this order (default: all of {list(GPU_CASES)})")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--compile-only", action="store_true", help="torch.compile cases only")
+    ap.add_argument("--case-timeout", type=float, default=900, metavar="S",
+                    help="seconds one case may take before it is recorded as failed (default 900)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
@@ -85,6 +97,14 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             ap.error("no CUDA device: run with --tiny to exercise the suite on the CPU")
     cases = TINY_CASES if args.tiny else GPU_CASES
+    if args.variants:
+        unknown = [v for v in args.variants if v not in cases]
+        if unknown:
+            ap.error(f"--variants {' '.join(unknown)}: not a case of this suite; choose from {' '.join(cases)}")
+        cases = {v: cases[v] for v in args.variants}
+    if args.no_compile and args.compile_only:
+        ap.error("--no-compile and --compile-only exclude each other: give one")
+    modes = (False,) if args.no_compile else (True,) if args.compile_only else (False, True)
     args.image_size, args.precision = (32, "fp32") if args.tiny else (224, "bf16")
     if args.peak_tflops is None and args.tiny:  # one measured CPU peak for every case's MFU
         import torch
@@ -94,7 +114,7 @@ def main(argv=None) -> int:
         print(f"peak for MFU: measured 2048^3 fp32 torch.mm = {args.peak_tflops:.3f} TFLOP/s", flush=True)
     rows = [run_case(args, variant, batch, zero, compiled)
             for variant, batch in cases.items() for zero in args.zero
-            for compiled in ((False,) if args.no_compile else (False, True))]
+            for compiled in modes]
     text = table(rows)
     print(text)
     device = next((r["device_name"] for r in rows if "device_name" in r), None)

@@ -29,6 +29,10 @@ MAX_REUSE = int(2e7)
 # Mixed precision (bf16/fp16): 16-bit weights 2, 16-bit grads 2, fp32 master 4 + Adam m, v 8
 # (the paper's K = 12), and the fp32 gradient partition DeepSpeed fills for the step, 4.
 _MIXED = {0: (20, 0), 1: (4, 16), 2: (2, 18), 3: (0, 18)}
+# bf16 at ZeRO-1 (without offload) runs DeepSpeed's BF16 optimizer (see `flat_bf16_optimizer`):
+# bf16 weights 2, bf16 grads 2 and the fp32 gradient accumulator 4 on every rank; the fp32
+# master and Adam m, v partitioned, 12.
+_BF16_ZERO1 = (8, 12)
 # fp32: weights 4, grads 4, Adam m, v 8; ZeRO 1-3 keep an fp32 copy of their partition, 4.
 _FP32 = {0: (16, 0), 1: (8, 12), 2: (4, 16), 3: (0, 20)}
 # The ZeRO paper's figures (mixed precision, 16 bytes a parameter, no fp32 gradient copy).
@@ -57,9 +61,26 @@ class MemoryEstimate:
                 "paper_states_gb": self.paper_states / GB}
 
 
-def states_bytes(params: int, zero_stage: int, world: int, precision: str = "bf16") -> float:
+def flat_bf16_optimizer(precision: str, zero_stage: int, offload_optimizer: bool = False) -> bool:
+    """Whether training runs DeepSpeed's BF16 optimizer (train/engine.py asks for it through
+    `data_types.grad_accum_dtype: fp32`): bf16 at ZeRO-1 without offload. It keeps the fp32
+    masters and the fp32 gradient accumulator as flat buffers, so its step is a few kernels for
+    the whole model; DeepSpeed's general ZeRO-1 optimizer, and its bf16 wrapper at stage 0, check
+    and scale every parameter on its own, host work that left the GPU idle (docs/memory.md)."""
+    return precision == "bf16" and zero_stage == 1 and not offload_optimizer
+
+
+def _per_param(zero_stage: int, precision: str, offload_optimizer: bool = False) -> tuple[float, float]:
+    """(replicated, partitioned) bytes a parameter of the model states."""
+    if flat_bf16_optimizer(precision, zero_stage, offload_optimizer):
+        return _BF16_ZERO1
+    return (_FP32 if precision == "fp32" else _MIXED)[zero_stage]
+
+
+def states_bytes(params: int, zero_stage: int, world: int, precision: str = "bf16",
+                 offload_optimizer: bool = False) -> float:
     """Model-state bytes per rank as DeepSpeed allocates them (no offload)."""
-    rep, part = (_FP32 if precision == "fp32" else _MIXED)[zero_stage]
+    rep, part = _per_param(zero_stage, precision, offload_optimizer)
     return params * (rep + part / world)
 
 
@@ -97,12 +118,12 @@ def estimate(variant: str | ViTSpec, image_size: int = 224, *, zero_stage: int =
     """Per-rank memory of training `variant` with this ZeRO stage, world and micro-batch."""
     spec = decode_variant(variant) if isinstance(variant, str) else variant
     P = param_count(spec, image_size, num_classes, representation_size)
-    states = states_bytes(P, zero_stage, world, precision)
+    states = states_bytes(P, zero_stage, world, precision, offload_optimizer)
     host = 0.0
     w = 4 if precision == "fp32" else 2  # bytes of a training-precision element
     if offload_optimizer and zero_stage >= 1:
         # the optimizer partition (fp32 master or copy, m, v, fp32 grads) lives in host memory
-        part = (_FP32 if precision == "fp32" else _MIXED)[zero_stage][1]
+        part = _per_param(zero_stage, precision, offload_optimizer)[1]
         opt = min(16, part) * P / world
         states, host = states - opt, opt
     if offload_params and zero_stage == 3:

@@ -30,6 +30,30 @@ def changed(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not equal(a[k], b[k]))
 
 
+def held_bytes(engine) -> int:
+    """Bytes of the distinct tensor storages the engine keeps between steps: the module's weights
+    and gradients, every tensor the DeepSpeed wrapper holds (flat masters, gradient buffers) and
+    the client optimizer's state."""
+    storages = {}
+
+    def walk(obj, depth=0):
+        if torch.is_tensor(obj):
+            if obj.numel():
+                storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif depth < 3 and isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif depth < 3 and isinstance(obj, dict):
+            for x in obj.values():
+                walk(x, depth + 1)
+
+    for p in engine.module.parameters():
+        walk([p, p.grad])
+    walk(vars(engine.optimizer))
+    walk(list(engine.basic_optimizer.state.values()))
+    return sum(storages.values())
+
+
 def train_and_inspect(rank, world, stage, steps, extra=(), snap_at=()):
     """run_loop with `extra` overrides. Returns the history, the LR scheduler's step count at each
     step, what changed from step s-1 to s for s in `snap_at`, and where/how the state is kept."""
@@ -56,6 +80,7 @@ def train_and_inspect(rank, world, stage, steps, extra=(), snap_at=()):
             "state_dtypes": sorted({str(v.dtype) for k, v in state.items() if k.startswith("s") and torch.is_tensor(v) and v.dim()}),
             "state_devices": sorted({v.device.type for k, v in state.items() if k[0] in "ms" and torch.is_tensor(v)}),
             "optimizer": type(opt).__name__, "wrapper": type(engine.optimizer).__name__,
+            "params": sum(p.numel() for p in engine.module.parameters()), "held_bytes": held_bytes(engine),
             # what the ZeRO wrapper did (ZeRO-1/2: cpu_offload; ZeRO-3: offload_optimizer/param)
             "offload": (bool(getattr(engine.optimizer, "cpu_offload", False)
                              or getattr(engine.optimizer, "offload_optimizer", False)),

@@ -31,7 +31,8 @@ def full_optimizer_state(engine) -> dict[str, dict]:
     name, as numpy. Stage 0 keeps them whole; ZeRO-3 gathers with DeepSpeed's safe_get_full_*.
     ZeRO-1/2 are gathered here from each rank's flat partition: DeepSpeed 0.19.8 links the
     moments of a second param group only lazily after its first step, too late for
-    safe_get_full_optimizer_state (it raises "exp_avg not found" for the no-decay group)."""
+    safe_get_full_optimizer_state (it raises "exp_avg not found" for the no-decay group). bf16 at
+    ZeRO-1 runs DeepSpeed's BF16 optimizer, whose flat partitions have another name."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     stage, opt = engine.zero_optimization_stage(), engine.optimizer
@@ -49,7 +50,8 @@ def full_optimizer_state(engine) -> dict[str, dict]:
                 buf = torch.zeros(p.numel())
                 m = p._hp_mapping  # None: none of p lies in this rank's partition
                 if m is not None:
-                    flat = opt.single_partition_of_fp32_groups[m.param_group_index]
+                    flats = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
+                    flat = flats[m.param_group_index]
                     flat = flat if key == "fp32" else opt.optimizer.state[flat][key]
                     lp, hp = m.lp_fragment_address, m.hp_fragment_address
                     buf.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import precision_workers as workers  # noqa: E402
 
+from pipeline.model import memory  # noqa: E402
 from pipeline.train import checkpoint as ckpt  # noqa: E402
 from pipeline.train.local import launch  # noqa: E402
 
@@ -33,6 +34,11 @@ def test_bf16_on_cpu_learns_over_fp32_masters(stage):
     assert out["param_dtypes"] == ["torch.bfloat16"]  # the module computes in bf16
     assert out["master_dtypes"] == ["torch.float32"]  # what the optimizer steps
     assert out["state_dtypes"] == ["torch.float32"], out["state_dtypes"]  # Adam moments
+    if stage == 1:  # DeepSpeed's flat BF16 optimizer (memory.flat_bf16_optimizer), as modelled
+        assert out["wrapper"] == "BF16_Optimizer", out["wrapper"]
+        # between steps it holds all the memory model counts but backward's bf16 gradients (2P)
+        P = out["params"]
+        assert out["held_bytes"] == pytest.approx(memory.states_bytes(P, 1, 2, "bf16") - 2 * P, rel=0.01)
 
 
 @pytest.mark.slow
