@@ -35,6 +35,14 @@ def _vitp(args, env, log_path=None):
             out.close()
 
 
+def _work(tmp_path, digits_shards) -> str:
+    """The sweep's work_dir, its digits shards already prepared (the session's, linked where a
+    sweep's `ensure_shards` looks for them); other datasets are prepared by the sweep."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "digits").symlink_to(digits_shards)
+    return str(tmp_path)
+
+
 def _env(ray_session):
     return {**os.environ, "PYTHONUNBUFFERED": "1",
             "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
@@ -65,11 +73,11 @@ def _terminated_trials(sweep_dir) -> int:
 
 
 @pytest.mark.e2e
-def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
+def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digits_shards):
     from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
     from pipeline.tracking.store import get_client
 
-    args = ["sweep", "debug_finetune", "--name", "s1", f"--set=work_dir={tmp_path}",
+    args = ["sweep", "debug_finetune", "--name", "s1", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "data.source=digits,synthetic",
             "--space", "optim.lr=0.03,0.1", *FAST]
     env = _env(ray_session)
@@ -137,11 +145,11 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session):
 
 
 @pytest.mark.e2e
-def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
+def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_shards):
     from pipeline.tracking.store import get_client
 
     # model.num_classes=5 on 10-class digits fails inside training; the other point finishes
-    args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={tmp_path}",
+    args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1", "--space", "model.num_classes=10,5",
             "--set=tune.trial_retries=0", *FAST]
     proc = _vitp(args, _env(ray_session))
@@ -162,13 +170,14 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session):
 
 
 @pytest.mark.e2e
-def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp_path, server, ray_session):
+def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp_path, server, ray_session,
+                                                                              digits_shards):
     """One trial at a time: the first (lr 0.1) sets the bar at the first evaluation; the second
     (lr 1e-7: its zero-initialised head barely moves) is below it and ASHA stops it there."""
     from pipeline.tracking.store import get_client
     from pipeline.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
 
-    args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={tmp_path}",
+    args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "asha",
             "--set=tune.max_concurrent_trials=1", "--set=train.steps=40", "--set=train.eval_every=10",
             "--set=train.log_every=10"]
@@ -200,10 +209,11 @@ def _mark_trials_pending(sweep_dir) -> int:
 
 
 @pytest.mark.e2e
-def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path, server, ray_session):
+def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path, server, ray_session,
+                                                                       digits_shards):
     from pipeline.tracking.store import get_client
 
-    args = ["sweep", "debug_finetune", "--name", "s3", f"--set=work_dir={tmp_path}",
+    args = ["sweep", "debug_finetune", "--name", "s3", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1", *FAST]
     env = _env(ray_session)
     proc = _vitp(args, env)
