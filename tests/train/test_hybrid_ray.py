@@ -1,5 +1,7 @@
 """A hybrid ResNet+ViT through the whole path: ZeRO-3 pre-training on Ray Train, fine-tuning at a
-higher resolution (the position embedding resampled to the hybrid's grid), export, few-shot."""
+higher resolution (the position embedding resampled to the hybrid's grid) with the lineage and
+the zero-initialised head recorded, export, few-shot. (A plain ViT takes the same path from an
+export in tests/cli/test_every_command.py's chain and tests/test_uri_paths.py.)"""
 import pytest
 
 from pipeline.config import validate
@@ -31,9 +33,15 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
                                 pre_summary.checkpoint)
     cfg = validate(cfg)
     assert cfg.model.variant == "R8+pico/8" and cfg.data.image_size == 48  # 4x4 -> 6x6 tokens
+    assert cfg.model.head == "finetune" and tags["source_image_size"] == "32"
+    assert tags["source_run_id"] == pre_summary.mlflow_run_id
     summary = run_training(cfg, extra_tags=tags)
+    assert client.get_run(summary.mlflow_run_id).data.tags["source_run_id"] == pre_summary.mlflow_run_id
+    init = client.get_metric_history(summary.mlflow_run_id, "train/init_logit_absmax")
+    assert [(m.step, m.value) for m in init] == [(0, 0.0)]  # zero-init head: logits exactly 0
     top1 = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "val/top1"),
                                     key=lambda m: m.step)]
+    assert len(top1) == 2  # at step 100 and at the end
     assert top1[-1] > 0.2, f"digits top-1 {top1[-1]:.3f} after fine-tuning the hybrid (chance 0.1)"
     rollouts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "attention")]
     assert len(rollouts) == 4  # attention rollout drawn on the hybrid's 6x6 grid
