@@ -1,5 +1,5 @@
 """Sweeps: Ray Tune over fine-tuning trials, MLflow parent/child runs on a real server,
-driver kill + --resume, and a failing grid point."""
+driver kill + --resume (and a resume after every trial had finished), a failing grid point, ASHA."""
 import os
 import signal
 import subprocess
@@ -70,6 +70,23 @@ def _terminated_trials(sweep_dir) -> int:
     except (OSError, ValueError, KeyError):  # being written
         return 0
     return sum(json.loads(state)["status"] == "TERMINATED" for state, _ in trials)
+
+
+def _mark_trials_pending(sweep_dir) -> int:
+    """Rewrite the newest saved sweep state as if the driver died before Tune recorded its
+    trials as done (their training and MLflow runs had finished). Returns how many changed."""
+    import json
+
+    path = sorted(sweep_dir.glob("experiment_state-*.json"))[-1]
+    state = json.loads(path.read_text())
+    changed = 0
+    for pair in state["trial_data"]:
+        trial = json.loads(pair[0])
+        changed += trial["status"] == "TERMINATED"
+        trial["status"] = "PENDING"
+        pair[0] = json.dumps(trial)
+    path.write_text(json.dumps(state))
+    return changed
 
 
 @pytest.mark.e2e
@@ -143,6 +160,30 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digit
     artifacts = [a.path for a in client.list_artifacts(parent["run_id"], "compare")]
     assert artifacts == ["compare/s1.png"]
 
+    # The driver dies after every trial's training and MLflow run finished but before Tune
+    # recorded them as done: resumed, each trial reports its final checkpoint, trains nothing.
+    before = {r["run_id"]: client.get_run(r["run_id"]) for r in rows}
+    losses = {i: len(client.get_metric_history(i, "train/loss")) for i in before}
+    assert _mark_trials_pending(tmp_path / "sweeps" / "s1") == 4
+    third = _vitp(args + ["--resume"], env)
+    log, _ = third.communicate(timeout=900)
+    assert third.returncode == 0, log[-4000:]
+    assert "already finished" in log, log[-4000:]
+    again = _children(server.uri, "s1")
+    assert {r["run_id"] for r in again} == set(before)
+    for run_id, run in before.items():  # each run left as it was
+        after = client.get_run(run_id)
+        assert after.info.status == "FINISHED" and after.info.end_time == run.info.end_time
+        assert after.data.tags.get("vitp.attempt", "1") == run.data.tags.get("vitp.attempt", "1")
+        assert len(client.get_metric_history(run_id, "train/loss")) == losses[run_id]  # nothing retrained
+    prun = client.get_run(parent["run_id"])
+    for dataset, row in best_per_dataset(again).items():
+        assert prun.data.tags[f"best_trial/{dataset}"] == row["run_id"]
+        assert prun.data.metrics[f"best/{dataset}/val_top1"] == pytest.approx(row["best_top1"])
+    # the re-resumed sweep summarised again, after (not hidden behind) the earlier summary's step
+    steps = sorted(m.step for m in client.get_metric_history(prun.info.run_id, "sweep/seconds"))
+    assert len(steps) == len(set(steps)) >= 2, steps
+
 
 @pytest.mark.e2e
 def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_shards):
@@ -189,55 +230,3 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
     assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
     tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
     assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "10")
-
-
-def _mark_trials_pending(sweep_dir) -> int:
-    """Rewrite the newest saved sweep state as if the driver died before Tune recorded its
-    trials as done (their training and MLflow runs had finished). Returns how many changed."""
-    import json
-
-    path = sorted(sweep_dir.glob("experiment_state-*.json"))[-1]
-    state = json.loads(path.read_text())
-    changed = 0
-    for pair in state["trial_data"]:
-        trial = json.loads(pair[0])
-        changed += trial["status"] == "TERMINATED"
-        trial["status"] = "PENDING"
-        pair[0] = json.dumps(trial)
-    path.write_text(json.dumps(state))
-    return changed
-
-
-@pytest.mark.e2e
-def test_resumed_trial_whose_training_had_finished_is_not_trained_again(tmp_path, server, ray_session,
-                                                                       digits_shards):
-    from pipeline.tracking.store import get_client
-
-    args = ["sweep", "debug_finetune", "--name", "s3", f"--set=work_dir={_work(tmp_path, digits_shards)}",
-            "--tracking-uri", server.uri, "--space", "optim.lr=0.1", *FAST]
-    env = _env(ray_session)
-    proc = _vitp(args, env)
-    log, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, log[-4000:]
-    (row,) = _children(server.uri, "s3")
-    client = get_client(server.uri)
-    before = client.get_run(row["run_id"])
-    losses = len(client.get_metric_history(row["run_id"], "train/loss"))
-
-    assert _mark_trials_pending(tmp_path / "sweeps" / "s3") == 1
-    proc = _vitp(args + ["--resume"], env)
-    log, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, log[-4000:]
-    assert "already finished" in log, log[-4000:]
-    (again,) = _children(server.uri, "s3")
-    after = client.get_run(row["run_id"])
-    assert again["run_id"] == row["run_id"] and after.info.status == "FINISHED"
-    assert after.info.end_time == before.info.end_time  # the run was left as it was
-    assert after.data.tags.get("vitp.attempt", "1") == before.data.tags.get("vitp.attempt", "1")
-    assert len(client.get_metric_history(row["run_id"], "train/loss")) == losses  # nothing retrained
-    exp = client.get_experiment_by_name("vit-pipeline-debug")
-    (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s3'")
-    assert parent.data.tags["best_trial/digits"] == row["run_id"]
-    assert parent.data.metrics["best/digits/val_top1"] == pytest.approx(row["best_top1"])
-    # the resumed sweep summarised again, after (not hidden behind) the first summary's step
-    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "sweep/seconds")) == [0, 1]
