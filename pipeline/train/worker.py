@@ -22,6 +22,7 @@ from ray.train import DataConfig
 
 from .. import storage
 from ..config import ExperimentConfig, for_world
+from ..data.executor import pace_streaming_executor
 from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit_rows, iter_device_batches,
                            train_rows_per_epoch)
 from ..data.position import with_world
@@ -165,6 +166,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None}.
     """
+    pace_streaming_executor()  # its data pipelines wait, not spin, while training is slower
     recipe = ExperimentConfig.from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
