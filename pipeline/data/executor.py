@@ -13,10 +13,11 @@ import time
 # running and not done. When the consumer is the slower side (training, normally), every task is
 # finished or held back by backpressure, so the loop spins. In a Ray Train worker that thread
 # takes a core and competes with the training loop for the GIL (py-spy: about half of the
-# worker's samples were in the executor's thread). A 2-worker debug run logging to an MLflow server trained at 6.1 steps/s unpaced and at
-# 20.3 paced (benchmarks/RESULTS.md, "Ray Data's executor in a Train worker"). A round that
-# returns sooner than ROUND_S sleeps the rest (releasing the GIL); rounds that wait on running
-# tasks take longer and are not delayed, and each round still dispatches every task it can.
+# worker's samples were in it). A 2-worker debug run logging to an MLflow server trained at 6.1
+# steps/s unpaced and 20.3 paced (benchmarks/RESULTS.md, "Ray Data's executor in a Train
+# worker"). A round that returns sooner than ROUND_S sleeps the rest (releasing the GIL); rounds
+# that wait on running tasks take longer and are not delayed; each round still dispatches every
+# task it can.
 
 ROUND_S = 0.05  # half the 0.1 s Ray Data itself waits on running tasks per round
 ROUND_ENV = "VITP_RAY_DATA_ROUND_S"  # seconds; 0 leaves Ray Data's loop as it is

@@ -79,7 +79,8 @@ def _per_param(zero_stage: int, precision: str, offload_optimizer: bool = False)
 
 def states_bytes(params: int, zero_stage: int, world: int, precision: str = "bf16",
                  offload_optimizer: bool = False) -> float:
-    """Model-state bytes per rank as DeepSpeed allocates them (no offload)."""
+    """Model-state bytes per rank as DeepSpeed allocates them, before offload moves any to the
+    host (`offload_optimizer` only picks which DeepSpeed optimizer that is)."""
     rep, part = _per_param(zero_stage, precision, offload_optimizer)
     return params * (rep + part / world)
 
