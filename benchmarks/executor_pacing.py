@@ -8,10 +8,11 @@ Run (from the repository root):
 The debug recipe (pico/8 at 32 px, 2 Ray Train workers, gloo, fp32) on its synthetic corpus,
 `run_training` as `vitp pretrain` runs it, logging every step to an `mlflow server` on 127.0.0.1
 (its SQLite store in --workdir), as a user's run logs. Each mode runs in its own process with
-its own local Ray of --cpus logical CPUs, with VITP_RAY_DATA_ROUND_S set before Ray starts (the Train workers inherit it): `paced` the default
-round, `unpaced` 0. steps/s is read from the train/loss timestamps (rank 0 logs each step when it
-is taken): over the whole run and over each fifth of it, so a phase where the executors spin
-shows. Appended to benchmarks/RESULTS.md (`--results`/`--no-results`).
+its own local Ray of --cpus logical CPUs and VITP_RAY_DATA_ROUND_S set before Ray starts (the
+Train workers inherit it): `paced` the default round, `unpaced` 0. steps/s is read from the
+train/loss timestamps (rank 0 logs each step when it is taken): over the whole run and over each
+fifth of it, so a phase where the executors spin shows. Appended to benchmarks/RESULTS.md
+(`--results`/`--no-results`).
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def one_mode(args) -> dict:
                             "train.eval_every=0", "train.checkpoint_every=0", "train.resume=never"])
     try:
         summary = run_training(cfg, with_val=False)
-        stamps = sorted(m.timestamp / 1000 for m in get_client(uri).get_metric_history(summary.mlflow_run_id,
-                                                                                       "train/loss"))
+        history = get_client(uri).get_metric_history(summary.mlflow_run_id, "train/loss")
+        stamps = sorted(m.timestamp / 1000 for m in history)
     finally:
         server.stop()
     fifth = len(stamps) // 5
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
         print(f"{mode}: {args.steps} steps ...", flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--one", repr(round_s), "--steps", str(args.steps),
                "--cpus", str(args.cpus), "--workdir", args.workdir, "--no-results"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, ROUND_ENV: repr(round_s)})
+        env = {**os.environ, ROUND_ENV: repr(round_s)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
                      f"{base / r['steps_per_s']:.2f}x |")
     table = "\n".join(lines)
     print(table)
-    append_result(args.results, "Ray Data's executor in a Train worker (`benchmarks/executor_pacing.py`)", table)
+    title = "Ray Data's executor in a Train worker (`benchmarks/executor_pacing.py`)"
+    append_result(args.results, title, table)
     return 0
 
 
