@@ -1,8 +1,8 @@
 """bf16 and ZeRO-Offload on CPU through real DeepSpeed engines (spawned gloo groups, no Ray):
 they learn, keep bf16 weights over fp32 masters, step DeepSpeedCPUAdam, and resume exactly.
 
-The offload tests JIT-build DeepSpeed's cpu_adam op on first use (~35 s on 2 cores, then cached
-under ~/.cache/torch_extensions)."""
+The offload tests load DeepSpeed's cpu_adam op, which `make install` built into the venv's
+torch-extensions folder (a test run without it builds it there first, ~35 s on 2 cores)."""
 import math
 import os
 import sys
