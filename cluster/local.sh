@@ -77,7 +77,14 @@ stop_cluster() {
     [ "$alive" = 0 ] && break
     sleep 0.5
   done
-  for pid in $pids; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  local stuck=()
+  for pid in $pids; do
+    if [ -n "$(ps -o pid= -g "$pid" 2>/dev/null)" ]; then stuck+=("$pid"); fi
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+  if [ ${#stuck[@]} -gt 0 ]; then
+    echo "cluster/local.sh: node process group(s) ${stuck[*]} still ran 20 s after SIGTERM: killed" >&2
+  fi
   rm -f "$pidfile"
   echo "stopped local Ray cluster ($state_dir)"
 }
@@ -145,6 +152,11 @@ start_cluster() {
   chmod 700 "$state_dir"
   export PATH="$BIN:$PATH"
   export RAY_USAGE_STATS_ENABLED=0
+  # `stop` SIGTERMs each node's `ray start`, which first drains its node until it is idle, for up to
+  # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (Ray's default: 30 s). Ray Data's detached actors never
+  # leave, so after any job that read data every stop sat out its 20 s and ended in SIGKILL. No
+  # node here serves traffic a drain would protect: off unless the caller exports a value.
+  export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
   if [ "$auth" = 1 ]; then
     # A fresh random token per cluster, readable only by this user.
     (umask 077; "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$state_dir/auth_token")

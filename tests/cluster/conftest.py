@@ -66,11 +66,13 @@ class LocalCluster:
         # head first: Ray temp dir (ray/), working directory (work/) and TMPDIR (tmp/) of each node
         self.node_dirs = [self.state_dir / f"node-{i}" for i in range(workers + 1)]
 
-    def stop(self):
-        subprocess.run([str(LOCAL_SH), "stop", "--state-dir", str(self.state_dir)],
-                       capture_output=True, text=True, timeout=120)
+    def stop(self) -> str:
+        """`cluster/local.sh stop`; returns what it printed on stderr."""
+        out = subprocess.run([str(LOCAL_SH), "stop", "--state-dir", str(self.state_dir)],
+                             capture_output=True, text=True, timeout=120)
         if not (self.state_dir / "pids").exists():  # stopped: the logs and Ray's temp dir can go
             shutil.rmtree(self.state_dir, ignore_errors=True)
+        return out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,11 @@ def two_node_cluster(tmp_path_factory):
     """Head + one worker node, 3 logical CPUs each (a 2-CPU Train worker per node + Ray Data)."""
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), workers=1, num_cpus=3, auth=False)
     yield cluster
-    cluster.stop()
+    stopped = cluster.stop()
     assert not (cluster.state_dir / "pids").exists()
+    # every node ended on SIGTERM (jobs that read data leave detached actors behind; Ray's
+    # drain-on-SIGTERM waited for them: cluster/local.sh turns it off)
+    assert "after SIGTERM" not in stopped, stopped
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,8 @@ def auth_cluster(tmp_path_factory):
     """A head-only cluster with token authentication (RAY_AUTH_MODE=token)."""
     cluster = LocalCluster(tmp_path_factory.mktemp("auth-cluster"), workers=0, num_cpus=2, auth=True)
     yield cluster
-    cluster.stop()
+    stopped = cluster.stop()
+    assert "after SIGTERM" not in stopped, stopped  # (see two_node_cluster)
 
 
 # ----------------------------------------------------------------------------- rehearsal

@@ -156,10 +156,10 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
     labels = np.array([r["label"] for r in train_rows])
     trained = train_on(build_vit(mcfg, 32), imgs, labels, steps=150)
 
-    table = {}
+    table = {}  # features forwarded in this process (the actor pool's: run_fewshot below)
     for name, m in (("random", random_model), ("pretrained", trained)):
-        tx, ty = extract_features(m, digits_cfg, "train")
-        vx, vy = extract_features(m, digits_cfg, "val")
+        tx, ty, _ = direct_features(m, digits_cfg, "train")
+        vx, vy, _ = direct_features(m, digits_cfg, "val")
         table[name] = fewshot_accuracy(tx, ty, vx, vy)
     print("\ndigits few-shot top-1 (pico/8 at 32 px, l2=1024, 3 seeds):")
     for name, acc in table.items():
