@@ -23,7 +23,8 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 # DeepSpeed's JIT-built CPU ops live in the venv, not in the user-wide ~/.cache/torch_extensions:
 # a build is keyed by its include paths, so two checkouts sharing that cache rebuild each other's
-# ops (about a minute, inside whichever test loads one first). tests/conftest.py sets the same.
+# ops (about a minute, inside whichever run loads one first). pipeline/train/engine.py uses this
+# folder whenever it exists.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)

@@ -92,12 +92,8 @@ def digits_shards(ray_session, tmp_path_factory) -> str:
 
 def pytest_configure(config):
     import socket
-    import sys
     import tempfile
 
-    # DeepSpeed's JIT-built ops: the venv's own cache (the Makefile's TORCH_EXTENSIONS_DIR, where
-    # `make install` built them), also when pytest is started without make
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions"))
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # under pytest -n: each worker its own TMPDIR (checkpoint staging, spools, conversions)

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import math
 import os
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -19,6 +20,13 @@ from ..console import name_cpu_accelerator
 from ..model import memory
 from ..model.vit import full_shape
 from ..net import free_port
+
+# DeepSpeed JIT-builds its CPU ops (Adam for offload, shared-memory collectives) where torch keeps
+# extensions. `make install` builds them into the venv (.venv/torch-extensions): every process of
+# that venv (CLI, Ray workers, tests) uses them from there unless TORCH_EXTENSIONS_DIR says otherwise.
+_VENV_EXTENSIONS = os.path.join(sys.prefix, "torch-extensions")
+if os.path.isdir(_VENV_EXTENSIONS):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", _VENV_EXTENSIONS)
 
 # --------------------------------------------------------------------------- DeepSpeed config
 
