@@ -45,7 +45,23 @@ done
 # Short default path: Ray puts Unix sockets under the temp dir and those are limited to 107 bytes.
 state_dir="${state_dir:-/tmp/vitp-ray-$port}"
 
-free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() {
+  # A free port on 127.0.0.1 that is none of the ports given: a port --port/--dashboard-port names
+  # (free until its component binds it) can be handed out again, and `ray start` refuses two
+  # components on one port.
+  "$PYTHON" - "$@" <<'EOF'
+import socket, sys
+taken = {int(p) for p in sys.argv[1:]}
+while True:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    if p not in taken:
+        print(p)
+        break
+EOF
+}
 
 port_in_use() {
   "$PYTHON" - "$1" <<'EOF'
@@ -90,10 +106,13 @@ stop_cluster() {
 }
 
 wait_nodes() {
-  # Ready = the GCS reports every node alive. (The head's job agent can come up a few seconds
-  # later; `vitp submit` retries while the cluster answers "No available agent".)
-  local want="$1" deadline=$((SECONDS + timeout))
+  # wait_nodes WANT [PID...]: ready = the GCS reports WANT nodes alive. (The head's job agent can
+  # come up a few seconds later; `vitp submit` retries while the cluster answers "No available
+  # agent".) Gives up at once when one of the PIDs (nodes' `ray start` leaders) has exited.
+  local want="$1" deadline=$((SECONDS + timeout)) pid
+  shift
   while [ $SECONDS -lt $deadline ]; do
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null || return 1; done
     if "$PYTHON" - "$port" "$want" <<'EOF' 2>/dev/null
 import sys, ray
 from ray._private.state import GlobalState
@@ -116,7 +135,8 @@ start_worker() {
   # (start_cluster's array; the same port settings as the head's, see there).
   local i="$1"
   local args=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-              --dashboard-agent-listen-port "$(free_port)" --min-worker-port 0 --max-worker-port 0 --block)
+              --dashboard-agent-listen-port "$(free_port "$port" "$dash_port" "$agent_port" "$client_port")"
+              --min-worker-port 0 --max-worker-port 0 --block)
   node_dirs "$i"
   # --temp-dir on a worker node: its own sessions/sockets/spill dir (without it a joining node
   # uses the head's temp dir, which only works where they share a disk).
@@ -169,24 +189,27 @@ start_cluster() {
   fi
   # Every raylet here would hand out worker ports from the same default range (10002-19999);
   # 0/0 lets the OS pick each worker's port, so nodes on one machine never collide.
+  local agent_port client_port
+  agent_port="$(free_port "$port" "$dash_port")"
+  client_port="$(free_port "$port" "$dash_port" "$agent_port")"
   local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
-                --dashboard-agent-listen-port "$(free_port)" --min-worker-port 0 --max-worker-port 0 --block)
+                --dashboard-agent-listen-port "$agent_port" --min-worker-port 0 --max-worker-port 0 --block)
   local head_pid worker_pids=()
   node_dirs 0
   (cd "$state_dir/node-0/work" && TMPDIR="$state_dir/node-0/tmp" exec setsid "$BIN/ray" start --head \
     --port "$port" --dashboard-host 127.0.0.1 --dashboard-port "$dash_port" --include-dashboard true \
-    --ray-client-server-port "$(free_port)" --temp-dir "$state_dir/node-0/ray" "${common[@]}" \
+    --ray-client-server-port "$client_port" --temp-dir "$state_dir/node-0/ray" "${common[@]}" \
     > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
   head_pid=$!
   write_pids
-  if ! wait_nodes 1; then
-    echo "cluster/local.sh: head did not come up within ${timeout}s; log $state_dir/logs/head.log:" >&2
+  if ! wait_nodes 1 "$head_pid"; then
+    echo "cluster/local.sh: head did not come up (it exited, or not within ${timeout}s); log $state_dir/logs/head.log:" >&2
     tail -n 30 "$state_dir/logs/head.log" >&2
     stop_cluster >&2; exit 1
   fi
   for i in $(seq 1 "$workers"); do start_worker "$i"; done
   write_pids
-  if ! wait_nodes $((workers + 1)); then
+  if ! wait_nodes $((workers + 1)) "${worker_pids[@]}"; then
     # A joining `ray start` gives up when its raylet takes over 30 s to register (a limit fixed
     # in Ray), which a loaded machine can hit: start such a node once more before failing.
     local retried=0
@@ -199,7 +222,7 @@ start_cluster() {
       fi
     done
     write_pids
-    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)); then
+    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)) "${worker_pids[@]}"; then
       echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
       tail -n 30 "$state_dir"/logs/worker-*.log >&2
       stop_cluster >&2; exit 1
