@@ -209,7 +209,7 @@ start_cluster() {
   fi
   for i in $(seq 1 "$workers"); do start_worker "$i"; done
   write_pids
-  if ! wait_nodes $((workers + 1)) "${worker_pids[@]}"; then
+  if ! wait_nodes $((workers + 1)) ${worker_pids[@]+"${worker_pids[@]}"}; then
     # A joining `ray start` gives up when its raylet takes over 30 s to register (a limit fixed
     # in Ray), which a loaded machine can hit: start such a node once more before failing.
     local retried=0
@@ -222,7 +222,7 @@ start_cluster() {
       fi
     done
     write_pids
-    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)) "${worker_pids[@]}"; then
+    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)) ${worker_pids[@]+"${worker_pids[@]}"}; then
       echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
       tail -n 30 "$state_dir"/logs/worker-*.log >&2
       stop_cluster >&2; exit 1
