@@ -14,9 +14,12 @@ pytestmark = pytest.mark.ray
 
 def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
     """Scheduling rounds of rank 0's training stream while its consumer takes nothing, for
-    `seconds` from when three rounds in a row ended with the reader's finished outputs held back
-    (the object-store budget is full: each round finds them ready and may take none). Only such
-    rounds are counted."""
+    `seconds` from when three rounds in a row found every running read task's next output ready
+    and ended with it held back (the object-store budget is full: nothing is left for a round to
+    wait on, and it may take nothing). Only such rounds are counted. Under load a read task can
+    still be producing its block while the budget is full; a round then waits on it in ray.wait
+    and is not counted."""
+    import ray
     from ray.data import DataContext, ExecutionResources
     from ray.data._internal.execution.streaming_executor import StreamingExecutor
 
@@ -24,13 +27,16 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
 
     ctx = DataContext.get_current()
     step, limits = StreamingExecutor._scheduling_loop_step, ctx.execution_options.resource_limits
-    held_rounds: list[float] = []  # start times of rounds that ended with outputs held back
+    held_rounds: list[float] = []  # start times of rounds that found all outputs ready and took none
     in_a_row, full = [0], []  # full: when three rounds in a row did
 
     def counted(self, topology):
         t = time.perf_counter()
+        waiting = [task.get_waitable() for op in topology for task in op.get_active_tasks()]
+        ready = bool(waiting) and len(ray.wait(waiting, num_returns=len(waiting), timeout=0,
+                                               fetch_local=False)[0]) == len(waiting)
         more = step(self, topology)
-        if any(op._in_task_output_backpressure for op in topology):
+        if ready and any(op._in_task_output_backpressure for op in topology):
             held_rounds.append(t)
             in_a_row[0] += 1
             if in_a_row[0] == 3 and not full:
