@@ -94,7 +94,6 @@ def pytest_configure(config):
     import socket
     import tempfile
 
-
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # under pytest -n: each worker its own TMPDIR (checkpoint staging, spools, conversions)
         config._vitp_tmpdir = tempfile.mkdtemp(prefix=f"vitp-{worker}-", dir="/tmp")  # short: Ray's sockets
