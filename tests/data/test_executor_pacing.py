@@ -28,9 +28,10 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
     ctx = DataContext.get_current()
     step, limits = StreamingExecutor._scheduling_loop_step, ctx.execution_options.resource_limits
     held_rounds: list[float] = []  # start times of rounds that found all outputs ready and took none
-    in_a_row, full = [0], []  # full: when three rounds in a row did
+    in_a_row, full = 0, None  # full: when three rounds in a row did
 
     def counted(self, topology):
+        nonlocal in_a_row, full
         t = time.perf_counter()
         waiting = [task.get_waitable() for op in topology for task in op.get_active_tasks()]
         ready = bool(waiting) and len(ray.wait(waiting, num_returns=len(waiting), timeout=0,
@@ -38,11 +39,11 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
         more = step(self, topology)
         if ready and any(op._in_task_output_backpressure for op in topology):
             held_rounds.append(t)
-            in_a_row[0] += 1
-            if in_a_row[0] == 3 and not full:
-                full.append(held_rounds[-3])
+            in_a_row += 1
+            if in_a_row == 3 and full is None:
+                full = held_rounds[-3]
         else:
-            in_a_row[0] = 0
+            in_a_row = 0
         return more
 
     StreamingExecutor._scheduling_loop_step = counted
@@ -52,12 +53,12 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
         for _ in range(8):
             next(it)
         deadline = time.perf_counter() + 120
-        while not full and time.perf_counter() < deadline:
+        while full is None and time.perf_counter() < deadline:
             time.sleep(0.1)
-        assert full, "the training stream never filled its 2 MB object-store budget in 120 s"
+        assert full is not None, "the training stream never filled its 2 MB object-store budget in 120 s"
         time.sleep(seconds)
         t1 = time.perf_counter()
-        return sum(full[0] <= t < t1 for t in held_rounds), t1 - full[0]
+        return sum(full <= t < t1 for t in held_rounds), t1 - full
     finally:
         StreamingExecutor._scheduling_loop_step = step
         ctx.execution_options.resource_limits = limits

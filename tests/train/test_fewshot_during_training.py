@@ -90,10 +90,11 @@ def test_pretraining_logs_fewshot_at_every_multiple(tmp_path, corpora, stage, va
     model = load_model(summary.checkpoint)
     train, val = (read_split(digits, split, model.image_size) for split in ("train", "val"))
 
-    def features(rows):
-        import torch
+    import torch
 
-        extract = FeatureExtractor(model, digits.data.mean, digits.data.std, threads=torch.get_num_threads())
+    extract = FeatureExtractor(model, digits.data.mean, digits.data.std, threads=torch.get_num_threads())
+
+    def features(rows):  # (the model's current weights: init_weights below changes them in place)
         return np.concatenate([extract({"image": rows["image"][i:i + 256]})["features"]
                                for i in range(0, len(rows["image"]), 256)])
 
