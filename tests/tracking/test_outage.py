@@ -40,23 +40,34 @@ def spooled_bytes(spool_dir, run_id):
     return sum(p.stat().st_size for p in spool_dir_for(run_id, spool_dir).glob("*.jsonl"))
 
 
-@pytest.fixture
-def own_server(tmp_path):
+class OwnServer:
     """A server on its own SQLite store; restart() starts it again on the same store and port."""
-    store, artifacts = f"sqlite:///{tmp_path}/server.db", str(tmp_path / "artifacts")
 
-    class Own:
-        handle = start_server(store, artifacts)
+    def __init__(self, root):
+        self.store, self.artifacts = f"sqlite:///{root}/server.db", str(root / "artifacts")
+        self.handle = start_server(self.store, self.artifacts)
 
-        def restart(self):
-            self.handle = start_server(store, artifacts, port=self.handle.port)
+    def restart(self):
+        self.handle = start_server(self.store, self.artifacts, port=self.handle.port)
 
-    own = Own()
+
+@pytest.fixture(scope="module")
+def _own_server(tmp_path_factory):
+    own = OwnServer(tmp_path_factory.mktemp("own-server"))
     yield own
     own.handle.stop()
 
 
-@pytest.mark.slow  # two MLflow server starts and a restart
+@pytest.fixture
+def own_server(_own_server):
+    """The module's own server, up: a test stops it and starts it again (each test has its own
+    experiment in the store), one that failed half-way may have left it down."""
+    if not _own_server.handle.alive():
+        _own_server.restart()
+    return _own_server
+
+
+@pytest.mark.slow  # the server stopped and started again
 def test_outage_spools_and_backfills_every_step_exactly_once(own_server, experiment, tmp_path):
     spool, uri = tmp_path / "spool", own_server.handle.uri
     run = RunLogger.start(uri, experiment, "outage", background=True, timeout_s=2.0, spool_dir=spool,
@@ -211,7 +222,7 @@ def test_attached_worker_logger_needs_no_server_and_drops_replayed_steps(mlflow_
     assert spooled_bytes(spool, driver.run_id) == 0
 
 
-@pytest.mark.slow  # two MLflow server starts and a restart
+@pytest.mark.slow  # the server stopped and started again
 def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experiment, tmp_path, caplog):
     spool, uri = tmp_path / "spool", own_server.handle.uri
     run = RunLogger.start(uri, experiment, "ended-in-outage", background=True, timeout_s=2.0, spool_dir=spool)
