@@ -13,8 +13,8 @@ too: run it on an otherwise idle machine.
 
 Prints the wall time, the CPU seconds and the mean number of busy cores, then the CPU seconds per
 kind of process (`ray::` actors and tasks by their name, `python -m X` by X, a script by its
-file name, other programs by theirs) and the --top processes. The command's exit status is
-returned.
+file name, other programs by theirs) and the --top processes, also after a Ctrl-C. The command's
+exit status is returned.
 """
 from __future__ import annotations
 
@@ -89,14 +89,17 @@ def main(argv=None) -> int:
     names: dict[int, tuple[str, str]] = {}  # pid -> (short name, command line), re-read when renamed
     t0 = time.monotonic()
     proc = subprocess.Popen(command)
-    while True:
-        for pid, (seconds, comm) in sample().items():
-            used[pid] = seconds - before.get(pid, 0.0)
-            if names.get(pid, ("",))[0] != comm:  # new, or renamed (Ray names a worker per task)
-                names[pid] = (comm, command_line(pid) or names.get(pid, ("", ""))[1] or comm)
-        if proc.poll() is not None:
-            break
-        time.sleep(args.interval)
+    try:
+        while True:
+            for pid, (seconds, comm) in sample().items():
+                used[pid] = seconds - before.get(pid, 0.0)
+                if names.get(pid, ("",))[0] != comm:  # new, or renamed (Ray names a worker per task)
+                    names[pid] = (comm, command_line(pid) or names.get(pid, ("", ""))[1] or comm)
+            if proc.poll() is not None:
+                break
+            time.sleep(args.interval)
+    except KeyboardInterrupt:  # Ctrl-C reached the command too: report what was measured until now
+        proc.wait()
     wall = time.monotonic() - t0
     own = os.getpid()
     rows = sorted(((s, pid) for pid, s in used.items() if s >= 0.05 and pid != own), reverse=True)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     print(f"\n| CPU-s | pid | command line (top {args.top}) |\n|---:|---:|---|")
     for seconds, pid in rows[:args.top]:
         print(f"| {seconds:.1f} | {pid} | `{names.get(pid, ('', '?'))[1][:100]}` |")
-    return proc.returncode
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # killed by signal N: 128+N
 
 
 if __name__ == "__main__":
