@@ -93,8 +93,9 @@ def main(argv=None) -> int:
         while True:
             for pid, (seconds, comm) in sample().items():
                 used[pid] = seconds - before.get(pid, 0.0)
-                if names.get(pid, ("",))[0] != comm:  # new, or renamed (Ray names a worker per task)
-                    names[pid] = (comm, command_line(pid) or names.get(pid, ("", ""))[1] or comm)
+                known = names.get(pid)
+                if known is None or known[0] != comm:  # new, or renamed (Ray names a worker per task)
+                    names[pid] = (comm, command_line(pid) or (known[1] if known else comm))
             if proc.poll() is not None:
                 break
             time.sleep(args.interval)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     total = sum(s for s, _ in rows)
     by_kind = collections.Counter()
     for seconds, pid in rows:
-        by_kind[kind(names.get(pid, ("", ""))[1])] += seconds
+        by_kind[kind(names[pid][1])] += seconds
     print(f"\n{' '.join(' '.join(command).split())}: exit {proc.returncode}, {wall:.1f} s wall, {total:.1f} CPU-s, "
           f"{total / wall:.2f} cores busy on average ({os.cpu_count()} here)")
     print("\n| CPU-s | share | processes of this kind |\n|---:|---:|---|")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         print(f"| {seconds:.1f} | {seconds / total:.0%} | `{name}` |")
     print(f"\n| CPU-s | pid | command line (top {args.top}) |\n|---:|---:|---|")
     for seconds, pid in rows[:args.top]:
-        print(f"| {seconds:.1f} | {pid} | `{names.get(pid, ('', '?'))[1][:100]}` |")
+        print(f"| {seconds:.1f} | {pid} | `{names[pid][1][:100]}` |")
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # killed by signal N: 128+N
 
 
