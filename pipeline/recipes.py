@@ -6,8 +6,9 @@ debug and demo recipes shrink one, never the other way round. Must not import to
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from .config import (ConfigError, DataConfig, ExperimentConfig, ModelConfig, OptimConfig,
                      ParallelConfig, TrackingConfig, TrainConfig, TuneConfig, apply_overrides,
@@ -318,6 +319,44 @@ def get_recipe(name: str) -> ExperimentConfig:
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; recipes: {', '.join(RECIPES)}")
     return RECIPES[name]()
+
+
+# `--set RECIPE:KEY=VALUE`: an override for one recipe of a command that runs several (a sweep's
+# --datasets, a job spec's chain). KEY=VALUE alone goes to all of them. A value may hold ':'
+# (s3://...): the prefix is a bare name before the first ':', with no '=' or '.' in it.
+_SCOPED = re.compile(r"^([A-Za-z0-9_]+):([^=]+=.*)$")
+
+
+def scoped(item: str) -> tuple[str | None, str]:
+    """(recipe, "KEY=VALUE") of a `--set` item; recipe None when it names none."""
+    m = _SCOPED.match(item)
+    return (m.group(1), m.group(2)) if m else (None, item)
+
+
+def overrides_for(recipe: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The `--set` items that apply to `recipe`: the unscoped ones and its own `recipe:KEY=VALUE`."""
+    return [kv for r, kv in map(scoped, overrides) if r in (None, recipe)]
+
+
+# Keys every trial of a sweep shares: one value for the whole sweep, never per recipe.
+SWEEP_WIDE = ("tune.", "tracking.", "work_dir")
+
+
+def check_scoped(overrides: Sequence[str], recipes: Sequence[str]) -> None:
+    """ConfigError for a `--set RECIPE:KEY=VALUE` whose recipe the sweep does not run, or whose
+    key is one the whole sweep shares."""
+    from .tracking.redact import redact_text  # lazy: mlflow
+
+    for item in overrides:
+        recipe, kv = scoped(item)
+        if recipe is None:
+            continue
+        if recipe not in recipes:
+            raise ConfigError(f"--set {redact_text(item)}: the sweep runs no recipe {recipe!r}; its recipes: "
+                              f"{', '.join(recipes)}")
+        if kv.partition("=")[0].strip().startswith(SWEEP_WIDE):
+            raise ConfigError(f"--set {redact_text(item)}: {kv.partition('=')[0].strip()} is the same for every "
+                              f"trial of a sweep: give it without '{recipe}:'")
 
 
 def with_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -43,12 +43,11 @@ def cluster_entrypoint(entrypoint: str) -> str:
 
 def rayjob(stage: str, name: str, cluster: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from pipeline import recipes
     from pipeline.cluster.jobspec import parse_entrypoint
 
     spec = yaml.safe_load((ROOT / "jobs" / f"{stage}.yaml").read_text())
     calls = [c for c in parse_entrypoint(spec["entrypoint"]) if c.recipe]
-    cfg = recipes.resolve(calls[0].recipe, calls[0].overrides, check_paths=False)
+    cfg = calls[0].configs()[0]
     gpu_nodes = 0 if stage.startswith("preprocess") else math.ceil(cfg.parallel.num_workers / GPUS_PER_NODE)
     cspec = copy.deepcopy(cluster["spec"])
     cspec["enableInTreeAutoscaling"] = False  # a RayJob's cluster is sized for its stage

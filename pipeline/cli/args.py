@@ -25,10 +25,10 @@ def add_set(p: argparse.ArgumentParser, help: str = "override a config field, e.
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
-def add_recipe(p: argparse.ArgumentParser, optional: bool = False) -> None:
+def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str | None = None) -> None:
     """The positional RECIPE (see `vitp config --list`) and its --set overrides."""
     p.add_argument("recipe", nargs="?" if optional else None, help="recipe name (see `vitp config --list`)")
-    add_set(p)
+    add_set(p, **({"help": set_help} if set_help else {}))
 
 
 def add_address(p: argparse.ArgumentParser, jobs_api: bool = False) -> None:

@@ -27,13 +27,14 @@ def _write(text: str) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.cluster import jobs  # lazy: keeps vitp --help fast (mlflow, via redaction)
-    from pipeline.cluster.jobspec import check_upload_size, load_spec  # lazy: keeps vitp --help fast (mlflow, via redaction)
+    from pipeline.cluster.jobspec import load_spec  # lazy: keeps vitp --help fast (mlflow, via redaction)
+    from pipeline.cluster.upload import check_upload_size  # lazy: keeps vitp --help fast (mlflow, via redaction)
 
     spec = load_spec(args.spec, args.overrides)
     notes = check_upload_size(spec)
     address = jobs.jobs_address(args.address)
     print(f"job spec {args.spec}: recipe(s) "
-          f"{', '.join(c.recipe for c in spec.calls if c.recipe) or '(none)'} resolve")
+          f"{', '.join(dict.fromkeys(r for c in spec.calls for r in c.recipes)) or '(none)'} resolve")
     for line in spec.describe() + notes:
         print(f"  {line}")
     client, job_id = jobs.submit(address, spec.kwargs, spec.mask)

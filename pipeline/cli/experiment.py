@@ -286,7 +286,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from pipeline.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
     from pipeline.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
-    base = recipe_config(args)  # build_spec validates every trial's config: once, not here too
+    # the base recipe's config (its own RECIPE:KEY=VALUE too); build_spec validates every trial's
+    # config: once, not here too
+    base = set_values(recipes.with_overrides(args.recipe, recipes.overrides_for(args.recipe, args.overrides)),
+                      typed_changes(args))
     space = {}
     for item in args.space:
         key, _, values = item.partition("=")
@@ -313,7 +316,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sweep(sub) -> Handler:
     p = sub.add_parser("sweep", help="Ray Tune sweep of fine-tuning runs (lr x datasets x sources)")
-    add_recipe(p)
+    add_recipe(p, set_help="override a config field of every trial, e.g. --set optim.lr=0.003, or of one "
+                           "dataset's trials: --set finetune_pets:data.path=s3://b/pets (repeatable)")
     p.add_argument("--name", help="sweep name (default: the recipe); also the MLflow parent run")
     p.add_argument("--datasets", help="comma-separated fine-tuning recipes to sweep over, e.g. "
                                       "finetune_cifar10,finetune_pets")

@@ -5,14 +5,31 @@ The one place a command calls `ray.init`. Must not submit jobs or train.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import ray
 
 from ..config import ExperimentConfig
 from ..console import library_log_level, quiet_env, verbose
+from ..net import free_port
 from . import output
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """os.environ with `values` set, restored afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
@@ -40,9 +57,17 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     else:
         p = cfg.parallel
         need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
-        # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth on a
-        # local cluster, ...) are not for the user to act on
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-                 logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
+        # Its address is chosen here and given to the processes it starts, which inherit this
+        # environment: Ray's state API (Train's placement-group cleaner calls it every second)
+        # finds the cluster by scanning the machine when RAY_ADDRESS is unset, and fails with a
+        # traceback when another Ray runs beside this one. This process keeps its own environment
+        # (a later local start must not join a cluster that is gone); address="local" starts a
+        # new Ray whatever RAY_ADDRESS says.
+        port = free_port()
+        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
+            # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth
+            # on a local cluster, ...) are not for the user to act on
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                     logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
     if not verbose():
         output.install()

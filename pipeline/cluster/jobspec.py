@@ -1,5 +1,5 @@
-"""Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipes and the upload size,
-and insert `--set` into the entrypoint's shell text (never re-quoting what the spec wrote).
+"""Ray job specs (jobs/*.yaml): load, validate, expand secrets, check the recipes, and insert `--set`
+into the entrypoint's shell text (never re-quoting what the spec wrote). The upload size: upload.py.
 
 A spec's keys are `JobSubmissionClient.submit_job`'s keyword arguments. Must not submit (jobs.py
 talks to the cluster), print secret values, or import torch.
@@ -11,12 +11,10 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 from pipeline import recipes
 from pipeline.errors import ConfigError, InputError
-from pipeline.storage import is_uri
 from pipeline.tracking.redact import REDACTED, is_secret_key, redact_text
 
 # submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
@@ -41,6 +39,21 @@ class VitpCall:
     recipe: str | None
     overrides: list[str]
     end: int  # offset in the entrypoint where this command's words end (`--set` goes there)
+    datasets: list[str] = field(default_factory=list)  # `vitp sweep --datasets A,B`
+
+    @property
+    def recipes(self) -> list[str]:
+        """Every recipe this call runs: its RECIPE, and a sweep's --datasets."""
+        return list(dict.fromkeys(([self.recipe] if self.recipe else []) + self.datasets))
+
+    def configs(self, check_paths: bool = False) -> list:
+        """Each recipe's resolved config, with the `--set` items that reach it (a sweep's
+        `RECIPE:KEY=VALUE` to that recipe only)."""
+        if self.subcommand != "sweep":
+            return [recipes.resolve(self.recipe, self.overrides, check_paths=check_paths)]
+        recipes.check_scoped(self.overrides, self.recipes)
+        return [recipes.resolve(r, recipes.overrides_for(r, self.overrides), check_paths=check_paths)
+                for r in self.recipes]
 
 
 @dataclass
@@ -175,28 +188,32 @@ def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
             args = args[1:]
         if not args:
             continue
-        sub, recipe, overrides = args[0], None, []
+        sub, recipe, overrides, datasets = args[0], None, [], []
         rest = iter(args[1:])
         for a in rest:
             if a == "--set" or a.startswith("--set="):
                 overrides.extend([a[len("--set="):]] if a.startswith("--set=") else islice(rest, 1))
+            elif (a == "--datasets" or a.startswith("--datasets=")) and sub == "sweep":
+                value = a[len("--datasets="):] if a.startswith("--datasets=") else next(rest, "")
+                datasets = [d.strip() for d in value.split(",") if d.strip()]
             elif a == "--recipe" and sub == "compare":
                 recipe = next(rest, None)  # `vitp compare --recipe R` reads R's MLflow store
             elif a in _VALUE_OPTIONS:
                 next(rest, None)
             elif not a.startswith("-") and recipe is None and sub in RECIPE_COMMANDS:
                 recipe = a
-        calls.append(VitpCall(sub, recipe, overrides, end))
+        calls.append(VitpCall(sub, recipe, overrides, end, datasets))
     return calls
 
 
-_SCOPED = re.compile(r"^([A-Za-z0-9_]+):([^=]+=.*)$")
 _SHELL_REF = re.compile(r"\$[A-Za-z_{(]")
 
 
 def add_overrides(entrypoint: str, overrides: list[str]) -> str:
-    """Append `--set k=v` to every `vitp <command> RECIPE` of the entrypoint (`RECIPE:k=v`: to that
-    recipe's calls only). The entrypoint's text is kept as written; only the values are quoted."""
+    """Append `--set k=v` to every `vitp <command> RECIPE` of the entrypoint (`RECIPE:k=v`: to the
+    calls that run that recipe only; a sweep over several --datasets gets it as `RECIPE:k=v`, which
+    it applies to that dataset's trials). The entrypoint's text is kept as written; only the values
+    are quoted."""
     calls = [c for c in parse_entrypoint(entrypoint) if c.subcommand in RECIPE_COMMANDS and c.recipe]
     if overrides and not calls:
         raise ConfigError(f"--set needs a `vitp <command> RECIPE` in the entrypoint, found none in "
@@ -208,13 +225,13 @@ def add_overrides(entrypoint: str, overrides: list[str]) -> str:
                 f"--set {redact_text(item)}: a $VARIABLE in a --set value reaches the job as literal text "
                 "(values are quoted, not expanded on the cluster): let your shell expand it (double "
                 "quotes, not single), or write the reference into the spec's entrypoint")
-        m = _SCOPED.match(item)
-        targets = [c for c in calls if not m or c.recipe == m.group(1)]
+        recipe, kv = recipes.scoped(item)
+        targets = [c for c in calls if recipe is None or recipe in c.recipes]
         if not targets:
-            raise ConfigError(f"--set {redact_text(item)}: the entrypoint runs no recipe {m.group(1)!r}; "
-                              f"its recipes: {', '.join(sorted({c.recipe for c in calls}))}")
+            raise ConfigError(f"--set {redact_text(item)}: the entrypoint runs no recipe {recipe!r}; "
+                              f"its recipes: {', '.join(sorted({r for c in calls for r in c.recipes}))}")
         for c in targets:
-            inserts.setdefault(c.end, []).append(m.group(2) if m else item)
+            inserts.setdefault(c.end, []).append(item if recipe and len(c.recipes) > 1 else kv)
     for end in sorted(inserts, reverse=True):
         entrypoint = entrypoint[:end] + "".join(f" --set {shlex.quote(kv)}" for kv in inserts[end]) + entrypoint[end:]
     return entrypoint
@@ -323,75 +340,8 @@ def resolve_recipes(spec: JobSpec) -> list:
             raise ConfigError(f"{spec.path}: `vitp {call.subcommand}` in the entrypoint names no recipe")
         if call.recipe:
             try:
-                out.append(recipes.resolve(call.recipe, call.overrides, check_paths=False))
+                out.extend(call.configs())
             except ConfigError as e:
-                raise ConfigError(f"{spec.path}: recipe {call.recipe!r} does not resolve: {e}") from None
+                raise ConfigError(f"{spec.path}: `vitp {call.subcommand} {call.recipe}` does not resolve: "
+                                  f"{e}") from None
     return out
-
-
-# -------------------------------------------------------------------------- upload size
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def upload_limit() -> int:
-    """Ray's limit on a working_dir / py_modules package (the GCS gRPC message size)."""
-    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE  # lazy: ray
-
-    return int(GCS_STORAGE_MAX_SIZE)
-
-
-def measure_upload(directory: str, excludes: list[str] | None = None) -> tuple[int, dict[str, int]]:
-    """Bytes Ray would package from `directory` (same excludes as Ray: .gitignore, .rayignore,
-    runtime_env.excludes, Ray's defaults), and the size per top-level entry. Uncompressed."""
-    from ray._private import ray_constants  # lazy: ray
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
-    root = Path(directory).resolve()
-    all_excludes = ray_constants.get_runtime_env_default_excludes() + list(excludes or [])
-    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
-    per_entry: dict[str, int] = {}
-    total = 0
-
-    def handler(p: Path) -> None:
-        nonlocal total
-        if p.is_file() and not p.is_symlink():
-            size = p.stat().st_size
-            total += size
-            top = p.relative_to(root).parts[0]
-            per_entry[top] = per_entry.get(top, 0) + size
-
-    _dir_travel(root, [_get_excludes(root, all_excludes)], handler, include_gitignore=include_gitignore)
-    return total, per_entry
-
-
-def check_upload_size(spec: JobSpec, limit: int | None = None) -> list[str]:
-    """Raise ConfigError naming the biggest entries and the fix when a local working_dir or
-    py_modules directory is over Ray's upload limit; return notes on what will be uploaded."""
-    runtime_env = spec.kwargs.get("runtime_env") or {}
-    limit = upload_limit() if limit is None else limit
-    dirs = []
-    if isinstance(runtime_env.get("working_dir"), str):
-        dirs.append(("runtime_env.working_dir", runtime_env["working_dir"]))
-    for mod in runtime_env.get("py_modules") or []:
-        if isinstance(mod, str):
-            dirs.append(("runtime_env.py_modules", mod))
-    notes = []
-    for field_name, d in dirs:
-        if is_uri(d) or not os.path.isdir(d):
-            continue  # a URI or a package file: Ray uploads nothing / checks it itself
-        total, per_entry = measure_upload(d, runtime_env.get("excludes"))
-        if total >= limit:
-            biggest = sorted(per_entry.items(), key=lambda kv: -kv[1])[:5]
-            raise ConfigError(
-                f"{spec.path}: {field_name}={d!r} would upload {_mib(total)} (before compression), over "
-                f"Ray's {_mib(limit)} upload limit; biggest: "
-                + ", ".join(f"{k} {_mib(v)}" for k, v in biggest)
-                + ". Fix: list them under runtime_env.excludes or in a .rayignore file, keep data and "
-                "checkpoints on shared storage (s3://, gs://, NFS) and pass the path with "
-                "--set data.path=..., or bake the code into the cluster image and drop working_dir"
-            )
-        notes.append(f"{field_name}: {d} ({_mib(total)} to upload, limit {_mib(limit)})")
-    return notes

@@ -22,7 +22,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
-from ..recipes import RECIPES, with_overrides
+from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
 from ..tracking.runs import source_tags
@@ -71,7 +71,8 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     its tune.space plus `extra_space` (typed values) x datasets (`recipes`) x `sources`, each
     point of which is crossed with every one of `points` (explicit {key: value} trials).
 
-    Every recipe gets the same --set `overrides`, typed `changes`, work_dir and tracking as `base`.
+    Every recipe gets the unscoped --set `overrides` (and its own `RECIPE:KEY=VALUE` ones), typed
+    `changes`, work_dir and tracking as `base`.
     Every trial config of the grid is validated here (ConfigError naming the trial before Ray
     starts); trials do not validate again.
     """
@@ -100,9 +101,12 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
         space["source"] = ["scratch"]
     work_dir = storage.abspath(base.work_dir)
     configs = {}
-    recipes_used = space.get("recipe", []) + [p["recipe"] for p in points if "recipe" in p]
-    for recipe in dict.fromkeys(recipes_used or [base_recipe]):
-        cfg = set_values(with_overrides(recipe, list(overrides)), {**(changes or {}), "work_dir": work_dir})
+    recipes_used = list(dict.fromkeys(space.get("recipe", []) + [p["recipe"] for p in points if "recipe" in p]
+                                      or [base_recipe]))
+    check_scoped(overrides, recipes_used)
+    for recipe in recipes_used:
+        cfg = set_values(with_overrides(recipe, overrides_for(recipe, overrides)),
+                         {**(changes or {}), "work_dir": work_dir})
         configs[recipe] = absolute_paths(cfg).to_dict()
     t = base.tune
     spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
@@ -142,7 +146,7 @@ def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
 def config_of(spec: SweepSpec, recipe: str) -> ExperimentConfig:
     """`recipe`'s config in this sweep (a sweep saved before configs were stored: from its --set)."""
     if recipe not in spec.configs:
-        cfg = set_values(with_overrides(recipe, spec.overrides), {"work_dir": spec.work_dir})
+        cfg = set_values(with_overrides(recipe, overrides_for(recipe, spec.overrides)), {"work_dir": spec.work_dir})
         spec.configs[recipe] = absolute_paths(cfg).to_dict()
     return ExperimentConfig.from_dict(spec.configs[recipe])
 

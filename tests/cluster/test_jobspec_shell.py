@@ -94,7 +94,7 @@ def test_set_is_appended_to_each_vitp_call_and_the_cluster_shell_still_expands(p
 
 
 def test_a_failing_call_stops_the_and_chain_after_the_rewrite(stubs):
-    spec = load_spec(str(ROOT / "jobs" / "finetune_sweep.yaml"), ["train.seed=7"], environ=ENV)
+    spec = load_spec(str(ROOT / "jobs" / "preprocess_downstream.yaml"), ["train.seed=7"], environ=ENV)
     out, calls = run_shell("bash", spec.entrypoint, {**ENV, "STUB_FAIL": "finetune_cifar100"}, stubs)
     assert out.returncode == 1
     assert [c[2] for c in calls] == ["finetune_cifar10", "finetune_cifar100"]  # && intact: the rest skipped
@@ -123,6 +123,24 @@ def test_recipe_prefix_sends_an_override_to_that_recipe_only():
     ep = "vitp preprocess finetune_cifar10 && vitp preprocess finetune_pets"
     calls = parse_entrypoint(add_overrides(ep, ["train.seed=1", "finetune_pets:data.val_fraction=0.1"]))
     assert [c.overrides for c in calls] == [["train.seed=1"], ["train.seed=1", "data.val_fraction=0.1"]]
+
+
+def test_a_sweep_over_several_datasets_gets_the_prefix_and_applies_it_to_that_dataset():
+    ep = ("vitp preprocess finetune_pets && vitp sweep finetune_cifar10 --from scratch "
+          "--datasets finetune_cifar10,finetune_pets --set finetune_cifar10:data.path=/d/c10")
+    calls = parse_entrypoint(add_overrides(ep, ["finetune_pets:data.val_fraction=0.1", "train.seed=3"]))
+    assert [c.recipes for c in calls] == [["finetune_pets"], ["finetune_cifar10", "finetune_pets"]]
+    # the preprocess gets the plain key; the sweep keeps the prefix, for its pets trials only
+    assert calls[0].overrides == ["data.val_fraction=0.1", "train.seed=3"]
+    assert calls[1].overrides == ["finetune_cifar10:data.path=/d/c10", "finetune_pets:data.val_fraction=0.1",
+                                  "train.seed=3"]
+    c10, pets = calls[1].configs()
+    assert (c10.recipe, c10.data.path, c10.data.val_fraction, c10.train.seed) == ("finetune_cifar10", "/d/c10",
+                                                                                  c10.data.val_fraction, 3)
+    assert c10.data.val_fraction != 0.1 and pets.data.val_fraction == 0.1 and pets.data.path != "/d/c10"
+    with pytest.raises(ConfigError, match=r"runs no recipe 'finetune_flowers'; its recipes: finetune_cifar10, "
+                                          r"finetune_pets$"):
+        add_overrides(ep, ["finetune_flowers:train.steps=3"])
     with pytest.raises(ConfigError, match="no recipe 'finetune_flowers'.*finetune_cifar10, finetune_pets"):
         add_overrides(ep, ["finetune_flowers:train.seed=1"])
     with pytest.raises(ConfigError, match="needs a `vitp <command> RECIPE`"):

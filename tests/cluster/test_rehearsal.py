@@ -313,8 +313,9 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(r.stdout)
     assert any(row["run_id"] == run.info.run_id and row["status"] == "FINISHED" for row in rows), rows
-    sweep_recipes = {c.recipe for c in load_spec("jobs/finetune_sweep.yaml", FINETUNE,
-                                                 environ={**os.environ, **env, **pretrained}).calls}
+    sweep_recipes = {r for c in load_spec("jobs/finetune_sweep.yaml", FINETUNE,
+                                          environ={**os.environ, **env, **pretrained}).calls for r in c.recipes}
+    assert len(sweep_recipes) == 5, sweep_recipes  # CIFAR-10/100, Pets, Flowers, ImageNet
     trials = [row for row in rows if row["recipe"] in sweep_recipes and row["sweep"]]
     assert {row["recipe"] for row in trials} == sweep_recipes, rows
     assert all(row["status"] == "FINISHED" and row["best_top1"] is not None for row in trials), trials

@@ -1,8 +1,8 @@
 """Pre-training on Ray Train: real shards, 2 CPU workers, gloo, DeepSpeed, MLflow (SQLite).
 
 The debug recipe on the synthetic fractal corpus: the run contract (metrics, analysis, export, a
-re-run) on the reference run of a worker kill, a crash, a driver restart, and a run on object
-storage continued with more steps (a worker kill on two nodes: tests/cluster/test_rehearsal.py).
+re-run) on the reference run of a worker kill, a crash, and a driver restart on object storage
+continued with more steps (a worker kill on two nodes: tests/cluster/test_rehearsal.py).
 """
 import json
 import os
@@ -121,15 +121,16 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
     Any one will do: with keep_checkpoints=2 Ray deletes the oldest as soon as a third is
     registered, so waiting for one particular step could miss it on a busy host.
     """
+    from pipeline import storage
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.checkpoint import storage_path
 
-    run_dir = os.path.join(storage_path(cfg), cfg.run_name)
+    run_dir = storage.join(storage_path(cfg), cfg.run_name)  # a local path or a URI
     t0 = time.time()
     while time.time() - t0 < timeout and alive():
-        names = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []
+        names = storage.listdir(run_dir)
         for name in names:
-            path = os.path.join(run_dir, name)
+            path = storage.join(run_dir, name)
             if name.startswith("checkpoint_") and ckpt.verify(path)[0]:
                 if ckpt.read_meta(path)["step"] >= cfg.train.steps:
                     raise AssertionError(f"the run finished before a mid-run checkpoint was seen: {names}")
@@ -158,14 +159,25 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
 
 
 @pytest.mark.e2e
-def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_session):
+def test_driver_restart_resumes_on_object_storage_continues_and_a_new_name_starts_fresh(tmp_path, shards,
+                                                                                       ray_session, s3):
+    """work_dir on the S3 server. The `vitp pretrain` driver SIGKILLed after a checkpoint in the
+    bucket: started again, it resumes into the same MLflow run; checkpoints land in the bucket
+    (URIs), each with its timings; the finished run started again trains nothing; raising
+    train.steps continues the same MLflow run with the schedule re-planned (the first value of
+    train.steps kept, the new one recorded per continuation); a new run name starts fresh."""
     import ray
 
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from pipeline import storage
+    from pipeline.tracking.store import get_client
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.trainer import run_training
 
-    args = [f"--set=work_dir={tmp_path}", f"--set=data.shards={shards}", "--set=train.steps=100",
-            "--set=train.checkpoint_every=20", "--set=train.log_every=5"]
-    cfg = _cfg(tmp_path, shards, "train.steps=100", "train.checkpoint_every=20")
+    work, db = storage.join(s3.bucket(), "vit"), f"sqlite:///{tmp_path}/mlflow.db"
+    base = [f"work_dir={work}", f"data.shards={shards}", "train.log_every=5", "train.checkpoint_every=20",
+            f"tracking.uri={db}"]
+    args = [f"--set={kv}" for kv in base + ["train.steps=100"]]
+    cfg = resolve("debug", base + ["train.steps=100"])
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1"}
 
     first = _vitp_pretrain(args, env, log_path=tmp_path / "first.log")
@@ -182,13 +194,34 @@ def test_driver_restart_resumes_and_new_name_starts_fresh(tmp_path, shards, ray_
     assert second.returncode == 0, log[-3000:]
     assert "resumed" in log
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(db)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # same MLflow run continued
     run_id = runs[0].info.run_id
     assert [s for s, _ in _history(cfg, run_id, "train/loss")] == list(range(5, 101, 5))
-    assert len(_history(cfg, run_id, "train/resumed_from")) == 1
+    (resumed_at,) = [s for s, _ in _history(cfg, run_id, "train/resumed_from")]
+    checkpoint = storage.join(work, "runs", cfg.run_name, "checkpoint_00000100")
+    assert f"checkpoint: {checkpoint}" in log  # in the bucket
+    assert ckpt.verify(checkpoint)[0] and ckpt.read_meta(checkpoint)["mlflow_run_id"] == run_id
+    for key in ("perf/ckpt_blocked_s", "perf/ckpt_write_mb_s", "perf/ckpt_mb"):
+        assert [s for s, _ in _history(cfg, run_id, key)] == [20, 40, 60, 80, 100], key
+    assert _history(cfg, run_id, "perf/ckpt_mb")[0][1] > 0.1  # the model's state, in MB
+
+    again = run_training(cfg)
+    assert again.already_finished and again.mlflow_run_id == run_id
+
+    more = run_training(resolve("debug", base + ["train.steps=110"]))
+    assert not more.already_finished and more.mlflow_run_id == run_id
+    assert more.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000110")
+    assert [s for s, _ in _history(cfg, run_id, "train/loss")] == list(range(5, 111, 5))
+    assert [s for s, _ in _history(cfg, run_id, "train/resumed_from")] == [resumed_at, 100]
+    lr = dict(_history(cfg, run_id, "train/lr"))
+    assert lr[105] > lr[100]  # re-planned to end at 110: the decay starts over from where 110 puts it
+    run = client.get_run(run_id)
+    assert run.data.params["train.steps"] == "100"
+    assert run.data.params["train.steps.continued_at_100"] == "110"
+    assert run.info.status == "FINISHED"
 
     third = _vitp_pretrain(args + ["--set=tracking.run_name=fresh", "--set=train.steps=10"], env)
     log, _ = third.communicate(timeout=600)
@@ -212,44 +245,6 @@ def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
-
-
-@pytest.mark.e2e
-def test_run_on_object_storage_resumes_continues_and_measures_checkpoints(tmp_path, shards, s3):
-    """work_dir on the S3 server: checkpoints land there (URIs), a finished run started again
-    trains nothing, and raising train.steps continues the same MLflow run with the schedule
-    re-planned (the first value of train.steps kept, the new one recorded per continuation)."""
-    from pipeline import storage
-    from pipeline.tracking.store import get_client
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.trainer import run_training
-
-    work = storage.join(s3.bucket(), "vit")
-    base = [f"work_dir={work}", f"data.shards={shards}", "train.log_every=5",
-            "train.checkpoint_every=10", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
-    cfg = resolve("debug", base + ["train.steps=20"])
-    first = run_training(cfg)
-    assert first.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000020")
-    assert ckpt.verify(first.checkpoint)[0]
-    assert ckpt.read_meta(first.checkpoint)["mlflow_run_id"] == first.mlflow_run_id
-    for key in ("perf/ckpt_blocked_s", "perf/ckpt_write_mb_s", "perf/ckpt_mb"):
-        assert [s for s, _ in _history(cfg, first.mlflow_run_id, key)] == [10, 20], key
-    assert _history(cfg, first.mlflow_run_id, "perf/ckpt_mb")[0][1] > 0.1  # the model's state, in MB
-
-    again = run_training(cfg)
-    assert again.already_finished and again.mlflow_run_id == first.mlflow_run_id
-
-    more = run_training(resolve("debug", base + ["train.steps=30"]))
-    assert not more.already_finished and more.mlflow_run_id == first.mlflow_run_id
-    assert more.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000030")
-    assert [s for s, _ in _history(cfg, first.mlflow_run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
-    assert [s for s, _ in _history(cfg, first.mlflow_run_id, "train/resumed_from")] == [20]
-    lr = dict(_history(cfg, first.mlflow_run_id, "train/lr"))
-    assert lr[25] > lr[20]  # re-planned to end at 30: the decay starts over from where 30 puts it
-    run = get_client(f"sqlite:///{tmp_path}/mlflow.db").get_run(first.mlflow_run_id)
-    assert run.data.params["train.steps"] == "20"
-    assert run.data.params["train.steps.continued_at_20"] == "30"
-    assert run.info.status == "FINISHED"
 
 
 def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:

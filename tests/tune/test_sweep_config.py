@@ -10,7 +10,7 @@ from pipeline.config import ConfigError, ExperimentConfig, validate
 from pipeline.errors import InputError
 from pipeline.model.vit import ViT
 from pipeline.model.weights import write_export
-from pipeline.recipes import resolve, with_overrides
+from pipeline.recipes import overrides_for, resolve, with_overrides
 from pipeline.train.transfer import finetune_config
 from pipeline.tune.sweep import _grid, build_spec, dataset_configs, trial_config
 
@@ -104,6 +104,32 @@ def test_a_sweep_saved_without_configs_rebuilds_them_from_its_overrides(tmp_path
     restored = type(spec)(**old)
     trial = {k: v[0] for k, v in spec.space.items()}
     assert trial_config(restored, trial)[0].to_dict() == trial_config(spec, trial)[0].to_dict()
+
+
+def test_recipe_prefixed_overrides_reach_that_datasets_trials_only(tmp_path):
+    """`--set RECIPE:KEY=VALUE` in a sweep over several datasets (one job spec for a whole
+    transfer): that recipe's trials get it, the others do not; kept as given for a restored sweep;
+    a recipe the sweep does not run, or a key every trial shares, is refused before Ray starts."""
+    (tmp_path / "c10").mkdir()
+    (tmp_path / "pets").mkdir()
+    sets = [f"work_dir={tmp_path}", "train.steps=7", "optim.warmup_steps=1", 'tune.space={"optim.lr":[0.01]}',
+            f"finetune_cifar10:data.path={tmp_path}/c10", f"finetune_pets:data.path={tmp_path}/pets",
+            "finetune_pets:train.steps=5"]
+    base = with_overrides("finetune_cifar10", overrides_for("finetune_cifar10", sets))  # as `vitp sweep` does
+    spec = build_spec("t", base, "finetune_cifar10", sets, recipes=["finetune_cifar10", "finetune_pets"])
+    trials = {t["recipe"]: trial_config(spec, t)[0] for t in _grid(spec)}
+    assert set(trials) == {"finetune_cifar10", "finetune_pets"}  # one learning rate, two datasets
+    assert (trials["finetune_pets"].data.path, trials["finetune_pets"].train.steps) == (f"{tmp_path}/pets", 5)
+    assert (trials["finetune_cifar10"].data.path, trials["finetune_cifar10"].train.steps) == (f"{tmp_path}/c10", 7)
+    restored = type(spec)(**{k: v for k, v in spec.to_dict().items() if k != "configs"})
+    assert trial_config(restored, _grid(spec)[1])[0].to_dict() == trial_config(spec, _grid(spec)[1])[0].to_dict()
+    with pytest.raises(ConfigError, match=r"finetune_flowers:train.steps=5: the sweep runs no recipe "
+                                          r"'finetune_flowers'; its recipes: finetune_cifar10, finetune_pets"):
+        build_spec("t", base, "finetune_cifar10", ["finetune_flowers:train.steps=5"],
+                   recipes=["finetune_cifar10", "finetune_pets"])
+    with pytest.raises(ConfigError, match=r"tracking.experiment is the same for every trial.*without 'finetune_pets:'"):
+        build_spec("t", base, "finetune_cifar10", ["finetune_pets:tracking.experiment=x"],
+                   recipes=["finetune_cifar10", "finetune_pets"])
 
 
 def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, export_dir):
