@@ -32,6 +32,7 @@ TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 .PHONY: install browser test test-fast test-e2e test-all demo clean
 
 define WARM_DS_OPS
+import pipeline.train.engine  # where (the venv) and with which ninja the ops are built, as every run does
 from deepspeed.accelerator import get_accelerator
 acc = get_accelerator()
 if acc.device_name() == "cpu":

@@ -27,6 +27,12 @@ from ..net import free_port
 _VENV_EXTENSIONS = os.path.join(sys.prefix, "torch-extensions")
 if os.path.isdir(_VENV_EXTENSIONS):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", _VENV_EXTENSIONS)
+# ... by the venv's ninja (pip's, which torch runs as plain `ninja` from PATH), whatever PATH this
+# process got: a system ninja of another version hashes the build commands differently, so each
+# would rebuild what the other built (about a minute of both cores per flip).
+_VENV_BIN = os.path.join(sys.prefix, "bin")
+if os.path.isfile(os.path.join(_VENV_BIN, "ninja")) and os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 
 # --------------------------------------------------------------------------- DeepSpeed config
 
