@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
+from .errors import UserError
+
 VERBOSE_ENV = "VITP_VERBOSE"
 
 
@@ -65,7 +67,8 @@ def library_log_level() -> str:
 @contextlib.contextmanager
 def quiet_output() -> Iterator[None]:
     """Hold a library's stdout/stderr chatter (progress bars, "processing ..." lines); printed
-    after all if the block raises, so nothing that explains an error is lost."""
+    after all if the block raises, so nothing that explains an error is lost (but not for a
+    UserError: its one line is the whole explanation)."""
     if verbose():
         yield
         return
@@ -73,6 +76,8 @@ def quiet_output() -> Iterator[None]:
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             yield
+    except UserError:
+        raise
     except BaseException:
         sys.stderr.write(buf.getvalue())
         raise

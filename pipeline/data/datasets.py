@@ -5,16 +5,21 @@ driver as items. CIFAR and digits carry their pixels inline. Must not decode ima
 from __future__ import annotations
 
 import io
-import pickle
 
 import numpy as np
 
+from ..errors import InputError
+from ..safe_load import load_data_pickle
 from ..storage import join
 from .sources import Listing, item, read_bytes
 
 
 def _unpickle(path: str) -> dict:
-    return pickle.loads(read_bytes(path), encoding="bytes")
+    """A CIFAR python batch: numbers, bytes and arrays only (never code a pickle could name)."""
+    d = load_data_pickle(read_bytes(path), path)
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: a CIFAR batch is a dict, this pickle holds a {type(d).__name__}")
+    return d
 
 
 def cifar(root: str, which: str) -> Listing:

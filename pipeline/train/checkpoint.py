@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ExperimentConfig
+from ..safe_load import weights_only
 from .. import storage
 from ..storage import join
 
@@ -139,6 +140,11 @@ def load(engine, directory: str, load_optimizer: bool = True) -> TrainState:
     ok, reason = verify(directory)
     if not ok:
         raise RuntimeError(f"refusing to restore an incomplete checkpoint: {reason}")
+    with weights_only(directory):  # DeepSpeed's loads, the converter's and ours: data only
+        return _load(engine, directory, load_optimizer)
+
+
+def _load(engine, directory: str, load_optimizer: bool) -> TrainState:
     rank, world = _rank_world()
     meta = read_meta(directory)
     if needs_universal(directory, world):
@@ -179,7 +185,7 @@ def _check_loaded(path, directory: str, tag: str) -> None:
 def _restore_rng(directory: str, rank: int) -> None:
     rng_path = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
     if os.path.exists(rng_path):
-        rng = torch.load(rng_path, weights_only=False)
+        rng = torch.load(rng_path, weights_only=True)  # numpy's state: safe_load allows arrays
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
@@ -286,7 +292,7 @@ def _repair_zero3_load(optimizer, universal_dir: str) -> None:
     for st in optimizer.state.values():
         if torch.is_tensor(st.get("step")):
             st["step"] = st["step"].clone()
-    sd = torch.load(os.path.join(universal_dir, "zero", "optimizer_state.pt"), weights_only=False)
+    sd = torch.load(os.path.join(universal_dir, "zero", "optimizer_state.pt"), weights_only=True)
     saved = sd["optimizer_state_dict"]["param_groups"]
     if len(saved) != len(optimizer.param_groups):
         raise RuntimeError(

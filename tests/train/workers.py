@@ -162,3 +162,20 @@ def launch_context(rank, world, tag):
     print(f"rank {rank} of {world} says {tag}", flush=True)
     return {"tag": os.environ.get("VITP_TEST_TAG"), "tmp": tempfile.gettempdir(), "cwd": os.getcwd(),
             "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"])}
+
+
+def load_into_engine(rank, world, stage, ckpt_dirs):
+    """Build the engine `cfg_for(stage, ...)` describes and restore each of `ckpt_dirs` into it
+    in turn, as a resuming Train worker does; for each, the step restored or the error's type
+    and message."""
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.loop import build_model_and_engine
+
+    engine, _, _ = build_model_and_engine(cfg_for(stage, world, 2), world)
+    out = []
+    for d in ckpt_dirs:
+        try:
+            out.append(ckpt.load(engine, d).step)
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out.append(f"{type(e).__name__}: {e}")
+    return out

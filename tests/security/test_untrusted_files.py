@@ -1,0 +1,176 @@
+"""Files from strangers never run code: a checkpoint (export, resume) or a CIFAR batch whose
+unpickling would create a file is refused with one line naming it, and the file never appears.
+
+Each planted file is first shown to work: a plain unpickle of it does create the file, so a
+loader that stopped refusing would fail these tests."""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import InputError
+from pipeline.safe_load import load_data_pickle, torch_load, weights_only
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "train"))
+import workers  # noqa: E402  (tests/train/workers.py: spawned gloo ranks import it by name)
+
+
+class Plant:
+    """Unpickling this opens `path` for writing: it creates the file (any call would do)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _shows_the_attack(load, canary: Path) -> None:
+    """An unrestricted `load()` (pickle.loads, torch.load(weights_only=False)) creates `canary`
+    (removed again): the plant works."""
+    assert not canary.exists()
+    load()
+    assert canary.exists(), "the planted object did not run on an unrestricted load"
+    canary.unlink()
+
+
+def _retamper(ckpt: Path, rel: str, obj) -> None:
+    """Replace ckpt/rel with torch.save(obj) and record its new size in the rank's marker, as
+    someone handing us a crafted directory would: it passes the completeness check."""
+    torch.save(obj, ckpt / rel)
+    marker = ckpt / "complete" / "rank_00000.json"
+    m = json.loads(marker.read_text())
+    assert rel in m["files"], sorted(m["files"])
+    m["files"][rel] = (ckpt / rel).stat().st_size
+    marker.write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real 1-rank ZeRO-2 checkpoint of the debug model (2 steps) and its export."""
+    from pipeline.train.local import launch
+
+    root = tmp_path_factory.mktemp("untrusted")
+    ck, ex = root / "ck", root / "export"
+    launch(workers.train_save_export, 1, 2, 2, str(ck), str(ex))
+    return ck
+
+
+def _tampered(checkpoint: Path, tmp_path: Path, rel: str, canary: Path) -> Path:
+    """A copy of `checkpoint` whose file `rel` plants an object creating `canary`."""
+    bad = tmp_path / "from-a-stranger"
+    shutil.copytree(checkpoint, bad)
+    obj = torch.load(bad / rel, weights_only=False)  # ours: trusted
+    if rel.startswith("rng/"):
+        obj["python"] = Plant(canary)
+    else:
+        obj["ds_version"] = Plant(canary)
+    _retamper(bad, rel, obj)
+    return bad
+
+
+MODEL_STATES = "state/mp_rank_00_model_states.pt"
+
+
+@pytest.mark.slow
+def test_export_of_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, tmp_path):
+    canary = tmp_path / "ran"
+    bad = _tampered(checkpoint, tmp_path, MODEL_STATES, canary)
+    _shows_the_attack(lambda: torch.load(bad / MODEL_STATES, weights_only=False), canary)
+    out = tmp_path / "export"
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", str(bad), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert str(bad) in lines[0] and "refusing to load" in lines[0] and "open)" in lines[0], lines[0]
+    assert not canary.exists() and not (out / "model.safetensors").exists()
+    # the untampered checkpoint still exports (the allow-list covers what DeepSpeed writes)
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", str(checkpoint), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and (out / "model.safetensors").exists(), r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_resume_from_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, tmp_path):
+    """DeepSpeed's load of the model states, and ours of the RNG states."""
+    from pipeline.train.local import launch
+
+    bad = []
+    for i, rel in enumerate([MODEL_STATES, "rng/rank_00000.pt"]):
+        canary = tmp_path / f"ran{i}"
+        bad.append(_tampered(checkpoint, tmp_path / str(i), rel, canary))
+        _shows_the_attack(lambda: torch.load(bad[-1] / rel, weights_only=False), canary)
+    got = launch(workers.load_into_engine, 1, 2, [str(b) for b in bad] + [str(checkpoint)])[0]
+    for b, g in zip(bad, got):
+        assert isinstance(g, str) and g.startswith(f"InputError: {b}: refusing to load it") and ".open)" in g, g
+    assert got[-1] == 2  # the real checkpoint resumes (its step)
+    assert not any(tmp_path.glob("ran*"))
+
+
+def _cifar10(root: Path, meta) -> Path:
+    """A CIFAR-10 python-batch folder (2 images per batch) whose batches.meta is `meta`."""
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), b"labels": [0, 1],
+                 b"batch_label": name.encode(), b"filenames": [b"a.png", b"b.png"]}
+        (root / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (root / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return root
+
+
+def test_cifar_batches_load_as_data_and_a_planted_one_is_refused(tmp_path):
+    from pipeline.data.datasets import cifar
+
+    names = [b"airplane", b"automobile"] + [b"c%d" % i for i in range(8)]
+    good = cifar(str(_cifar10(tmp_path / "good", {b"label_names": names})), "cifar10")
+    assert good.classes[:2] == ["airplane", "automobile"] and len(good.items) == 12
+
+    canary = tmp_path / "ran"
+    planted = {b"label_names": names, b"x": Plant(canary)}
+    _shows_the_attack(lambda: pickle.loads(pickle.dumps(planted, protocol=2)), canary)
+    root = _cifar10(tmp_path / "bad", planted)
+    with pytest.raises(InputError, match=r"batches.meta: refusing to load it: .*asks for (io|builtins).open") as e:
+        cifar(str(root), "cifar10")
+    assert "\n" not in str(e.value)
+    assert not canary.exists()
+
+
+def test_data_pickles_hold_numbers_only():
+    arr = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    got = load_data_pickle(pickle.dumps({b"data": arr, b"l": [1, 2.5, b"x", "y"]}, protocol=2), "f")
+    assert np.array_equal(got[b"data"], arr) and got[b"l"] == [1, 2.5, b"x", "y"]
+    with pytest.raises(InputError, match=r"^f: holds an array of Python objects"):
+        load_data_pickle(pickle.dumps({b"data": np.array([1, "a"], dtype=object)}), "f")
+    with pytest.raises(InputError, match=r"^f: not a readable python pickle"):
+        load_data_pickle(b"\x80\x02}q\x00", "f")  # cut short
+
+
+def test_weights_only_blocks_a_loader_that_asks_for_code_and_restores_the_environment(tmp_path, monkeypatch):
+    """DeepSpeed calls torch.load(..., weights_only=False): inside the block that is refused too;
+    outside it, the process's own setting is back."""
+    canary = tmp_path / "ran"
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(2), "p": Plant(canary)}, path)
+    _shows_the_attack(lambda: torch.load(path, weights_only=False), canary)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(InputError, match=r"^ck: refusing to load it: .*asks for (io|builtins).open"):
+        with weights_only("ck"):
+            torch.load(path, weights_only=False)
+    assert not canary.exists()
+    assert os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD") == "1"
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    with pytest.raises(InputError, match=rf"^{path}: refusing"):
+        torch_load(str(path))
+    torch.save({"w": torch.ones(2), "a": np.arange(3, dtype=np.uint32)}, path)
+    got = torch_load(str(path))
+    assert torch.equal(got["w"], torch.ones(2)) and got["a"].tolist() == [0, 1, 2]
