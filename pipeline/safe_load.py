@@ -1,16 +1,7 @@
-"""Reading files a user hands us without running code from them.
-
-Pickle, which torch checkpoints and CIFAR's python batches are made of, can name any function to
-call while loading. A checkpoint directory or a dataset folder from someone else must therefore
-only ever be read by an unpickler that builds data: tensors, numbers, strings, bytes, containers
-and numpy arrays, plus the few plain classes DeepSpeed puts into its checkpoint files. A file that
-needs anything else is refused (`InputError`, naming the file and what it asked for) before any of
-it runs. The trust model is in docs/security.md.
-
-- `torch_load(path)`: torch.load with `weights_only=True` and `CHECKPOINT_GLOBALS` allowed.
-- `weights_only()`: the same for every torch.load in the block, DeepSpeed's own included (they
-  pass weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that).
-- `load_data_pickle(data, name)`: a CIFAR batch: dicts, lists, numbers, bytes, numpy arrays only.
+"""Reading files a user hands us (checkpoints, CIFAR batches) without running code from them:
+unpicklers that build data only, and refuse, naming the file, one that asks for more. Owns
+`torch_load`, `weights_only` (every torch.load in a block, DeepSpeed's too) and `load_data_pickle`.
+Trust model: docs/security.md. Must not import anything from `pipeline` but errors.
 """
 from __future__ import annotations
 

@@ -205,8 +205,30 @@ def makedirs(path: str) -> None:
     fs.create_dir(inner, recursive=True)
 
 
-def rmtree(path: str) -> None:
-    """Remove a directory tree (or prefix) if it exists."""
+def within(path: str, root: str) -> bool:
+    """True when `path` is `root` or lies under it: local paths compared after resolving
+    symlinks and `..` (a link inside `root` that points outside is outside), URIs by scheme,
+    bucket and normalised key."""
+    import posixpath
+
+    if is_uri(path) != is_uri(root):
+        return False
+    if not is_uri(path):
+        p, r = os.path.realpath(path), os.path.realpath(root)
+    else:
+        (ps, pk), (rs, rk) = (u.split("://", 1) for u in (path, root))
+        if ps != rs:
+            return False
+        p, r = (posixpath.normpath("/" + k) for k in (pk, rk))
+    return p == r or p.startswith(r.rstrip("/") + "/")
+
+
+def rmtree(path: str, root: str) -> None:
+    """Remove a directory tree (or prefix) if it exists. Every recursive delete goes through here
+    and names the root its caller owns (the directory it made, the output the user named):
+    ValueError, deleting nothing, when `path` is not `root` or under it."""
+    if not within(path, root):
+        raise ValueError(f"refusing to delete {path}: it is not inside {root}")
     if not is_uri(path):
         shutil.rmtree(path, ignore_errors=True)
         return

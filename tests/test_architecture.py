@@ -1,8 +1,9 @@
 """The package's shape, checked from its source: the import graph of pipeline/ (every import,
 function-local ones included, relative ones resolved) has no cycles, follows the layer order
-config -> data -> model -> train -> tune -> cluster -> cli (console, errors, net, storage, tracking
-are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out of model/, keeps the
-Ray worker away from the driver, and no file is over 400 lines. Fast: no Ray, one subprocess.
+config -> data -> model -> train -> tune -> cluster -> cli (console, errors, names, net, safe_load,
+storage, tracking are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
+of model/, keeps the Ray worker away from the driver, and no file is over 400 lines. Fast: no Ray,
+one subprocess.
 """
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ LAYER_OF_PREFIX = {"pipeline.config": "config", "pipeline.recipes": "config", "p
                    "pipeline.model": "model", "pipeline.train": "train", "pipeline.tune": "tune",
                    "pipeline.cluster": "cluster", "pipeline.cli": "cli"}
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
-SINKS = ("pipeline.console", "pipeline.errors", "pipeline.net", "pipeline.storage", "pipeline.tracking")
-SINK_MAY_IMPORT = {"pipeline.console": (), "pipeline.errors": (), "pipeline.net": ("pipeline.errors",),
-                   "pipeline.storage": ("pipeline.errors",),
+SINKS = ("pipeline.console", "pipeline.errors", "pipeline.names", "pipeline.net", "pipeline.safe_load",
+         "pipeline.storage", "pipeline.tracking")
+SINK_MAY_IMPORT = {"pipeline.console": ("pipeline.errors",), "pipeline.errors": (),
+                   "pipeline.names": ("pipeline.errors",), "pipeline.net": ("pipeline.errors",),
+                   "pipeline.safe_load": ("pipeline.errors",), "pipeline.storage": ("pipeline.errors",),
                    "pipeline.tracking": SINKS + ("pipeline.config", "pipeline.recipes")}
 # The one upward edge allowed: validation checks a variant name against the (torch-free) table.
 ALLOWED_UPWARD = {("pipeline.config.validate", "pipeline.model.variants")}
 
 TORCH_FREE = ("pipeline.console", "pipeline.config", "pipeline.recipes", "pipeline.tracking", "pipeline.storage",
-              "pipeline.errors", "pipeline.net")
+              "pipeline.errors", "pipeline.names", "pipeline.net")
 TORCH_RAY = {"torch", "ray", "deepspeed"}  # deepspeed imports torch
 MODEL_FORBIDDEN = {"ray", "deepspeed"}
 

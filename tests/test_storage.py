@@ -80,7 +80,7 @@ def test_object_storage_round_trip(s3, tmp_path):
         assert open(os.path.join(d, "state", "w.pt"), "rb").read() == b"0123456789"
     with storage.local_copy(storage.join(root, "meta.json")) as f:
         assert json.load(open(f)) == {"step": 3}
-    storage.rmtree(storage.join(root, "c"))
+    storage.rmtree(storage.join(root, "c"), root)
     assert storage.listdir(root) == ["meta.json"] and storage.listdir(storage.join(root, "c")) == []
 
 

@@ -169,7 +169,7 @@ def test_vitp_export_of_a_uri_checkpoint_to_a_uri(store, trained, capsys):
     assert meta["_export"]["source"] == ck and meta["_export"]["step"] == 2
     # a checkpoint is also a --from source as it is: consolidated from the URI
     assert _same(dict(load_model(ck).state_dict()), dict(load_model(ex_local).state_dict()))
-    storage.rmtree(storage.join(ck, "complete"))  # incomplete now: refused, one line
+    storage.rmtree(storage.join(ck, "complete"), ck)  # incomplete now: refused, one line
     assert main(["export", ck, "--out", storage.join(store, "export2")]) == 2
     assert "incomplete checkpoint" in capsys.readouterr().err
 

@@ -99,7 +99,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
     if fresh and storage.exists(work):
         log(f"[demo] --fresh: removing {work}")
-        storage.rmtree(work)
+        storage.rmtree(work, work)  # the directory the user named (or the default)
     work = storage.abspath(work)
     pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed, "train.objective": objective,
                                                    **(QUICK_PRETRAIN if quick else {})}), check_paths=False)

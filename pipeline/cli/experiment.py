@@ -14,6 +14,7 @@ from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, c
                                typed_changes)
 from pipeline.config import ExperimentConfig, parse_value, set_values, valid_keys, validate
 from pipeline.errors import ConfigError, InputError
+from pipeline.names import check_name
 from pipeline.storage import abspath
 from pipeline.train.transfer import finetune_config
 
@@ -339,6 +340,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipeline.train.export import export  # lazy: keeps vitp --help fast (torch)
 
     out = args.out or args.checkpoint.rstrip("/") + "-export"
+    if args.register:
+        check_name("--register", args.register)  # before the export is written
     export(args.checkpoint, out)
     print(f"wrote {out}/model.safetensors and {out}/config.json")
     if args.register:

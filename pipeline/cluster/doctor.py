@@ -262,7 +262,7 @@ def _cleanup(root: str, shared: str = "") -> None:
         if shared and storage.exists(shared):
             _delete(shared)
         if not [n for n in storage.listdir(storage.join(root, PROBE_DIR)) if n.startswith(("probe-", "shared-"))]:
-            storage.rmtree(storage.join(root, PROBE_DIR))
+            storage.rmtree(storage.join(root, PROBE_DIR), root)
 
 
 def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], None]) -> list[Check]:

@@ -6,10 +6,12 @@ Must not change any value other than making local paths absolute, nor import tor
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..errors import ConfigError
 # The one allowed edge from config into model: the variant table is a torch-free leaf module.
 from ..model.variants import decode_variant
+from ..names import name_error
 from ..storage import abspath, exists, is_uri, isdir
 from .overrides import field_type
 from .schema import ExperimentConfig
@@ -22,6 +24,7 @@ def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfi
     data.path and train.init_from (cluster recipes whose paths live on the cluster).
     """
     problems = [
+        *_finite_problems(cfg), *_name_problems(cfg),
         *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg),
         *(_path_problems(cfg) if check_paths else []),
     ]
@@ -40,6 +43,29 @@ def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
         data=dataclasses.replace(cfg.data, path=abspath(cfg.data.path), shards=abspath(cfg.data.shards)),
         train=dataclasses.replace(cfg.train, init_from=abspath(cfg.train.init_from)),
     )
+
+
+def _finite_problems(cfg, prefix: str = "") -> list[str]:
+    """NaN and infinity in any float key (every range check below would let NaN through)."""
+    problems: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += _finite_problems(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value}: must be a finite number")
+    return problems
+
+
+def _name_problems(cfg: ExperimentConfig) -> list[str]:
+    """Names that become path components (runs/<run_name>, shards/<dataset>, ...): one
+    component each (pipeline/names.py)."""
+    named = [("tracking.experiment", cfg.tracking.experiment)]
+    if cfg.tracking.run_name:  # "" = derived from the recipe
+        named.append(("tracking.run_name", cfg.tracking.run_name))
+    named += [("train.fewshot_datasets", d.strip()) for d in cfg.train.fewshot_datasets
+              if d.strip() and "/" not in d]  # with a "/" it is a path or URI, not a name
+    return [error for key, value in named if (error := name_error(key, value))]
 
 
 def _shape_problems(cfg: ExperimentConfig) -> list[str]:

@@ -29,7 +29,7 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
         raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
                               "or choose another output directory")
     if overwrite:
-        storage.rmtree(out)
+        storage.rmtree(out, out)  # the output the user named
     t0 = time.time()
     res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
                           d.synth_seed, out)

@@ -11,7 +11,6 @@ import contextlib
 import io
 import os
 import random
-import shutil
 import socket
 import tempfile
 import time
@@ -273,11 +272,11 @@ def _load_resized(engine, directory: str, meta: dict[str, Any], load_optimizer: 
             _repair_zero3_load(engine.optimizer.optimizer, os.path.join(out, meta["tag"]))
     except BaseException:
         if rank == leader:  # failing anyway: leave no copy behind
-            shutil.rmtree(out, ignore_errors=True)
+            storage.rmtree(out, tempfile.gettempdir())
         raise
     _all_gather(None)  # every rank on the host has read the copy
     if rank == leader:
-        shutil.rmtree(out, ignore_errors=True)
+        storage.rmtree(out, tempfile.gettempdir())
     _seed_rng(meta, rank)
     return TrainState(**meta["train_state"])
 

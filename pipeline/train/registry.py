@@ -15,6 +15,7 @@ from mlflow.entities import Metric
 from .. import storage
 from ..console import quiet_output
 from ..errors import InputError
+from ..names import check_name
 from ..model.weights import mark_registered, read_config, source_info
 from ..tracking.runs import params_for_mlflow
 from ..tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
@@ -49,6 +50,7 @@ def register_export(export_dir: str, name: str, tracking_uri: str | None = None,
                     log: Callable[[str], None] = print) -> dict[str, Any]:
     """Log `export_dir` as a model of the run that trained it and register it under `name`;
     returns {name, version, model_id, model_uri, run_id}. InputError if it is not an export."""
+    check_name("--register", name)
     info = source_info(export_dir)
     if info.kind != "export":
         raise InputError(f"{export_dir}: not an export (no model.safetensors); run `vitp export "

@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from typing import Any, Iterator
@@ -222,8 +221,9 @@ def train_per_worker(config: dict[str, Any]) -> None:
 
     # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
     # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
-    staging = os.path.join(tempfile.gettempdir(), "vitp-ckpt-staging", cfg.run_name)
-    shutil.rmtree(staging, ignore_errors=True)
+    staging_root = os.path.join(tempfile.gettempdir(), "vitp-ckpt-staging")
+    staging = os.path.join(staging_root, cfg.run_name)
+    storage.rmtree(staging, staging_root)
 
     t_start, start_step = time.time(), state.step
 
@@ -264,7 +264,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
                              checkpoint_dir_name=f"checkpoint_{step:08d}")
             written = sum(storage.file_sizes(local).values())
         finally:
-            shutil.rmtree(local, ignore_errors=True)
+            storage.rmtree(local, staging)
         io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
         watch.checkpoint_s = io["perf/ckpt_blocked_s"]
         if rank == 0:

@@ -22,6 +22,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
+from ..names import check_name
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
@@ -76,6 +77,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     Every trial config of the grid is validated here (ConfigError naming the trial before Ray
     starts); trials do not validate again.
     """
+    check_name("--name", name)  # <work_dir>/sweeps/<name>, the MLflow parent run
     space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
     space.update(extra_space or {})
     if recipes:
