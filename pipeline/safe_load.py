@@ -87,12 +87,13 @@ def weights_only(what: str = "checkpoint") -> Iterator[None]:
                         os.environ[k] = v
 
 
-def torch_load(path: str, map_location: Any = "cpu") -> Any:
-    """torch.load of one file, data only (InputError naming `path` otherwise)."""
+def torch_load(src: Any, map_location: Any = "cpu", what: str | None = None) -> Any:
+    """torch.load of one file (a path or a file object), data only (InputError naming `what`,
+    default the path, otherwise)."""
     import torch
 
-    with weights_only(path):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    with weights_only(what or str(src)):
+        return torch.load(src, map_location=map_location, weights_only=True)
 
 
 class _DataUnpickler(pickle.Unpickler):

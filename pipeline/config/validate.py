@@ -24,7 +24,7 @@ def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfi
     data.path and train.init_from (cluster recipes whose paths live on the cluster).
     """
     problems = [
-        *_finite_problems(cfg), *_name_problems(cfg),
+        *_finite_problems(cfg), *_range_problems(cfg), *_name_problems(cfg),
         *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg),
         *(_path_problems(cfg) if check_paths else []),
     ]
@@ -54,6 +54,28 @@ def _finite_problems(cfg, prefix: str = "") -> list[str]:
             problems += _finite_problems(value, f"{key}.")
         elif isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{key}={value}: must be a finite number")
+    return problems
+
+
+# float keys whose meaning bounds them: (section, key, low, high, high included); low is included
+_RANGES = [("model", "dropout", 0.0, 1.0, False), ("model", "attn_dropout", 0.0, 1.0, False),
+           ("optim", "beta1", 0.0, 1.0, False), ("optim", "beta2", 0.0, 1.0, False),
+           ("optim", "momentum", 0.0, 1.0, False), ("optim", "min_lr_ratio", 0.0, 1.0, True),
+           ("optim", "weight_decay", 0.0, math.inf, False)]
+# ... and those that must be positive
+_POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "device_peak_tflops")]
+
+
+def _range_problems(cfg: ExperimentConfig) -> list[str]:
+    problems: list[str] = []
+    for section, key, lo, hi, hi_in in _RANGES:
+        v = getattr(getattr(cfg, section), key)
+        if math.isfinite(v) and not (lo <= v and (v <= hi if hi_in else v < hi)):
+            problems.append(f"{section}.{key}={v}: must be in [{lo:g}, {hi:g}{']' if hi_in else ')'}")
+    for section, key in _POSITIVE:
+        v = getattr(getattr(cfg, section), key)
+        if math.isfinite(v) and v <= 0:
+            problems.append(f"{section}.{key}={v}: must be > 0")
     return problems
 
 

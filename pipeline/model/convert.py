@@ -95,8 +95,23 @@ _JAX_BLOCK_NAMES = {
 def _load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
     if isinstance(src, Mapping):
         return {k: np.asarray(v) for k, v in src.items()}
-    with storage.local_copy(src) as local, np.load(local, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    import zipfile
+
+    with storage.local_copy(src) as local:
+        with open(local, "rb") as f:
+            if f.read(6)[:2] != b"PK":  # an .npz is a zip archive of .npy files
+                raise InputError(f"{src}: not an .npz file (no zip header); is it the right file, "
+                                 "and is the download complete?")
+        try:
+            with np.load(local, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except ValueError as e:
+            if "pickle" not in str(e):
+                raise InputError(f"{src}: not a readable .npz ({e})") from None
+            raise InputError(f"{src}: holds pickled Python objects, which are never loaded (loading "
+                             "them could run code): an official ViT .npz holds arrays only") from None
+        except (OSError, EOFError, zipfile.BadZipFile) as e:
+            raise InputError(f"{src}: not a readable .npz ({e}); is the download complete?") from None
 
 
 def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str, Any]]:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from .. import storage
 from ..config import ExperimentConfig
-from ..errors import InputError
+from ..errors import InputError, UserError
+from ..safe_load import torch_load
 
 if TYPE_CHECKING:
     import torch
@@ -116,8 +117,6 @@ def read_weights(path: str) -> dict[str, "torch.Tensor"]:
     checkpoint layouts). A training checkpoint dir needs DeepSpeed to consolidate: that is
     pipeline.train.export.load_weights.
     """
-    import torch  # lazy: torch (source_info / read_config are metadata only)
-
     if not storage.exists(path):
         raise _missing(path)
     if storage.isdir(path):
@@ -132,16 +131,17 @@ def read_weights(path: str) -> dict[str, "torch.Tensor"]:
     if not path.endswith(WEIGHT_FILES):
         raise InputError(f"{path}: unknown weights format; use an export directory, .safetensors, "
                          ".pt, .pth or .bin")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load, load_file  # lazy: torch (as above)
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load, load_file  # lazy: torch (as above)
 
-        if not storage.is_uri(path):
-            return dict(load_file(path))
-        return dict(load(storage.read_bytes(path)))
-    if storage.is_uri(path):
-        obj = torch.load(io.BytesIO(storage.read_bytes(path)), map_location="cpu", weights_only=True)
-    else:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+            return dict(load_file(path) if not storage.is_uri(path) else load(storage.read_bytes(path)))
+        obj = torch_load(io.BytesIO(storage.read_bytes(path)) if storage.is_uri(path) else path, what=path)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever safetensors or torch says of a damaged file
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(f"{path}: not a readable weights file ({reason}); is the download complete?") from None
     for key in ("state_dict", "model", "module"):  # common checkpoint wrappers
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

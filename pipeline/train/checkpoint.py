@@ -249,10 +249,12 @@ def _load_resized(engine, directory: str, meta: dict[str, Any], load_optimizer: 
     leader = keys.index(key)  # lowest rank with this host and path
     out, err, t0 = None, None, time.perf_counter()
     if rank == leader:
+        # $TMPDIR, not the run directory: a crash must leave nothing among the checkpoints
+        tmp = tempfile.mkdtemp(prefix="universal_")
         try:
-            # $TMPDIR, not the run directory: a crash must leave nothing among the checkpoints
-            out = to_universal(directory, tempfile.mkdtemp(prefix="universal_"))
+            out = to_universal(directory, tmp)
         except Exception as e:  # share the failure: the other ranks must not wait forever
+            storage.rmtree(tmp, tempfile.gettempdir())  # nor leave a half-converted copy
             err = f"rank {rank}: {e}"
     results = _all_gather((out, err))
     errors = [e for _, e in results if e]
@@ -321,14 +323,20 @@ def run_dir(cfg: ExperimentConfig) -> str:
     return join(storage_path(cfg), cfg.run_name)
 
 
-def latest_complete_checkpoint(cfg: ExperimentConfig) -> str | None:
+def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
     """Newest checkpoint directory of this run that passes `verify`, on local disk or object
-    storage, whether or not Ray registered it (a worker killed inside `report` leaves one)."""
+    storage, whether or not Ray registered it (a worker killed inside `report` leaves one).
+    `warn(line)` is told of each newer one passed over and why."""
     root = run_dir(cfg)
     for name in reversed(storage.listdir(root)):
         path = join(root, name)
-        if name.startswith("checkpoint_") and verify(path)[0]:
+        if not name.startswith("checkpoint_"):
+            continue
+        ok, reason = verify(path)
+        if ok:
             return path
+        if warn:
+            warn(f"passing over {path}: {reason}")
     return None
 
 

@@ -6,6 +6,7 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     root = shards_dir(cfg)
     if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)
         require_labels(cfg, root, read_manifest(root))  # no classifier on unlabelled shards
-    existing = ckpt.latest_complete_checkpoint(cfg)
+    existing = ckpt.latest_complete_checkpoint(
+        cfg, warn=lambda line: print(f"[{cfg.run_name}] warning: {line}", file=sys.stderr, flush=True))
     if existing and cfg.train.resume == "never":
         raise FileExistsError(
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "

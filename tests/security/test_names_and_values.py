@@ -81,3 +81,19 @@ def test_recursive_delete_stays_inside_its_root(tmp_path):
     assert storage.within("s3://b/root/run/", "s3://b/root") and storage.within("s3://b/root", "s3://b/root/")
     storage.rmtree(str(root / "run"), str(root))
     assert not (root / "run").exists() and (outside / "keep").exists()
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("model.dropout", "1.0", r"must be in \[0, 1\)"), ("model.attn_dropout", "-0.1", r"must be in \[0, 1\)"),
+    ("optim.beta2", "1.5", r"must be in \[0, 1\)"), ("optim.momentum", "1", r"must be in \[0, 1\)"),
+    ("optim.min_lr_ratio", "2", r"must be in \[0, 1\]"), ("optim.weight_decay", "-0.1", r"must be in \[0, inf\)"),
+    ("data.shard_mb", "0", "must be > 0"), ("parallel.cpus_per_worker", "-1", "must be > 0"),
+    ("train.device_peak_tflops", "0", "must be > 0"), ("tracking.log_timeout_s", "0", "must be > 0")])
+def test_values_outside_their_meaning_are_refused(key, value, why):
+    with pytest.raises(ConfigError, match=rf"{key}={value}\S*:? {why}"):
+        resolve("debug", [f"{key}={value}"])
+
+
+def test_range_bounds_that_mean_something_pass():
+    cfg = resolve("debug", ["model.dropout=0", "optim.min_lr_ratio=1", "optim.weight_decay=0", "optim.beta2=0.9999"])
+    assert (cfg.model.dropout, cfg.optim.min_lr_ratio) == (0.0, 1.0)

@@ -174,3 +174,21 @@ def test_weights_only_blocks_a_loader_that_asks_for_code_and_restores_the_enviro
     torch.save({"w": torch.ones(2), "a": np.arange(3, dtype=np.uint32)}, path)
     got = torch_load(str(path))
     assert torch.equal(got["w"], torch.ones(2)) and got["a"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"\x00" * 64, "not an .npz file (no zip header)"),
+    (b"PK\x03\x04cut short", "not a readable .npz"),
+    ("object-array", "holds pickled Python objects, which are never loaded")])
+def test_import_of_a_bad_npz_names_it_and_never_unpickles(tmp_path, capsys, content, says):
+    from pipeline.cli import main
+
+    src, out = tmp_path / "weights.npz", tmp_path / "imported"
+    if content == "object-array":
+        np.savez(src, a=np.array([1, "x"], dtype=object))
+    else:
+        src.write_bytes(content)
+    assert main(["import", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vitp import: {src}: {says}") and "\n" not in err, err
+    assert not out.exists()

@@ -132,6 +132,25 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
         ckpt.load(None, str(tmp_path / "nothing"))
 
 
+def test_the_newest_complete_checkpoint_is_picked_and_each_newer_one_passed_over_is_named(tmp_path):
+    from pipeline.recipes import resolve
+
+    cfg = resolve("debug", [f"work_dir={tmp_path}", "tracking.run_name=r"])
+    for step, complete in [(2, True), (4, False), (6, False)]:
+        d = tmp_path / "runs" / "r" / f"checkpoint_{step:08d}"
+        (d / "complete").mkdir(parents=True)
+        (d / "meta.json").write_text(f'{{"world_size": 1, "step": {step}, "tag": "state", "train_state": {{}}}}')
+        if complete:
+            (d / "complete" / "rank_00000.json").write_text('{"files": {}}')
+    warned = []
+    got = ckpt.latest_complete_checkpoint(cfg, warn=warned.append)
+    assert got == str(tmp_path / "runs" / "r" / "checkpoint_00000002")
+    assert [w.split(":")[0] for w in warned] == [
+        f"passing over {tmp_path}/runs/r/checkpoint_{s:08d}" for s in (6, 4)], warned
+    assert all("rank 0 of 1 has no completion marker" in w for w in warned)
+    assert ckpt.latest_complete_checkpoint(cfg) == got  # no callback: the same pick, quietly
+
+
 def test_marker_listing_survives_ranks_writing_markers(tmp_path):
     """Ranks sharing a directory: one rank lists its files while another renames its marker
     from .tmp into place. The listing must neither fail on the vanished .tmp nor list markers."""
