@@ -110,6 +110,11 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
     return im
 
 
+# Rows converted at a time by to_rgb: its wider-typed temporaries are this many rows, not the whole
+# image (a 16 Mpx RGBA PNG of a few KB took 0.85 GB as one float32 pass; benchmarks/decode_memory.py)
+_ROWS = 256
+
+
 def to_rgb(im: Image.Image) -> np.ndarray:
     """Any Pillow image -> (H, W, 3) uint8 RGB, EXIF orientation applied.
 
@@ -125,12 +130,14 @@ def to_rgb(im: Image.Image) -> np.ndarray:
         pass
     mode = im.mode
     if mode.startswith("I;16") or mode == "I":
-        a = np.asarray(im).astype(np.float64)
-        if mode == "I" and a.max(initial=0) <= 255:
-            a8 = np.clip(a, 0, 255)
-        else:
-            a8 = np.clip(a, 0, 65535) / 257.0
-        return np.repeat(np.rint(a8).astype(np.uint8)[..., None], 3, axis=2)
+        a = np.asarray(im)
+        scale = 1 if mode == "I" and a.max(initial=0) <= 255 else 257
+        out = np.empty(a.shape + (3,), np.uint8)
+        for r in range(0, a.shape[0], _ROWS):  # a block of rows at a time: no full-size int64 copy
+            v = np.clip(a[r:r + _ROWS].astype(np.int64), 0, 255 * scale)
+            # round(v / scale), exact in integers (no ties: 257 is odd, scale 1 divides)
+            out[r:r + _ROWS] = ((2 * v + scale) // (2 * scale))[..., None]
+        return out
     if mode == "F":
         a = np.asarray(im).astype(np.float64)
         a = a * 255.0 if a.max(initial=0) <= 1.0 else a
@@ -138,10 +145,15 @@ def to_rgb(im: Image.Image) -> np.ndarray:
     has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
         mode == "P" and "transparency" in im.info) or (mode in ("L", "RGB") and "transparency" in im.info)
     if has_alpha:
-        rgba = np.asarray(im.convert("RGBA")).astype(np.float32)
-        alpha = rgba[..., 3:4] / 255.0
-        out = rgba[..., :3] * alpha + 255.0 * (1.0 - alpha)  # composite on white
-        return np.rint(out).astype(np.uint8)
+        rgba = np.asarray(im if im.mode == "RGBA" else im.convert("RGBA"))  # (convert copies)
+        out = np.empty(rgba.shape[:2] + (3,), np.uint8)
+        for r in range(0, rgba.shape[0], _ROWS):  # a block of rows at a time (see _ROWS)
+            block = rgba[r:r + _ROWS].astype(np.uint32)
+            c, a = block[..., :3], block[..., 3:4]
+            # composite on white, round(c a / 255 + 255 (1 - a / 255)) in integers: exact, and
+            # no ties (the numerator would be an odd multiple of 255 / 2)
+            out[r:r + _ROWS] = (2 * (c * a + 255 * (255 - a)) + 255) // 510
+        return out
     try:
         rgb = im.convert("RGB")
     except Exception as e:  # noqa: BLE001

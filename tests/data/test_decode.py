@@ -162,3 +162,22 @@ def test_crop_resize_matches_pillow_and_flips():
     box = (0.5, 1.25, 60.5, 61.25)
     ref = np.asarray(Image.fromarray(img).resize((32, 32), Image.BILINEAR, box=box))
     assert (crop_resize(img, box, 32, flip=False) == ref).all()
+
+
+def test_alpha_and_16_bit_conversions_equal_the_float64_formula_in_blocks_of_rows():
+    """to_rgb converts a block of rows at a time in integers (bounded memory,
+    benchmarks/decode_memory.py): the same bytes as the float64 formula for every (colour, alpha)
+    and every 16-bit value, across block boundaries (600 rows > decode._ROWS)."""
+    from pipeline.data import decode
+
+    c, a = np.meshgrid(np.arange(256), np.arange(256), indexing="ij")  # every pair
+    rgba = np.stack([c, 255 - c, c, a], axis=-1).astype(np.uint8)
+    rgba = np.concatenate([rgba, rgba, rgba[:88]])  # 600 rows
+    assert rgba.shape[0] > decode._ROWS
+    want = np.rint((rgba[..., :3].astype(np.float64) * rgba[..., 3:4] + 255.0 * (255 - rgba[..., 3:4])) / 255.0)
+    assert np.array_equal(decode.to_rgb(Image.fromarray(rgba, "RGBA")), want.astype(np.uint8))
+    v = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    v = np.concatenate([v, v, v[:88]])
+    want = np.rint(v.astype(np.float64) / 257.0).astype(np.uint8)
+    got = decode.to_rgb(Image.fromarray(v))
+    assert np.array_equal(got[..., 0], want) and np.array_equal(got[..., 2], want)
