@@ -7,6 +7,7 @@ pipeline/tracking/server.py. Must not contain logic, print a secret value, or bi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -143,6 +144,7 @@ def _add_doctor(sub) -> Handler:
 
 
 def cmd_mlflow_server(args: argparse.Namespace) -> int:
+    from pipeline.tracking.redact import redact_text
     from pipeline.tracking.server import AuthSettings, start_server  # lazy: keeps vitp --help fast (mlflow)
 
     allowed = [h for h in (args.allowed_hosts or "").split(",") if h]
@@ -151,7 +153,7 @@ def cmd_mlflow_server(args: argparse.Namespace) -> int:
         allowed_hosts=allowed or None, workers=args.workers,
         auth=AuthSettings() if args.auth else None, log_path=args.log,
     )
-    print(f"mlflow server at {handle.uri} (backend {args.backend_store_uri}, artifacts "
+    print(f"mlflow server at {handle.uri} (backend {redact_text(args.backend_store_uri)}, artifacts "
           f"{args.artifacts_destination}, auth {'basic' if args.auth else 'off'}); log {handle.log_path}")
     print(f"  clients: export MLFLOW_TRACKING_URI={handle.uri}"
           + ("  MLFLOW_TRACKING_USERNAME=... MLFLOW_TRACKING_PASSWORD=..." if args.auth else ""))
@@ -173,8 +175,11 @@ def _add_mlflow_server(sub) -> Handler:
                                    "$MLFLOW_AUTH_ADMIN_PASSWORD, never the old default).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--backend-store-uri", default="sqlite:///mlflow-server/mlflow.db",
-                   help="SQL store: sqlite:///path.db or postgresql://... (default %(default)s)")
+    p.add_argument("--backend-store-uri",
+                   default=os.environ.get("MLFLOW_BACKEND_STORE_URI") or "sqlite:///mlflow-server/mlflow.db",
+                   help="SQL store: sqlite:///path.db or postgresql://... (default $MLFLOW_BACKEND_STORE_URI, "
+                        "else sqlite:///mlflow-server/mlflow.db); a URI with a password belongs in that "
+                        "variable, not on a command line others can read")
     p.add_argument("--artifacts-destination", default="mlflow-server/artifacts",
                    help="artifact store the server proxies: a directory or s3://, gs:// URI")
     p.add_argument("--allowed-hosts", default="",

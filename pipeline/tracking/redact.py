@@ -26,8 +26,9 @@ _SECRET_VALUES = [
     re.compile(r"\bsk-[A-Za-z0-9_-]{20,}\b"),  # OpenAI-style API keys
     re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),  # Authorization header values
 ]
-# scheme://user:password@host -> scheme://user:***@host (keeps the host, which is useful).
-_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^@\s/]+)@")
+# scheme://user:password@host -> scheme://user:***@host (keeps the host, which is useful). The
+# password runs to the next "@": cloud secret keys hold "/" and "+", often not percent-encoded.
+_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^@\s]+)@")
 # key=value pairs inside a string, e.g. a command line or query string: "...&token=abc".
 _INLINE_PAIR = re.compile(
     r"(?P<k>[A-Za-z0-9_.-]*(?:passw(?:or)?d|secret|token|api[_-]?key|access[_-]?key|_key))"

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from pipeline.net import free_port
 from pipeline.storage import is_uri
+from pipeline.tracking.redact import redact_text
 from pipeline.tracking.store import TrackingError, get_client, normalise_uri
 
 log = logging.getLogger(__name__)
@@ -223,8 +224,7 @@ def start_server(
     for _ in range(3):  # a picked port can be taken before the server binds it
         p = port or free_port(host)  # another process can take it first: retried below
         cmd = [
-            sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", backend,
+            sys.executable, "-m", "mlflow", "server",  # the backend URI (a password?) goes by env, not argv
             "--serve-artifacts", "--artifacts-destination", artifact_root,
             "--host", host, "--port", str(p),
             "--workers", str(workers),
@@ -241,6 +241,7 @@ def start_server(
             env={
                 **os.environ,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
+                "MLFLOW_BACKEND_STORE_URI": backend,  # `mlflow server --backend-store-uri`'s envvar
                 **store_env,
                 **(env or {}),
                 **auth_env,
@@ -260,7 +261,7 @@ def start_server(
         if timed_out or port or "address already in use" not in last_error.lower():
             break  # only a port we picked and lost to another process is worth a retry
     raise TrackingError(
-        f"mlflow server (backend {backend}, artifacts {artifact_root}) did not answer /health on "
+        f"mlflow server (backend {redact_text(backend)}, artifacts {artifact_root}) did not answer /health on "
         f"{host}:{p} within {timeout:.0f}s: check the flags and that the port is free; "
         f"log {log_file}:\n{last_error}"
     )

@@ -26,6 +26,21 @@ def get(url, host=None, user=None, password=None):
         return e.code
 
 
+def _group_cmdlines(pgid: int) -> list[str]:
+    """The command lines of every process in process group `pgid` (the server and its workers)."""
+    import os
+
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return out
+
+
 def test_refuses_the_default_admin_password(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_AUTH_ADMIN_PASSWORD", "password1234")
     with pytest.raises(TrackingError, match="refusing to start.*password1234"):
@@ -49,6 +64,9 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
                           log_path=tmp_path / "server.log")
     try:
         assert "basic-auth" in handle.command and password not in " ".join(handle.command)
+        # the backend store URI (a database password in production) is in no process's argv
+        cmdlines = _group_cmdlines(handle.process.pid)
+        assert cmdlines and not any(str(tmp_path / "m.db") in c for c in cmdlines), cmdlines
         api = f"{handle.uri}/api/2.0/mlflow/experiments/search?max_results=1"
         assert get(api) == 401
         assert get(api, user="admin", password="wrong-password-123") == 401

@@ -47,3 +47,13 @@ def test_key_pairs_inside_text_are_masked():
     out = redact_text("AZURE_STORAGE_KEY=abc123secret ssh_key: zzz monkey=3")
     assert "abc123secret" not in out and "zzz" not in out
     assert "AZURE_STORAGE_KEY=***" in out and "monkey=3" in out
+
+
+def test_uri_passwords_with_slashes_and_pluses_are_masked_whole():
+    """Cloud secret keys hold "/" and "+" and are often pasted into a URI unencoded."""
+    from pipeline.tracking.redact import redact_text
+
+    secret = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/EXAMPLEKEY"
+    out = redact_text(f"postgresql://mlflow:{secret}@db.internal:5432/mlflow and s3://bucket/a/b.db")
+    assert out == "postgresql://mlflow:***@db.internal:5432/mlflow and s3://bucket/a/b.db"
+    assert not any(part in out for part in secret.split("/"))
