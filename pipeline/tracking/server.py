@@ -42,7 +42,7 @@ class AuthSettings:
 
     admin_password: str = ""  # "" = take $MLFLOW_AUTH_ADMIN_PASSWORD
     admin_username: str = "admin"
-    database_uri: str = ""  # "" = sqlite beside the tracking store's log file
+    database_uri: str = ""  # "" = auth.db beside a SQLite tracking store, else ./mlflow-server/auth.db
     default_permission: str = "READ"  # what a signed-in user may do to others' experiments
 
 
@@ -74,7 +74,17 @@ def _check_external_auth_config(path: str) -> None:
         )
 
 
-def _auth_env(auth: AuthSettings, log_file: Path, env: dict[str, str]) -> dict[str, str]:
+def _auth_db(auth: AuthSettings, backend: str) -> str:
+    """Where the users live: AuthSettings.database_uri, else `auth.db` beside a SQLite tracking
+    store, else ./mlflow-server/auth.db. Never a temp file: users must survive a restart."""
+    if auth.database_uri:
+        return auth.database_uri
+    if backend.startswith("sqlite:///"):
+        return f"sqlite:///{Path(backend[len('sqlite:///'):]).resolve().parent / 'auth.db'}"
+    return f"sqlite:///{Path('mlflow-server').resolve() / 'auth.db'}"
+
+
+def _auth_env(auth: AuthSettings, backend: str, log_file: Path, env: dict[str, str]) -> dict[str, str]:
     """Environment for the basic-auth app: generated config file, password and CSRF key."""
     merged = {**os.environ, **env}
     password = check_admin_password(auth.admin_password or merged.get("MLFLOW_AUTH_ADMIN_PASSWORD"))
@@ -82,7 +92,9 @@ def _auth_env(auth: AuthSettings, log_file: Path, env: dict[str, str]) -> dict[s
     if merged.get("MLFLOW_AUTH_CONFIG_PATH"):
         _check_external_auth_config(merged["MLFLOW_AUTH_CONFIG_PATH"])
     else:
-        db = auth.database_uri or f"sqlite:///{log_file.with_suffix('.auth.db')}"
+        db = _auth_db(auth, backend)
+        if db.startswith("sqlite:///"):
+            Path(db[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         cp = configparser.ConfigParser()
         cp["mlflow"] = {
             "default_permission": auth.default_permission,
@@ -204,6 +216,8 @@ def start_server(
             "login: turn on basic auth (vitp mlflow-server --auth, with MLFLOW_AUTH_ADMIN_PASSWORD "
             "set) or bind --host 127.0.0.1"
         )
+    if auth is not None:  # a missing or default password is refused before anything is written
+        check_admin_password(auth.admin_password or {**os.environ, **(env or {})}.get("MLFLOW_AUTH_ADMIN_PASSWORD"))
     backend = normalise_uri(backend_store_uri)
     if backend.startswith("sqlite:"):
         # Create/migrate the schema here, under our file lock: on a fresh DB the server's own
@@ -219,7 +233,7 @@ def start_server(
             "(the names clients use) when exposing it beyond this machine", host
         )
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="mlflow-server-", suffix=".log")[1])
-    auth_env = _auth_env(auth, log_file, env or {}) if auth is not None else {}
+    auth_env = _auth_env(auth, backend, log_file, env or {}) if auth is not None else {}
     last_error = ""
     for _ in range(3):  # a picked port can be taken before the server binds it
         p = port or free_port(host)  # another process can take it first: retried below

@@ -52,7 +52,9 @@ def test_refuses_the_default_admin_password(tmp_path, monkeypatch):
     # ... and a missing password, and an exposed host without auth.
     monkeypatch.delenv("MLFLOW_AUTH_ADMIN_PASSWORD")
     with pytest.raises(TrackingError, match="MLFLOW_AUTH_ADMIN_PASSWORD"):
-        start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "a"), auth=AuthSettings())
+        start_server(f"sqlite:///{tmp_path}/new/m.db", str(tmp_path / "new" / "a"), auth=AuthSettings(),
+                     log_path=tmp_path / "new" / "server.log")
+    assert not (tmp_path / "new").exists()  # refused before anything was written
     with pytest.raises(TrackingError, match="without a login"):
         start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "a"), host="0.0.0.0")
 
@@ -77,6 +79,18 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
     finally:
         handle.stop()
     assert not handle.alive()
+    # the users live beside the tracking store, not in a temp file: a restart (another log file,
+    # another bootstrap password, which only seeds an empty user store) keeps the admin's login
+    assert (tmp_path / "auth.db").exists()
+    handle = start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "art"), host="127.0.0.1",
+                          auth=AuthSettings(admin_password="another-long-password-9q2w"),
+                          log_path=tmp_path / "server2.log")
+    try:
+        api = f"{handle.uri}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert get(api, user="admin", password=password) == 200
+        assert get(api, user="admin", password="another-long-password-9q2w") == 401
+    finally:
+        handle.stop()
 
 
 def test_server_with_artifacts_on_s3_stores_what_clients_log_in_the_bucket(s3, tmp_path):
