@@ -20,9 +20,11 @@ from pipeline.model.weights import IMPORT_FORMATS  # torch-free: the importer's 
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from pipeline.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from pipeline.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from pipeline.model.weights import check_source
     from pipeline.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
 
     cfg = config_from(args)
+    check_source(args.source)  # before Ray starts: a wrong --from fails once, here
     connect_ray(cfg, args.address)
     ensure_shards(cfg)
     result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)

@@ -100,6 +100,19 @@ def source_info(source: str) -> SourceInfo:
                       step=int(extra.get("step", 0) or 0), registered=extra.get("registered"))
 
 
+def check_source(source: str) -> SourceInfo:
+    """source_info of a weights source a run will load, refused here (on the driver, before Ray
+    starts) when it cannot be one: a directory that is neither an export nor a checkpoint, a file
+    that is not a weights file (e.g. an export's config.json)."""
+    info = source_info(source)
+    if info.kind == "directory":
+        raise InputError(f"{source}: neither an export ({WEIGHTS}) nor a training checkpoint "
+                         f"({CHECKPOINT_META}); give {_SOURCES}")
+    if info.kind == "file" and not info.path.endswith(WEIGHT_FILES):
+        raise InputError(f"{source}: not a weights file ({', '.join(WEIGHT_FILES)}); give {_SOURCES}")
+    return info
+
+
 def read_config(path: str) -> ExperimentConfig:
     """The ExperimentConfig stored beside the weights at `path` (export dir, weights file or
     checkpoint dir)."""

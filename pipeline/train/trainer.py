@@ -26,6 +26,7 @@ from ..data.shards import read_manifest
 from ..model.analysis import REPORT, summary_lines, write_report
 from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
+from ..model.weights import check_source
 from ..tracking.lineage import log_model_input, log_shards
 from ..tracking.runs import RunLogger, source_tags
 from ..tracking.store import get_client, resolve_tracking_uri
@@ -94,6 +95,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     and continues the same MLflow run; a new name starts fresh.
     """
     cfg = absolute_paths(cfg)  # workers do not share the driver's working directory
+    if cfg.train.init_from not in ("", "scratch"):
+        check_source(cfg.train.init_from)  # a wrong file fails here, once, not in every worker
     t0 = time.time()
     root = shards_dir(cfg)
     if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from .. import storage
 from ..config import ExperimentConfig, set_values
-from ..model.weights import source_info
+from ..model.weights import check_source
 
 
 def finetune_config(cfg: ExperimentConfig, source: str, *,
@@ -21,7 +21,7 @@ def finetune_config(cfg: ExperimentConfig, source: str, *,
     (what the user `--set`; cfg already holds the value) is left as cfg has it: the user wins.
     An unnamed run is called `<cfg.run_name>-from-<source recipe>` (or `-scratch`).
     """
-    info = source_info(source)
+    info = check_source(source)  # a wrong file fails here, once, not in every worker
     scratch = source == "scratch"
     values = {}
     if info.config:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from .. import storage
 from ..config import ExperimentConfig
 from ..data.ingest import dataset_name, shards_dir, shards_name
-from ..model.weights import SourceInfo, source_info
+from ..model.weights import SourceInfo, check_source
 from ..train.fewshot_lsr import (BIAS_FEATURE, L2, SHOTS, FeatureExtractor, extract_features,  # noqa: F401
                                  fewshot_accuracy, lsr_accuracy)
 
@@ -39,7 +39,7 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
     """
     weights = storage.abspath(weights)  # the feature actors run in other working directories
-    src = source_info(weights)
+    src = check_source(weights)  # a wrong file fails here, not in the feature actors
     train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)
     test_x, test_y = extract_features(weights, cfg, "val", concurrency=concurrency)
     acc = fewshot_accuracy(train_x, train_y, test_x, test_y, shots=shots, seeds=seeds, l2=l2)
