@@ -182,7 +182,10 @@ def write_export(out_dir: str, state_dict: Mapping[str, "torch.Tensor"], cfg_dic
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
     header = {k: str(v) for k, v in export_meta.items()
               if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
-    text = json.dumps({**cfg_dict, "_export": export_meta}, indent=2)
+    from ..tracking.redact import redact  # lazy: the tracking package imports mlflow
+
+    # redacted: an export travels (registries, other teams); only the model shape is read back
+    text = json.dumps({**redact(cfg_dict), "_export": export_meta}, indent=2)
     if not storage.is_uri(out_dir):
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata=header)

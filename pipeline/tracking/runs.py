@@ -271,7 +271,7 @@ class RunLogger:
         """The resolved config as flattened, redacted params plus a redacted config.json artifact
         (the newest attempt's; `continued_at`: see log_params)."""
         logged = self.log_params(cfg_dict, continued_at=continued_at)
-        self.log_dict(redact(cfg_dict), "config.json")
+        self.log_dict(cfg_dict, "config.json")
         return logged
 
     def _check_conflicts(self, wanted: dict[str, str], existing: dict[str, str]) -> None:
@@ -350,7 +350,8 @@ class RunLogger:
             self.client.log_artifact(self.run_id, local, artifact_path)
 
     def log_dict(self, d: dict, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, d, artifact_file)
+        """A JSON/YAML artifact (sweep.json, the manifest, config.json), redacted like params."""
+        self.client.log_dict(self.run_id, redact(d), artifact_file)
 
     # ---------------------------------------------------------------- end
     def end(self, status: str = "FINISHED", timeout_s: float = 30.0) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from ..config import ExperimentConfig
 from ..safe_load import weights_only
+from ..tracking.redact import redact
 from .. import storage
 from ..storage import join
 
@@ -83,8 +84,10 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
         os.path.join(directory, "rng", f"rank_{rank:05d}.pt"),
     )
     if rank == 0:
+        # the config redacted: a checkpoint is copied and shared; resuming reads only its seed,
+        # steps and model shape from it (the run's own config comes from the command)
         meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
-                "zero_stage": engine.zero_optimization_stage(), "config": cfg_dict,
+                "zero_stage": engine.zero_optimization_stage(), "config": redact(cfg_dict) if cfg_dict else cfg_dict,
                 "mlflow_run_id": mlflow_run_id, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
         storage.write_json(os.path.join(directory, "meta.json"), meta)
     if _distributed():

@@ -60,8 +60,35 @@ def checkpoint(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("untrusted")
     ck, ex = root / "ck", root / "export"
-    launch(workers.train_save_export, 1, 2, 2, str(ck), str(ex))
+    launch(workers.train_save_export, 1, 2, 2, str(ck), str(ex), [f"tracking.uri={SECRET_URI}"])
     return ck
+
+
+# a tracking URI whose password holds "/" and "+", as cloud secret keys do
+SECRET_PASSWORD = "pa/ss+w0rd-9k2"
+SECRET_URI = f"http://alice:{SECRET_PASSWORD}@mlflow.example.com:5000"
+
+
+@pytest.mark.slow
+def test_checkpoint_meta_and_export_config_carry_the_config_redacted(checkpoint):
+    """A checkpoint and its export are copied and shared: the config they carry is redacted
+    (the URI's host stays, its password does not)."""
+    for path in [checkpoint / "meta.json", checkpoint.parent / "export" / "config.json"]:
+        text = path.read_text()
+        assert SECRET_PASSWORD not in text and "alice:***@mlflow.example.com" in text, path
+
+
+def test_logged_dict_artifacts_are_redacted(tmp_path):
+    """sweep.json, the data manifest, config.json: every dict a run logs goes through redact."""
+    import json
+
+    from pipeline.tracking.runs import RunLogger
+
+    with RunLogger.start(f"sqlite:///{tmp_path}/m.db", "e", "r") as run:
+        run.log_dict({"trials": [{"tracking": {"uri": SECRET_URI}}], "db_password": "x"}, "sweep.json")
+        got = json.loads(open(run.client.download_artifacts(run.run_id, "sweep.json", str(tmp_path))).read())
+    assert got == {"trials": [{"tracking": {"uri": "http://alice:***@mlflow.example.com:5000"}}],
+                   "db_password": "***"}
 
 
 def _tampered(checkpoint: Path, tmp_path: Path, rel: str, canary: Path) -> Path:

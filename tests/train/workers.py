@@ -46,13 +46,13 @@ def curves_per_stage(rank, world, stages, steps):
     return out
 
 
-def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir):
+def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir, extra=()):
     """Train, checkpoint at the end, export on rank 0; return the engine's logits on a probe."""
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.export import export
     from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
 
-    cfg = cfg_for(stage, world, steps)
+    cfg = cfg_for(stage, world, steps, extra)
     engine, _, _ = build_model_and_engine(cfg, world)
 
     def on_checkpoint(step, state, metrics):
