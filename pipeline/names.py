@@ -28,7 +28,9 @@ def name_problem(value: str) -> str | None:
 def name_error(what: str, value: str) -> str | None:
     """The one-line refusal of `value` as `what` (e.g. "--name", "tracking.run_name"), or None."""
     problem = name_problem(value)
-    return f"{what}={value!r} {problem}; use letters, digits, '.', '_' and '-' (e.g. b16-run_1)" if problem else None
+    if problem is None:
+        return None
+    return f"{what}={value!r} {problem}; use letters, digits, '.', '_' and '-' (e.g. b16-run_1)"
 
 
 def check_name(what: str, value: str) -> str:

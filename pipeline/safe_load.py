@@ -32,16 +32,15 @@ _saved: dict[str, str | None] = {}
 def checkpoint_globals() -> list[Any]:
     """What DeepSpeed 0.19's checkpoint files hold besides tensors and containers (its loss
     scaler, ZeRO-stage enum and parameter-fragment addresses in the optimizer states, torch.Size
-    shapes), and numpy's arrays
-    (the numpy RNG state in our rng/ files). Plain data classes: loading one sets attributes,
-    it calls nothing a file could choose."""
+    shapes), and numpy's arrays (the numpy RNG state in our rng/ files). Plain data classes:
+    loading one sets attributes, it calls nothing a file could choose."""
     import numpy as np
     import torch
 
     out: list[Any] = [np.ndarray, np.dtype, torch.Size]
     out += [type(np.dtype(t)) for t in (np.uint8, np.uint32, np.int64, np.float32, np.float64)]
-    recon = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
-    out.append(recon)
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    out.append(core.multiarray._reconstruct)
     try:  # lazy: deepspeed (the CLI's non-training commands run without importing it)
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum

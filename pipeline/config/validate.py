@@ -67,6 +67,7 @@ _POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "d
 
 
 def _range_problems(cfg: ExperimentConfig) -> list[str]:
+    """_RANGES and _POSITIVE (non-finite values are _finite_problems')."""
     problems: list[str] = []
     for section, key, lo, hi, hi_in in _RANGES:
         v = getattr(getattr(cfg, section), key)
