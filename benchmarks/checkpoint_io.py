@@ -96,7 +96,7 @@ def measure(variant: str, zero: int, dests: dict[str, str], repeats: int) -> lis
                 t2 = time.perf_counter()
             finally:
                 shutil.rmtree(local, ignore_errors=True)
-            storage.rmtree(storage.join(dest, f"checkpoint_{i:08d}"))
+            storage.rmtree(storage.join(dest, f"checkpoint_{i:08d}"), dest)
             saves.append(t1 - t0)
             persists.append(t2 - t1)
             mb = written / 1e6
