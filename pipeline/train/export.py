@@ -19,7 +19,7 @@ from ..console import name_cpu_accelerator, quiet_output
 from ..errors import InputError
 from ..model import weights
 from ..model.vit import ViT, build_vit
-from ..safe_load import weights_only
+from ..safe_load import torch_load, weights_only
 from . import checkpoint as ckpt
 
 
@@ -32,22 +32,22 @@ def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     if not ok:
         raise InputError(f"cannot export an incomplete checkpoint: {reason}")
     meta = ckpt.read_meta(checkpoint_dir)
-    # DeepSpeed's converter and our read of rank 0's file: data only, whoever wrote the files
-    with _local_checkpoint(checkpoint_dir, meta["tag"]) as local, weights_only(checkpoint_dir):
+    with _local_checkpoint(checkpoint_dir, meta["tag"]) as local:
         if meta["zero_stage"] == 0:
             # Without ZeRO the full module state sits in rank 0's model-states file (fp32 master
             # weights for fp32 runs; bf16 runs keep their fp32 copy in the optimizer file).
             files = glob.glob(os.path.join(local, meta["tag"], "*optim_states.pt"))
             bf16_master = [f for f in files if os.path.basename(f).startswith("bf16_")]
             if not bf16_master:
-                states = torch.load(os.path.join(local, meta["tag"], "mp_rank_00_model_states.pt"),
-                                    map_location="cpu", weights_only=True)
+                states = torch_load(os.path.join(local, meta["tag"], "mp_rank_00_model_states.pt"),
+                                    what=checkpoint_dir)  # data only, whoever wrote the file
                 return {k: v.float().contiguous() for k, v in states["module"].items()}
         # ZeRO 1-3 (and bf16 stage 0): rebuild fp32 weights from the per-rank optimizer partitions.
         name_cpu_accelerator(torch.cuda.is_available())
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: deepspeed
 
-        # its per-file progress lines and bar (inner weights_only: a refusal is one line, no chatter)
+        # its per-file progress lines and bar held; its torch.loads data only (a refusal is one
+        # line, raised inside quiet_output so the held chatter is not replayed)
         with quiet_output(), weights_only(checkpoint_dir):
             sd = get_fp32_state_dict_from_zero_checkpoint(local, tag=meta["tag"])
         return {k: v.float().contiguous() for k, v in sd.items()}
