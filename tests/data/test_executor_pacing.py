@@ -48,6 +48,7 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
 
     StreamingExecutor._scheduling_loop_step = counted
     ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=2e6)
+    it = None
     try:
         it = iter(build_train_dataset(cfg, rank=0, world=2).iter_batches(batch_size=16, batch_format="numpy"))
         for _ in range(8):
@@ -60,6 +61,11 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
         t1 = time.perf_counter()
         return sum(full <= t < t1 for t in held_rounds), t1 - full
     finally:
+        # The stream is shut down before the next measurement: left open, its executor would go on
+        # scheduling (and, unpaced, spinning) beside the next one, holding read tasks' CPU slots and
+        # the GIL; under load the next stream then never filled its budget in 120 s (seen in CI).
+        if it is not None:
+            it.close()
         StreamingExecutor._scheduling_loop_step = step
         ctx.execution_options.resource_limits = limits
 
