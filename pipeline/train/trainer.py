@@ -15,7 +15,7 @@ from typing import Any, Optional
 import ray.train
 import torch
 from ray.data import DataContext
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
@@ -32,6 +32,7 @@ from ..tracking.runs import RunLogger, source_tags
 from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
 from .export import consolidate
+from .failures import Trainer, final_error
 from .worker import EvalDatasetFactory, RankStreams, train_per_worker, train_placeholder
 
 
@@ -61,7 +62,7 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
         datasets["val"] = EvalDatasetFactory(cfg_dict)
     # Ray Train reads and writes checkpoints through the same filesystem (S3 endpoint) as the rest.
     fs, inner = storage.filesystem(ckpt.storage_path(cfg))
-    return TorchTrainer(
+    return Trainer(  # a worker's ConfigError or InputError is not retried (failures.py)
         train_per_worker,
         train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
@@ -146,6 +147,9 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
             if not killed:
                 _record_error(logger, e)
             logger.end("KILLED" if killed else "FAILED")
+        user_error = final_error(e)
+        if user_error is not None:  # the worker's own one-line error, not Train's wrapper
+            raise user_error from e
         raise
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
     checkpoint = (storage.join(ckpt.run_dir(cfg), storage.basename(result.checkpoint.path))

@@ -247,6 +247,43 @@ def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     assert run.info.status == "FAILED"
 
 
+class _FailureLog:
+    """A Ray Train callback writing one line per worker-group failure its controller saw
+    (rank:exception type ...): how many attempts a run made, seen from Train itself."""
+
+    def __new__(cls, path):
+        import ray.train
+
+        class FailureLog(ray.train.UserCallback):
+            def after_exception(self, run_context, worker_exceptions):
+                with open(path, "a") as f:
+                    f.write(" ".join(f"{r}:{type(e).__name__}" for r, e in sorted(worker_exceptions.items())) + "\n")
+
+        return FailureLog()
+
+
+def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
+    """A worker's InputError (init_from names a damaged weights file, which only a worker reads)
+    ends the run on its first attempt, max_failures notwithstanding, and the driver raises that
+    InputError itself (one line from vitp); the MLflow run ends FAILED."""
+    from pipeline.errors import InputError
+    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from pipeline.train.trainer import run_training
+
+    damaged = tmp_path / "downloaded.safetensors"
+    damaged.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1}truncated")
+    log = tmp_path / "failures.log"
+    cfg = _cfg(tmp_path, shards, f"train.init_from={damaged}", "train.max_failures=2", "train.steps=10",
+               "parallel.num_workers=2")
+    with pytest.raises(InputError, match="not a readable weights file") as e:
+        run_training(cfg, callbacks=[_FailureLog(str(log))])
+    assert str(damaged) in str(e.value)
+    assert log.read_text().splitlines() == ["0:InputError 1:InputError"]  # one attempt, both ranks
+    client = get_client(resolve_tracking_uri(cfg))
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert run.info.status == "FAILED"
+
+
 def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
     """({(rank, step): keys trained on}, steps attempts started from) from train.record_samples'
     files; where attempts overlap, the later one's record counts."""
