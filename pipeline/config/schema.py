@@ -155,6 +155,7 @@ class TrackingConfig:
     run_name: str = ""  # "" = <recipe>-<variant>-<dataset>
     tags: dict[str, str] = field(default_factory=dict)
     log_timeout_s: float = 5.0  # longest a training step waits on MLflow; the rest is spooled
+    spool_max_mb: float = 512.0  # most unsent metrics a run's spool keeps while MLflow is down
     system_metrics: bool = True  # CPU, memory (GPU when present) of rank 0's node, at each log step
 
 

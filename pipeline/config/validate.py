@@ -63,7 +63,8 @@ _RANGES = [("model", "dropout", 0.0, 1.0, False), ("model", "attn_dropout", 0.0,
            ("optim", "momentum", 0.0, 1.0, False), ("optim", "min_lr_ratio", 0.0, 1.0, True),
            ("optim", "weight_decay", 0.0, math.inf, False)]
 # ... and those that must be positive
-_POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "device_peak_tflops")]
+_POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "device_peak_tflops"),
+             ("tracking", "spool_max_mb")]
 
 
 def _range_problems(cfg: ExperimentConfig) -> list[str]:

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import storage
 from pipeline.config import flatten
 from pipeline.tracking.redact import redact, redact_value
-from pipeline.tracking.spool import HEARTBEAT_TAG, MetricSender, has_leftovers
+from pipeline.tracking.spool import HEARTBEAT_TAG, SPOOL_MAX_MB, MetricSender, has_leftovers
 from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class RunLogger:
         parent_run_id: str | None = None,
         background: bool = False, timeout_s: float = 5.0,
         spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
+        spool_max_mb: float = SPOOL_MAX_MB,
     ) -> "RunLogger":
         """Continue `run_id` (whatever its status: a retried trial); else the newest unfinished
         (RUNNING/FAILED/KILLED) run named `run_name`; else create a run.
@@ -135,7 +136,8 @@ class RunLogger:
         under that parent (trial names repeat across sweeps).
         background=True: log_metrics appends to a spool file (spool.py, under `spool_dir`) and returns;
         a thread sends it (each request at most `timeout_s`) and sets `vitp.heartbeat` every
-        `heartbeat_s`. A leftover spool of this run (dead process, MLflow down at end) goes first.
+        `heartbeat_s`; the spool holds at most `spool_max_mb` unsent. A leftover spool of this run
+        (dead process, MLflow down at end) goes first.
         """
         client = get_client(tracking_uri)
         experiment_id = get_or_create_experiment(client, experiment)
@@ -170,7 +172,7 @@ class RunLogger:
                 experiment_id, tags={**_tags_for_mlflow(all_tags), ATTEMPT_TAG: "1"}, run_name=run_name
             )
             logger = cls(client, created.info.run_id, experiment_id, run_name, False, {})
-            return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, known={})
+            return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known={})
 
         rid = run.info.run_id
         tag_batch = _tags_for_mlflow(all_tags)
@@ -191,23 +193,24 @@ class RunLogger:
                 last_steps[key] = max(m.step for m in history)
         log.info("resuming MLflow run %s (%s), attempt %d", rid, run.info.run_name, attempt)
         logger = cls(client, rid, experiment_id, run.info.run_name or run_name, True, last_steps)
-        return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, known=last_steps)
+        return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=last_steps)
 
     @classmethod
     def attach(cls, tracking_uri: str, run_id: str, *, timeout_s: float = 5.0,
-               spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0) -> "RunLogger":
+               spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
+               spool_max_mb: float = SPOOL_MAX_MB) -> "RunLogger":
         """A background logger (see start) for a run another process opened, e.g. the Train
         driver's; it calls no MLflow API here, so a worker (re)started during an outage trains on.
         Replayed steps are dropped by the sender, which asks the server each key's top step first."""
         logger = cls(get_client(tracking_uri), run_id, "", "", True, {})
-        return logger._attach_spool(True, timeout_s, spool_dir, heartbeat_s, known=None)
+        return logger._attach_spool(True, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=None)
 
     def _attach_spool(self, background: bool, timeout_s: float, spool_dir, heartbeat_s: float,
-                      known: dict[str, int] | None = None) -> "RunLogger":
+                      spool_max_mb: float, known: dict[str, int] | None = None) -> "RunLogger":
         if not background and not has_leftovers(self.run_id, spool_dir):
             return self
         sender = MetricSender(self.tracking_uri, self.run_id, known, timeout_s=timeout_s,
-                              spool_dir=spool_dir, heartbeat_s=heartbeat_s)
+                              spool_dir=spool_dir, heartbeat_s=heartbeat_s, spool_max_mb=spool_max_mb)
         for key, step in sender.adopted.items():  # spooled steps count as logged: replays skip them
             self._last_steps[key] = max(step, self._last_steps.get(key, -1))
         if background:

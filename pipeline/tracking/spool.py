@@ -35,7 +35,12 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_TAG = "vitp.heartbeat"  # unix seconds; refreshed by the sender, read by stale.py
 METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+# The most a run's spool holds unsent (tracking.spool_max_mb): a line of ~20 metrics is ~600 bytes,
+# so 512 MB is a day of one line per step at 10 steps/s while MLflow is down. Lines beyond it
+# are dropped, counted and named in one warning; training never stops for it.
+SPOOL_MAX_MB = 512.0
 _READ_CHUNK = 1 << 20
+_PART = ".part"  # a spool file under its temp name, before it is locked (never adopted)
 
 
 def spool_dir_for(run_id: str, spool_dir: str | os.PathLike | None = None) -> Path:
@@ -112,30 +117,56 @@ class MetricSpool:
     """One process's spool <dir>/<pid>-<hex>.jsonl, flock-ed while the process lives.
 
     Lines {"step", "ts", "m": {key: value}} in log order; bytes before `_offset` are sent.
-    The file is emptied whenever all of it is sent, so it holds only the backlog.
+    The file is emptied whenever all of it is sent, so it holds only the backlog. It appears under
+    its name only once locked (created as .<name>.part, locked, renamed), so no adopter can take it
+    from a live writer; a line is in it whole or not at all; it holds at most `max_bytes`.
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, max_bytes: int = int(SPOOL_MAX_MB * 2**20)):
         self.dir = directory
         self.path = directory / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        part = directory / f".{self.path.name}{_PART}"
         directory.mkdir(parents=True, exist_ok=True)
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
         except FileNotFoundError:  # another process's close() removed the empty directory just now
             directory.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
         if fcntl is not None:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(part, self.path)  # the lock goes with the file: adopters only ever see it locked
         self._lock = threading.Lock()
         self._offset = 0
         self._closed = False  # a sender thread stuck in a request may outlive close()
+        self.max_bytes = max_bytes
+        self.dropped = 0  # lines refused because the unsent backlog had reached max_bytes
+        self.failed = 0  # lines the disk refused (each removed whole, never left half-written)
 
     def append(self, step: int, ts: int, values: dict[str, float]) -> None:
+        """Add one line, whole: a short write is completed; a write that fails is cut back to the
+        line's start (then OSError). Past `max_bytes` of backlog the line is dropped and counted."""
         line = (json.dumps({"step": step, "ts": ts, "m": values}) + "\n").encode()
         with self._lock:
             if self._closed:
                 raise OSError(f"spool {self.path} is closed")
-            os.write(self._fd, line)
+            start = os.fstat(self._fd).st_size
+            if start - self._offset + len(line) > self.max_bytes:
+                if not self.dropped:
+                    log.warning("metric spool %s holds %d MB unsent, its bound: further metrics are dropped "
+                                "until MLflow takes some (raise tracking.spool_max_mb to keep more)",
+                                self.path, self.max_bytes // 2**20)
+                self.dropped += 1
+                return
+            written = 0
+            try:
+                while written < len(line):  # os.write may write less than asked
+                    written += os.write(self._fd, line[written:])
+            except OSError:
+                self.failed += 1
+                if written:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(self._fd, start)  # only this process writes to it (locked)
+                raise
 
     def pending_bytes(self) -> int:
         with self._lock:
@@ -184,6 +215,8 @@ class MetricSpool:
         """Move the lines of spool files whose process is gone into this one: oldest file first,
         the first value of each (key, step) kept, in step order. Returns the top step per key."""
         seen: dict[tuple[str, int], tuple[int, float]] = {}
+        for part in self.dir.glob(f".*{_PART}"):  # a process that died before its rename: empty
+            _remove_if_unlocked(part)
         for other in sorted(self.dir.glob("*.jsonl"), key=lambda p: os.path.getmtime(p) if p.exists() else 0):
             if other == self.path:
                 continue
@@ -232,6 +265,26 @@ class MetricSpool:
             self._closed = True
 
 
+def _remove_if_unlocked(path: Path, min_age_s: float = 60.0) -> None:
+    """Remove a spool's temp file left by a process that died between creating and renaming it
+    (microseconds apart): only when older than `min_age_s` and not locked."""
+    try:
+        if time.time() - path.stat().st_mtime < min_age_s:
+            return
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # being created right now
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
 def _parse(line: bytes, path: Path) -> dict | None:
     try:
         rec = json.loads(line)
@@ -252,11 +305,11 @@ class MetricSender:
 
     def __init__(self, tracking_uri: str, run_id: str, known: dict[str, int] | None, *, timeout_s: float = 5.0,
                  spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
-                 retry_max_s: float = 15.0):
+                 retry_max_s: float = 15.0, spool_max_mb: float = SPOOL_MAX_MB):
         self.client = SenderClient(tracking_uri, timeout_s)
         self.timeout_s = timeout_s
         self.run_id = run_id
-        self.spool = MetricSpool(spool_dir_for(run_id, spool_dir))
+        self.spool = MetricSpool(spool_dir_for(run_id, spool_dir), max_bytes=int(spool_max_mb * 2**20))
         self.adopted = self.spool.adopt_leftovers()
         self.known = dict(known or {})
         self._checked = set(self.known)  # keys whose top step is confirmed since the last failure
@@ -311,6 +364,10 @@ class MetricSender:
         if self._thread is not None:
             self._thread.join(self.timeout_s + 1.0)  # at most one request in flight
         self.left = self.spool.pending_values()  # metric values kept on disk
+        if self.spool.dropped or self.spool.failed:
+            log.warning("run %s: %d metric lines were not spooled (%d past the spool's bound, %d refused by "
+                        "the disk) and are not in MLflow", self.run_id, self.spool.dropped + self.spool.failed,
+                        self.spool.dropped, self.spool.failed)
         self.spool.close()
         return self.left == 0
 

@@ -40,7 +40,8 @@ def mark_stale_runs(tracking_uri: str, experiment: str, stale_after_s: float = 6
     """End KILLED every RUNNING run of `experiment` without a heartbeat for stale_after_s seconds.
 
     Returns the runs it marked (with dry_run=True: would mark). Only runs whose owner logs with
-    RunLogger.start(background=True) heartbeat; a live run without one looks stale once it is older
+    RunLogger.start(background=True) heartbeat (every run vitp starts does: training, sweep parents,
+    few-shot and reference runs); a live run without one looks stale once it is older
     than stale_after_s, so keep it well above the heartbeat interval (default 600 s). A marked run
     that is resumed later (start() by name or id) simply becomes RUNNING again.
     """

@@ -126,7 +126,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
                                  run_id=run.info.run_id if run else None,
                                  parent_run_id=parent_run_id, background=True,
-                                 timeout_s=cfg.tracking.log_timeout_s,
+                                 timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
                                        **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
                                        "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,

@@ -200,7 +200,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
     if rank == 0 and config.get("mlflow"):
         # never waits on MLflow: metrics are spooled on this node and sent by a thread
         logger = RunLogger.attach(config["mlflow"]["uri"], config["mlflow"]["run_id"],
-                                  timeout_s=cfg.tracking.log_timeout_s)
+                                  timeout_s=cfg.tracking.log_timeout_s,
+                                  spool_max_mb=cfg.tracking.spool_max_mb)
 
     if logger:
         logger.log_metrics({"parallel/workers": world, "parallel/grad_accum": p.grad_accum,

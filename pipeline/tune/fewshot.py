@@ -57,8 +57,8 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
             **source_tags(f"vitp fewshot {cfg.recipe}")}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
-    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name,
-                         resume_by_name=False, tags=tags) as logger:
+    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name, resume_by_name=False,
+                         tags=tags, background=True, timeout_s=cfg.tracking.log_timeout_s) as logger:
         log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
                                        "dataset": dataset_name(cfg), "shards": cfg.data.shards,

@@ -75,7 +75,8 @@ def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
     if not tracking:
         return result
     with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False,
-                         tags={**run_tags, **source_tags("vitp demo")}) as logger:
+                         tags={**run_tags, **source_tags("vitp demo")}, background=True,
+                         timeout_s=cfg.tracking.log_timeout_s) as logger:
         log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
         logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
                                          "image_size": d.image_size, "max_iter": MAX_ITER,

@@ -260,6 +260,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
                              run_id=_parent_run_id(spec) if resume else None,
+                             background=True,  # its heartbeat: a live sweep is never taken for stale
                              tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe,
                                    **source_tags(f"vitp sweep {spec.name}")})
     if not parent.resumed:  # a resumed parent keeps the params of the run that started it
