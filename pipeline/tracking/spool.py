@@ -54,6 +54,69 @@ def has_leftovers(run_id: str, spool_dir: str | os.PathLike | None = None) -> bo
     return d.is_dir() and any(p.stat().st_size for p in d.glob("*.jsonl"))
 
 
+def ended_spools(run_id: str, spool_dir: str | os.PathLike | None = None) -> list[tuple[str, bytes]]:
+    """(file name, contents) of this run's non-empty spool files here whose process has ended (not
+    locked): what another node's driver must adopt. Read only; remove_spools deletes them."""
+    out = []
+    for path in sorted(spool_dir_for(run_id, spool_dir).glob("*.jsonl")):
+        with _unlocked(path) as fd:
+            if fd is not None and (data := os.pread(fd, os.fstat(fd).st_size, 0)):
+                out.append((path.name, data))
+    return out
+
+
+def remove_spools(run_id: str, files: dict[str, int], spool_dir: str | os.PathLike | None = None) -> int:
+    """Delete the spool files named in `files` ({name: size}) that are still unlocked and of that
+    size (nothing was added since they were copied); returns how many."""
+    removed = 0
+    for name, size in files.items():
+        path = spool_dir_for(run_id, spool_dir) / name
+        with _unlocked(path) as fd:
+            if fd is not None and os.fstat(fd).st_size == size and os.fstat(fd).st_nlink:
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def add_leftover(run_id: str, name: str, data: bytes, spool_dir: str | os.PathLike | None = None) -> Path:
+    """Write `data` (another node's spool) as a leftover spool of this run here, whole or not at
+    all (temp name, fsync, rename): the next adopt_leftovers sends it."""
+    directory = spool_dir_for(run_id, spool_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    part = directory / f".{name}{_PART}"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(part, path)
+    return path
+
+
+@contextlib.contextmanager
+def _unlocked(path: Path):
+    """An fd of `path` flock-ed by us, or None when it is gone or its process still holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield None
+                return
+        yield fd
+    finally:
+        os.close(fd)
+
+
 class _OneShotRestStore(RestStore):
     """RestStore making one HTTP attempt per call, bounded by `timeout_s`.
 

@@ -33,6 +33,7 @@ from ..tracking.store import get_client, resolve_tracking_uri
 from . import checkpoint as ckpt
 from .export import consolidate
 from .failures import Trainer, final_error
+from .spools import gather_spools
 from .worker import EvalDatasetFactory, RankStreams, train_per_worker, train_placeholder
 
 
@@ -144,6 +145,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     except BaseException as e:
         if logger:
             killed = isinstance(e, KeyboardInterrupt) or _ended_killed(logger)
+            if not isinstance(e, KeyboardInterrupt):
+                gather_spools(logger.run_id)  # rank 0's unsent metrics, wherever its node was
             if not killed:
                 _record_error(logger, e)
             logger.end("KILLED" if killed else "FAILED")
@@ -163,6 +166,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
                 _log_rollouts(logger, cfg, checkpoint)
             elif metrics.get("step", 0) >= cfg.train.steps:  # pre-training done (not paused)
                 _log_analysis(logger, cfg, checkpoint, int(metrics["step"]))  # paper Figure 7
+        gather_spools(logger.run_id)  # end() sends them before it marks the run FINISHED
         logger.end("FINISHED")
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)

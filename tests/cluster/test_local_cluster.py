@@ -1,6 +1,7 @@
 """A real two-node local Ray cluster: the debug pre-training job through `vitp submit`, where its
-Train workers ran, its MLflow run, a failing job's exit status and error, and that the nodes share
-no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in."""
+Train workers ran, its MLflow run, a failing job's exit status and error, that the nodes share
+no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
+and that a metric spool left on the worker node reaches MLflow through the driver."""
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -100,3 +101,68 @@ def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, 
         assert t["endpoint"] == os.environ["AWS_ENDPOINT_URL"]
         by_dir[node_dir] = t["node"]
     assert len(by_dir) == 2 and len(set(by_dir.values())) == 2, seen
+
+
+SPOOL_JOB = r'''
+import json, os, subprocess, sys
+import ray
+from pipeline.tracking.runs import RunLogger
+from pipeline.train.spools import gather_spools
+
+uri, = sys.argv[1:]
+ray.init()
+logger = RunLogger.start(uri, "spools", "rank0-elsewhere", background=True)
+here = ray.get_runtime_context().get_node_id()
+other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+
+# rank 0 on the other node: spools steps 1-5 and dies before sending any (MLflow is not asked)
+RANK0 = """
+import os, sys
+from pipeline.tracking.spool import MetricSpool, spool_dir_for
+spool = MetricSpool(spool_dir_for(sys.argv[1]))
+for step in range(1, 6):
+    spool.append(step, 1000 + step, {"train/loss": 1.0 / step})
+print(spool.dir, flush=True)
+os._exit(0)
+"""
+
+@ray.remote(num_cpus=0, scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(other, soft=False))
+def rank0(run_id):
+    out = subprocess.run([sys.executable, "-c", RANK0, run_id], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+spool_dir = ray.get(rank0.remote(logger.run_id))
+gathered = gather_spools(logger.run_id)
+logger.end("FINISHED")
+print("SPOOL " + json.dumps({"run_id": logger.run_id, "dir": spool_dir, "gathered": gathered,
+                             "left": sorted(os.listdir(spool_dir)) if os.path.isdir(spool_dir) else []}))
+'''
+
+
+def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_node_cluster, tmp_path):
+    """Rank 0 on the worker node spooled steps 1-5 and died before sending them (its spool is in
+    that node's TMPDIR, which the driver on the head cannot see): the driver gathers it through a
+    task per node before it ends the run, every step arrives once, and the node's copy is gone."""
+    import json
+    import sys
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+
+    script, uri = tmp_path / "spool_job.py", f"sqlite:///{tmp_path}/mlflow.db"
+    script.write_text(SPOOL_JOB)
+    client = JobSubmissionClient(two_node_cluster.address)
+    job = client.submit_job(entrypoint=f"{sys.executable} {script} {uri}")
+    deadline = time.time() + 300
+    while not client.get_job_status(job).is_terminal() and time.time() < deadline:
+        time.sleep(1)
+    logs = client.get_job_logs(job)
+    assert client.get_job_status(job) == "SUCCEEDED", logs[-3000:]
+    seen = json.loads(next(line for line in logs.splitlines() if line.startswith("SPOOL "))[6:])
+    worker_tmp = str(two_node_cluster.node_dirs[1] / "tmp")
+    assert seen["dir"].startswith(worker_tmp), seen  # the spool was on the other node's disk
+    assert seen["gathered"] == 1 and seen["left"] == [], seen
+    mlflow = MlflowClient(uri)
+    history = sorted((m.step, m.value) for m in mlflow.get_metric_history(seen["run_id"], "train/loss"))
+    assert history == [(step, 1.0 / step) for step in range(1, 6)]
+    assert mlflow.get_run(seen["run_id"]).info.status == "FINISHED"

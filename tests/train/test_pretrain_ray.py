@@ -278,7 +278,8 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
     with pytest.raises(InputError, match="not a readable weights file") as e:
         run_training(cfg, callbacks=[_FailureLog(str(log))])
     assert str(damaged) in str(e.value)
-    assert log.read_text().splitlines() == ["0:InputError 1:InputError"]  # one attempt, both ranks
+    (attempt,) = log.read_text().splitlines()  # one attempt; the ranks whose error Train had seen
+    assert attempt and all(failure.endswith(":InputError") for failure in attempt.split()), attempt
     client = get_client(resolve_tracking_uri(cfg))
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert run.info.status == "FAILED"
