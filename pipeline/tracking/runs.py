@@ -20,7 +20,8 @@ from mlflow.tracking import MlflowClient
 from pipeline import storage
 from pipeline.config import flatten
 from pipeline.tracking.redact import redact, redact_value
-from pipeline.tracking.spool import HEARTBEAT_TAG, SPOOL_MAX_MB, MetricSender, has_leftovers
+from pipeline.tracking.spool import HEARTBEAT_TAG, MetricSender
+from pipeline.tracking.spoolfile import SPOOL_MAX_MB, has_leftovers
 from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
 
 log = logging.getLogger(__name__)
@@ -126,18 +127,16 @@ class RunLogger:
         tags: dict | None = None,
         parent_run_id: str | None = None,
         background: bool = False, timeout_s: float = 5.0,
-        spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
-        spool_max_mb: float = SPOOL_MAX_MB,
+        spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0, spool_max_mb: float = SPOOL_MAX_MB,
     ) -> "RunLogger":
         """Continue `run_id` (whatever its status: a retried trial); else the newest unfinished
         (RUNNING/FAILED/KILLED) run named `run_name`; else create a run.
 
-        A resumed run is set back to RUNNING and its `vitp.attempt` tag incremented. With `parent_run_id`, resume by name only matches runs
-        under that parent (trial names repeat across sweeps).
-        background=True: log_metrics appends to a spool file (spool.py, under `spool_dir`) and returns;
-        a thread sends it (each request at most `timeout_s`) and sets `vitp.heartbeat` every
-        `heartbeat_s`; the spool holds at most `spool_max_mb` unsent. A leftover spool of this run
-        (dead process, MLflow down at end) goes first.
+        A resumed run is set back to RUNNING and its `vitp.attempt` tag incremented. With
+        `parent_run_id`, resume by name only matches runs under that parent (trial names repeat).
+        background=True: log_metrics appends to a spool file (spoolfile.py, under `spool_dir`, at most
+        `spool_max_mb` unsent) and returns; a thread sends it (each request at most `timeout_s`) and
+        sets `vitp.heartbeat` every `heartbeat_s`. A leftover spool of this run goes first.
         """
         client = get_client(tracking_uri)
         experiment_id = get_or_create_experiment(client, experiment)
@@ -196,12 +195,10 @@ class RunLogger:
         return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=last_steps)
 
     @classmethod
-    def attach(cls, tracking_uri: str, run_id: str, *, timeout_s: float = 5.0,
-               spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
-               spool_max_mb: float = SPOOL_MAX_MB) -> "RunLogger":
-        """A background logger (see start) for a run another process opened, e.g. the Train
-        driver's; it calls no MLflow API here, so a worker (re)started during an outage trains on.
-        Replayed steps are dropped by the sender, which asks the server each key's top step first."""
+    def attach(cls, tracking_uri: str, run_id: str, *, timeout_s: float = 5.0, spool_dir: str | os.PathLike | None = None,
+               heartbeat_s: float = 30.0, spool_max_mb: float = SPOOL_MAX_MB) -> "RunLogger":
+        """A background logger (see start) for a run another process opened (the Train driver's); no
+        MLflow call here, so a worker (re)started in an outage trains on. The sender drops replays."""
         logger = cls(get_client(tracking_uri), run_id, "", "", True, {})
         return logger._attach_spool(True, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=None)
 

@@ -1,6 +1,6 @@
 """Metric spools left on other nodes, brought to the driver before it ends a run.
 
-Owns the per-node Ray tasks that read and then delete a run's ended spools (tracking/spool.py
+Owns the per-node Ray tasks that read and then delete a run's ended spools (tracking/spoolfile.py
 owns the files). Must not send anything to MLflow itself: the driver's sender adopts the copies.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..tracking.spool import add_leftover, ended_spools, remove_spools
+from ..tracking.spoolfile import add_leftover, ended_spools, remove_spools
 
 log = logging.getLogger(__name__)
 

@@ -118,7 +118,7 @@ other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != h
 # rank 0 on the other node: spools steps 1-5 and dies before sending any (MLflow is not asked)
 RANK0 = """
 import os, sys
-from pipeline.tracking.spool import MetricSpool, spool_dir_for
+from pipeline.tracking.spoolfile import MetricSpool, spool_dir_for
 spool = MetricSpool(spool_dir_for(sys.argv[1]))
 for step in range(1, 6):
     spool.append(step, 1000 + step, {"train/loss": 1.0 / step})

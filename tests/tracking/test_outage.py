@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.net import free_port
 from pipeline.tracking import RunLogger, TrackingError, start_server
-from pipeline.tracking.spool import HEARTBEAT_TAG, MetricSpool, spool_dir_for
+from pipeline.tracking.spool import HEARTBEAT_TAG
+from pipeline.tracking.spoolfile import MetricSpool, spool_dir_for
 from pipeline.tracking.stale import STALE_TAG, mark_stale_runs
 
 REPO = Path(__file__).resolve().parents[2]
