@@ -217,6 +217,27 @@ def test_synth_and_preprocess_into_uri_shards(ray_session, store):
     with pytest.raises(FileExistsError, match="already holds shards"):
         run_preprocess(cfg, log=lambda _: None)
 
+    # the driver's check before training: the shards as written pass; a foreign first shard and
+    # a deleted one are named, in one line, before any Train worker would read them
+    from pipeline.data.shards import check_shard_files
+    from pipeline.errors import InputError
+
+    check_shard_files(shards, m)
+    first, last = m["shards"]["train"][0]["file"], m["shards"]["val"][-1]["file"]
+    original = storage.read_bytes(storage.join(shards, first))
+    storage.write_bytes(storage.join(shards, first), b"\x89PNG\r\n\x1a\n" + original[8:])
+    with pytest.raises(InputError, match=f"{first}: not a Parquet file"):
+        check_shard_files(shards, m)
+    storage.write_bytes(storage.join(shards, first), original)
+    fs, inner = storage.filesystem(storage.join(shards, last))
+    fs.delete_file(inner)
+    with pytest.raises(InputError, match=f"1 of the {len(shard_paths(shards, 'train', m)) + len(shard_paths(shards, 'val', m))} "
+                                         f"shards its manifest lists are missing \\({last}\\)"):
+        check_shard_files(shards, m)
+    storage.write_bytes(storage.join(shards, "manifest.json"), b"<html>AccessDenied</html>")
+    with pytest.raises(InputError, match="manifest.json: not a shards manifest"):
+        read_manifest(shards)
+
 
 # ------------------------------------------------------- few-shot and fine-tune from a URI
 

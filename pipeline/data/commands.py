@@ -75,10 +75,12 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
 def ensure_shards(cfg, log: Callable[[str], None] = print) -> str:
     """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
     (synthetic fractals, scikit-learn's digits), are made now; unlabelled shards only for a
-    self-supervised objective (`require_labels`)."""
+    self-supervised objective (`require_labels`); every listed shard present (`check_shard_files`)."""
     root = shards_dir(cfg)
     try:
-        require_labels(cfg, root, sh.read_manifest(root))
+        manifest = sh.read_manifest(root)
+        require_labels(cfg, root, manifest)
+        sh.check_shard_files(root, manifest)  # a missing or foreign shard fails here, not in each worker
         return root
     except FileNotFoundError:
         if cfg.data.source not in ("synthetic", "digits"):

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import InputError
-from ..storage import filesystem, join
+from ..storage import file_sizes, filesystem, join
 
 SHARD_SCHEMA = pa.schema([
     ("image", pa.binary()),   # uint8: H*W*3 raw bytes (row-major HWC); jpeg: the JPEG file
@@ -174,11 +174,42 @@ def read_manifest(root: str) -> dict:
             f"{root}: no manifest.json, so these are not finished shards; run "
             "`vitp preprocess RECIPE` (add --overwrite to replace an unfinished run)")
     with fs.open_input_stream(p) as f:
-        m = json.loads(f.read().decode())
+        raw = f.read()
+    try:
+        m = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        m = None
+    if not isinstance(m, dict) or not isinstance(m.get("shards"), dict):
+        raise InputError(f"{root}/manifest.json: not a shards manifest (unreadable JSON or no shard list); "
+                         "re-run `vitp preprocess RECIPE --overwrite` into this directory")
     if m.get("version") != MANIFEST_VERSION:
         raise InputError(f"{root}/manifest.json: version {m.get('version')} != {MANIFEST_VERSION}; "
                          "re-run vitp preprocess --overwrite")
     return m
+
+
+def check_shard_files(root: str, manifest: Optional[dict] = None) -> None:
+    """InputError unless every shard the manifest lists is a file under `root` and the first of
+    each split is Parquet ("PAR1" at both ends): a deleted or foreign shard fails here, on the
+    driver, once, not in every Train worker. One listing of `root` (not a request per shard)."""
+    m = manifest or read_manifest(root)
+    present = file_sizes(root)
+    listed = [s["file"] for shards in m["shards"].values() for s in shards]
+    missing = [f for f in listed if f not in present]
+    if missing:
+        raise InputError(f"{root}: {len(missing)} of the {len(listed)} shards its manifest lists are missing "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); restore them or "
+                         "re-run `vitp preprocess RECIPE --overwrite`")
+    for split, shards in m["shards"].items():
+        if not shards:
+            continue
+        fs, base = filesystem(root)
+        with fs.open_input_file(join(base, shards[0]["file"])) as f:
+            size = f.size()
+            head, tail = f.read_at(4, 0), f.read_at(4, max(size - 4, 0))
+        if size < 12 or head != b"PAR1" or tail != b"PAR1":
+            raise InputError(f"{join(root, shards[0]['file'])}: not a Parquet file, though the manifest lists it as "
+                             f"a {split} shard; re-run `vitp preprocess RECIPE --overwrite`")
 
 
 def shard_paths(root: str, split: str, manifest: Optional[dict] = None) -> list[str]:
