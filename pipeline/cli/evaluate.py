@@ -6,6 +6,7 @@ Must not contain logic; torch, ray and mlflow are imported inside the handler th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pipeline import storage
@@ -179,6 +180,13 @@ def _add_analyze(sub) -> Handler:
 # ----------------------------------------------------------------------------- compare
 
 
+def _require_store(uri: str) -> None:
+    """InputError for a SQLite store that does not exist: compare only reads, so it makes none."""
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
+        raise InputError(f"no MLflow store at {uri}: nothing was logged there yet; pass --tracking-uri "
+                         "(or MLFLOW_TRACKING_URI) or the recipe / --set work_dir=... the runs used")
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from pipeline.tracking.compare import (aggregate_rows, compare_rows, format_aggregate,  # lazy: keeps vitp --help fast (mlflow)
                                            format_table, sweep_parents)
@@ -186,7 +194,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from pipeline.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
-    uri = args.tracking_uri or resolve_tracking_uri(config_from(args, check_paths=False))
+    cfg = None if args.tracking_uri else config_from(args, check_paths=False)
+    if cfg and not cfg.tracking.uri and not storage.is_uri(cfg.work_dir):  # the default store: read, never made
+        _require_store(f"sqlite:///{os.path.abspath(os.path.join(os.path.expanduser(cfg.work_dir), 'mlflow.db'))}")
+    uri = args.tracking_uri or resolve_tracking_uri(cfg)
+    _require_store(uri)
     _mark_stale(uri, args.experiment, args.stale_after)
     rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)
     print(format_aggregate(aggregate_rows(rows), args.format) if args.seeds else format_table(rows, args.format))

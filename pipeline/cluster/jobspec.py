@@ -291,8 +291,11 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise InputError(f"job spec {path} does not exist: see jobs/*.yaml for examples") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # one line: what the parser found and where
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{path}: not valid YAML: {what}{where}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with at least `entrypoint:`")
     unknown = sorted(set(raw) - set(SPEC_KEYS))

@@ -64,7 +64,7 @@ _RANGES = [("model", "dropout", 0.0, 1.0, False), ("model", "attn_dropout", 0.0,
            ("optim", "weight_decay", 0.0, math.inf, False)]
 # ... and those that must be positive
 _POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "device_peak_tflops"),
-             ("tracking", "spool_max_mb")]
+             ("tracking", "spool_max_mb"), ("data", "synth_classes"), ("data", "synth_images_per_class")]
 
 
 def _range_problems(cfg: ExperimentConfig) -> list[str]:

@@ -11,6 +11,7 @@ import math
 from typing import Any, Iterable
 
 from mlflow.entities import ViewType
+from mlflow.exceptions import MlflowException
 
 from pipeline.tracking.store import PARENT_TAG, TrackingError, get_client, quote, tag_filters
 
@@ -67,13 +68,16 @@ def find_runs(
         filters.append(f"tags.`{PARENT_TAG}` = {quote(parent_run_id)}")
     runs, token = [], None
     while True:
-        page = client.search_runs(
-            ids,
-            filter_string=" and ".join(filters),
-            order_by=order_by or ["attributes.start_time DESC"],
-            max_results=_PAGE,
-            page_token=token,
-        )
+        try:
+            page = client.search_runs(ids, filter_string=" and ".join(filters),
+                                      order_by=order_by or ["attributes.start_time DESC"],
+                                      max_results=_PAGE, page_token=token)
+        except MlflowException as e:
+            if e.error_code != "INVALID_PARAMETER_VALUE" or not filter_string:
+                raise
+            reason = " ".join(str(e.message).split())
+            raise TrackingError(f"--filter {filter_string!r}: {reason}; MLflow's search syntax, e.g. "
+                                "\"params.`optim.lr` = '0.01' and metrics.`val/top1` > 0.5\"") from None
         runs.extend(page)
         token = page.token
         if not token or (max_results is not None and len(runs) >= max_results):

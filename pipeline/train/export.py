@@ -28,6 +28,9 @@ def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     if not storage.exists(checkpoint_dir):
         raise InputError(f"{checkpoint_dir}: no such checkpoint directory; give one written by "
                          "`vitp pretrain` (it prints the path at the end)")
+    if not storage.isdir(checkpoint_dir):
+        raise InputError(f"{checkpoint_dir}: a file, not a checkpoint directory; give the checkpoint_NNNNNNNN "
+                         "directory `vitp pretrain` printed")
     ok, reason = ckpt.verify(checkpoint_dir)
     if not ok:
         raise InputError(f"cannot export an incomplete checkpoint: {reason}")

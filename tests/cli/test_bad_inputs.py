@@ -1,0 +1,126 @@
+"""Bad input to every subcommand: each exits 2 (3 for a cluster that cannot be reached) with one
+line that names the input and the fix, no traceback, and leaves no file behind. docs/bad-inputs.md
+is this table: regenerate it with `VITP_WRITE_BAD_INPUTS=1 pytest tests/cli/test_bad_inputs.py`.
+
+In process (pipeline.cli.main) and before any Ray cluster or model starts: what each case shows
+is that the input is refused at the edge, not what a run would do with it."""
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
+
+# (command line, run in a directory holding the files below; exit code; what the line must say)
+CASES = [
+    ("config debug --set optim.lr=nan", 2, "optim.lr=nan: must be a finite number"),
+    ("config debug --set optim.grad_clip=inf", 2, "optim.grad_clip=inf: must be a finite number"),
+    ("config debug --set tracking.log_timeout_s=nan", 2, "tracking.log_timeout_s=nan: must be a finite number"),
+    ("config debug --set optim.lr=abc", 2, "--set optim.lr=abc: expected a number"),
+    ("config debug --set nosuch.key=1", 2, "unknown config key 'nosuch.key'"),
+    ("config nosuchrecipe", 2, "unknown recipe 'nosuchrecipe'; recipes: debug"),
+    ("config debug --set tracking.run_name=/root", 2, "tracking.run_name='/root' contains '/'"),
+    ("config debug --set tracking.run_name=..", 2, "tracking.run_name='..' starts with '.'"),
+    ("config debug --set tracking.run_name=-x", 2, "tracking.run_name='-x' starts with '-'"),
+    ("config debug --set tracking.experiment=a/../../b", 2, "tracking.experiment='a/../../b' contains '/'"),
+    ("config debug --set model.dropout=1.5", 2, "model.dropout=1.5: must be in [0, 1)"),
+    ("config debug --set optim.beta2=1", 2, "optim.beta2=1.0: must be in [0, 1)"),
+    ("config debug --set optim.weight_decay=-1", 2, "optim.weight_decay=-1.0: must be in [0, inf)"),
+    ("config debug --set tracking.spool_max_mb=0", 2, "tracking.spool_max_mb=0.0: must be > 0"),
+    ("config debug --set data.shard_mb=-1", 2, "data.shard_mb=-1.0: must be > 0"),
+    ("config debug --set parallel.num_workers=0", 2, "parallel.num_workers=0: must be positive"),
+    ("config debug --set parallel.zero_stage=5", 2, "parallel.zero_stage=5: ZeRO stage must be 0, 1, 2 or 3"),
+    ("config debug --set data.image_size=30", 2, "data.image_size=30 is not divisible by the patch size 8"),
+    ("config debug --set data.storage_format=gif", 2, "data.storage_format='gif' is not allowed"),
+    ("config debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
+    ("model X/99", 2, "model.variant='X/99' is not a ViT variant"),
+    ("synth debug --set data.synth_classes=0", 2, "data.synth_classes=0: must be > 0"),
+    ("preprocess debug --set data.source=imagefolder --set data.path=missing", 2,
+     "data.path='missing' does not exist: point it at the imagefolder dataset"),
+    ("export missing", 2, "missing: no such checkpoint directory"),
+    ("export emptydir", 2, "cannot export an incomplete checkpoint: {d}/emptydir: no meta.json"),
+    ("export exp/config.json", 2, "exp/config.json: a file, not a checkpoint directory"),
+    ("export emptydir --register ../x", 2, "--register='../x' contains '/'"),
+    ("import missing.npz --out out", 2, "missing.npz: no such file"),
+    ("import corrupt.npz --out out", 2, "corrupt.npz: not an .npz file (no zip header)"),
+    ("analyze missing", 2, "missing: no such file or directory; give a checkpoint directory"),
+    ("analyze exp", 2, "exp/model.safetensors: not a readable weights file"),
+    ("attention exp missing.png", 2, "missing.png: no such image file"),
+    ("fewshot debug_finetune --from exp/config.json", 2, "exp/config.json: not a weights file"),
+    ("fewshot debug_finetune --from emptydir", 2, "emptydir: neither an export (model.safetensors) nor a training checkpoint"),
+    ("fewshot debug_finetune --from corrupt.npz", 2, "corrupt.npz: not a weights file"),
+    ("finetune debug_finetune --from exp/config.json", 2, "exp/config.json: not a weights file"),
+    ("finetune debug_finetune --from emptydir", 2, "emptydir: neither an export (model.safetensors) nor a training checkpoint"),
+    ("finetune debug_finetune --from missing", 2, "missing: no such file or directory"),
+    ("sweep debug_finetune --name ../x", 2, "--name='../x' contains '/'"),
+    ("compare", 2, "no MLflow store at sqlite:///{d}/work/debug/mlflow.db: nothing was logged there yet"),
+    ("compare --tracking-uri sqlite:///{d}/store.db --filter 'params.x =='", 2,
+     "--filter 'params.x ==': Invalid clause(s) in filter string"),
+    ("compare --tracking-uri sqlite:///{d}/store.db --experiment nosuch", 2, "experiment 'nosuch' not found"),
+    ("submit missing.yaml", 2, "job spec missing.yaml does not exist"),
+    ("submit bad.yaml", 2, "bad.yaml: not valid YAML: expected the node content, but found '<stream end>' at line 2"),
+    ("submit unknown.yaml", 2, "unknown.yaml: unknown key(s) nosuch"),
+    ("jobs --address http://127.0.0.1:9", 3, "cannot reach the Ray jobs API at http://127.0.0.1:9"),
+    ("mlflow-server --auth", 2, "basic auth needs an admin password: export MLFLOW_AUTH_ADMIN_PASSWORD"),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The files the cases name: an empty directory, an 'export' whose weights are noise, a
+    corrupt .npz, broken and foreign job specs, and an MLflow store with one experiment."""
+    from pipeline.tracking.store import get_client
+
+    d = tmp_path_factory.mktemp("bad-inputs")
+    (d / "emptydir").mkdir()
+    (d / "exp").mkdir()
+    (d / "exp" / "config.json").write_text('{"recipe": "debug"}')
+    (d / "exp" / "model.safetensors").write_bytes(bytes(range(256)) * 2)
+    (d / "corrupt.npz").write_bytes(b"\x00" * 300)
+    (d / "bad.yaml").write_text("entrypoint: [\n")
+    (d / "unknown.yaml").write_text("nosuch: 1\n")
+    get_client(f"sqlite:///{d}/store.db").create_experiment("present")  # (with the store's lock file)
+    return d
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("line, code, says", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_in_one_line_and_leaves_nothing(inputs, monkeypatch, capsys, line, code, says):
+    monkeypatch.chdir(inputs)
+    for key in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "MLFLOW_AUTH_ADMIN_PASSWORD", "VITP_STORE"):
+        monkeypatch.delenv(key, raising=False)
+    before = _files(inputs)
+    assert main(shlex.split(line.format(d=inputs))) == code
+    err = capsys.readouterr().err
+    first, *rest = err.strip().splitlines()
+    command = line.split()[0]
+    assert first.startswith(f"vitp {command}: ") and "Traceback" not in err, err
+    assert all(extra.startswith("  - ") for extra in rest), err  # only a config's list of problems
+    assert says.format(d=inputs) in err, err
+    assert _files(inputs) == before  # nothing written, nothing removed
+
+
+def _table() -> str:
+    rows = "\n".join(f"| `vitp {line.replace('{d}/', '').replace('|', chr(92) + '|')}` | {code} | "
+                     f"{says.replace('{d}/', '').replace('|', chr(92) + '|')} |" for line, code, says in CASES)
+    return (f"# Bad input: what `vitp` says\n\n"
+            f"Generated from `tests/cli/test_bad_inputs.py`, which runs each line below ({len(CASES)} cases) "
+            "in a directory holding the files it names (`emptydir/`, `exp/` with a `config.json` and noise for "
+            "weights, a corrupt `corrupt.npz`, job specs `bad.yaml` and `unknown.yaml`, an MLflow store "
+            "`store.db`) and checks that the command exits with the code shown, prints one line "
+            "(`vitp COMMAND: ...`; an invalid config lists its problems below it) that contains the text "
+            "shown, prints no traceback, and leaves the directory as it was. Exit codes: 2 bad input you "
+            "can fix, 3 a cluster that cannot be reached (`vitp --help` lists them all).\n\n"
+            "| Command | Exit | The line says |\n|---|---|---|\n" + rows + "\n")
+
+
+def test_the_docs_table_is_these_cases():
+    if os.environ.get("VITP_WRITE_BAD_INPUTS"):
+        DOC.write_text(_table())
+    assert DOC.read_text() == _table(), "regenerate: VITP_WRITE_BAD_INPUTS=1 pytest tests/cli/test_bad_inputs.py"
