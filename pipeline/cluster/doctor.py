@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,9 +20,10 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from pipeline import storage
-from pipeline.errors import ClusterError, ConfigError, UserError
+from pipeline.cluster.checks import EXIT_FAILED, Check, exit_code, first_line, timed  # noqa: F401 - exit_code: cli
+from pipeline.cluster.doctor_mlflow import check_mlflow
+from pipeline.errors import ClusterError
 
-EXIT_FAILED = 3  # `vitp doctor` when a check fails (a bad recipe or --set: 2, as everywhere)
 PROBE_DIR = ".vitp-doctor"
 RESULT_TAG = "VITP_DOCTOR_PROBE "  # the probe job's result line in its logs
 TOKEN_FIX = "export RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN=<the token>) and retry"
@@ -32,43 +32,6 @@ UNREACHABLE_FIX = ("start the cluster (cluster/local.sh start, ray up), port-for
 # Credentials the shipped job specs forward from the submitting shell (runtime_env env_vars).
 FORWARDED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0, "data": 30.0}
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str  # ok: what was found; FAIL: what failed
-    fix: str = ""
-
-    def line(self) -> str:
-        return f"ok   {self.name}: {self.detail}" if self.ok else f"FAIL {self.name}: {self.detail} -> {self.fix}"
-
-
-def exit_code(checks: list[Check]) -> int:
-    return 0 if checks and all(c.ok for c in checks) else EXIT_FAILED
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    from pipeline.tracking.redact import redact_text  # lazy: mlflow
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    return redact_text(lines[0] if lines else "")[:limit]
-
-
-def timed(name: str, fn: Callable[[], Check], timeout: float, fix: str) -> Check:
-    """fn() in a daemon thread: a FAIL naming `fix` when it raises or gives no answer in `timeout` s."""
-    box: list[Check] = []
-
-    def target() -> None:
-        try:
-            box.append(fn())
-        except Exception as e:  # noqa: BLE001 - any failure is this check's FAIL line, never a traceback
-            what = _first_line(str(e)) if isinstance(e, UserError) else f"{type(e).__name__}: {_first_line(str(e))}"
-            box.append(Check(name, False, what, fix))
-
-    (t := threading.Thread(target=target, name=f"doctor-{name}", daemon=True)).start()
-    t.join(timeout)
-    return box[0] if box else Check(name, False, f"no answer within {timeout:.0f}s", fix)
 
 
 # ------------------------------------------------------------------------------ 1. cluster
@@ -102,7 +65,7 @@ def _dashboard(address: str, found: list[Cluster]) -> Check:
         mode = json.loads(_get(f"{address}/api/authentication_mode", {}, 5)[1] or b"{}")
         status, body = _get(f"{address}/api/version", headers, 5)
     except (OSError, ValueError) as e:  # URLError, refused, timeout; ValueError: not a dashboard
-        reason = _first_line(str(getattr(e, "reason", e)))
+        reason = first_line(str(getattr(e, "reason", e)))
         return Check("cluster", False, f"no Ray dashboard answers at {address} ({reason})", UNREACHABLE_FIX)
     if status in (401, 403):
         return Check("cluster", False, f"{address} requires a token (token authentication is on) and none "
@@ -144,7 +107,7 @@ def _join(address: str, cfg, found: list[Cluster]) -> Check:
     try:
         connect_ray(cfg, address)
     except Exception as e:  # noqa: BLE001 - Ray raises many kinds; auth failures are told apart by text
-        text = _first_line(str(e))
+        text = first_line(str(e))
         return Check("cluster", False, f"cannot join the Ray cluster at {address} ({text})", TOKEN_FIX
                      if "auth" in text.lower() or "token" in text.lower() else
                      "check --address and that this machine's Ray and Python match the cluster's")
@@ -179,7 +142,7 @@ def probe_storage(root: str, where: str, shared: str = "", expected: str = "") -
             raise OSError(f"{path} is still there after deleting it")
         return {"where": where, "ok": True}
     except Exception as e:  # noqa: BLE001 - reported as this node's FAIL line
-        return {"where": where, "ok": False, "step": step, "error": f"{type(e).__name__}: {_first_line(str(e))}"}
+        return {"where": where, "ok": False, "step": step, "error": f"{type(e).__name__}: {first_line(str(e))}"}
 
 
 def storage_fix(root: str, error: str, step: str = "") -> str:
@@ -242,19 +205,32 @@ def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout:
             "entrypoint": entrypoint, "runtime_env": {"env_vars": env} if env else None,
             "submission_id": f"vitp-doctor-{uuid.uuid4().hex[:8]}", "metadata": {"vitp": "doctor"}},
             log=lambda m: None)
-        deadline = time.monotonic() + timeout
-        while jobs.status_of(info := client.get_job_info(job_id)) not in jobs.TERMINAL:
-            if time.monotonic() > deadline:
-                client.stop_job(job_id)
-                raise ClusterError(f"the probe job {job_id} did not finish within {timeout:.0f}s")
-            time.sleep(1)
-        logs = client.get_job_logs(job_id)
+        try:
+            deadline = time.monotonic() + timeout
+            while jobs.status_of(info := client.get_job_info(job_id)) not in jobs.TERMINAL:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the probe job {job_id} did not finish within {timeout:.0f}s")
+                time.sleep(1)
+            logs = client.get_job_logs(job_id)
+        finally:
+            _remove_job(client, job_id)
     lines = [ln for ln in logs.splitlines() if ln.startswith(RESULT_TAG)]
     if jobs.status_of(info) != "SUCCEEDED" or not lines:
         tail = [ln for ln in logs.splitlines() if ln.strip()][-1:] or [info.message or ""]
-        raise ClusterError(f"the probe job {job_id} {jobs.status_of(info)}: {_first_line(tail[0])}")
-    client.delete_job(job_id)
+        raise ClusterError(f"the probe job {job_id} {jobs.status_of(info)}: {first_line(tail[0])}")
     return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def _remove_job(client, job_id: str, wait_s: float = 15.0) -> None:
+    """Stop the probe job if it still runs and delete it from the cluster's job list (best effort:
+    its outcome is already in the check's line)."""
+    from pipeline.cluster import jobs  # lazy: ray, mlflow
+    with contextlib.suppress(Exception):
+        deadline = time.monotonic() + wait_s
+        while jobs.status_of(client.get_job_info(job_id)) not in jobs.TERMINAL and time.monotonic() < deadline:
+            client.stop_job(job_id)
+            time.sleep(1)
+        client.delete_job(job_id)
 
 
 def _cleanup(root: str, shared: str = "") -> None:
@@ -285,7 +261,7 @@ def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], No
             results = _probe_job(cluster, root, *share, TIMEOUTS["storage on cluster"] - 30) if cluster.jobs_api \
                 else cluster_probe(root, *share, include_self=False)
         except ClusterError as e:
-            return Check("storage on cluster", False, _first_line(str(e)),
+            return Check("storage on cluster", False, first_line(str(e)),
                          f"see `vitp jobs logs <that id> --address {cluster.address}`; the cluster's image needs "
                          "this package (cluster/Dockerfile) so `python -m pipeline.cluster.doctor` runs there")
         finally:
@@ -301,62 +277,6 @@ def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], No
 
 
 # ------------------------------------------------------------------------------ 3. MLflow, 4. shards
-def _mlflow_failure(shown: str, user: str, step: str, experiment: str, e) -> Check:
-    text, code = _first_line(e.message), getattr(e, "error_code", "")
-    if "401" in text or "unauthorized" in text.lower() or code == "UNAUTHENTICATED":
-        what, fix = (f"{shown} rejected the login of user {user!r} (wrong password?)", f"export "
-                     f"MLFLOW_TRACKING_PASSWORD=<{user}'s password> (or the right MLFLOW_TRACKING_USERNAME)") if user \
-            else (f"{shown} requires a login and none was given",
-                  "export MLFLOW_TRACKING_USERNAME=<user> MLFLOW_TRACKING_PASSWORD=<password>")
-    elif "403" in text or "permission" in text.lower() or code == "PERMISSION_DENIED":
-        what, fix = (f"{shown}: user {user or '(none)'} may not {step} in {experiment!r}",
-                     f"grant the user EDIT on experiment {experiment!r} or choose --set tracking.experiment=<yours>")
-    elif step == "log an artifact":
-        what, fix = (f"{shown} could not store an artifact ({text})", "check the server's --artifacts-destination "
-                     "and its storage credentials (MLFLOW_S3_ENDPOINT_URL, AWS_* where the server runs)")
-    elif "connect" in text.lower() or "max retries" in text.lower():
-        what, fix = f"no MLflow server answers at {shown} ({text})", "start it (vitp mlflow-server) or fix the URI"
-    else:
-        what, fix = f"{shown}: {step} failed ({text})", "check the server's log and --tracking-uri"
-    return Check("mlflow", False, what, fix)
-
-
-def check_mlflow(cfg) -> Check:
-    """Create the experiment if needed, start a run, log a param, a metric and an artifact, end and delete it."""
-    from mlflow.exceptions import MlflowException  # lazy: mlflow
-
-    from pipeline.tracking.redact import redact_text
-    from pipeline.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
-    try:
-        uri = resolve_tracking_uri(cfg)
-    except ConfigError:
-        return Check("mlflow", False, f"work_dir={cfg.work_dir} is object storage and no tracking URI is set",
-                     "pass --tracking-uri http://<mlflow-server>:5000 (or --set tracking.uri=...; "
-                     "`vitp mlflow-server` runs one)")
-    shown, name, user = redact_text(uri), cfg.tracking.experiment, os.environ.get("MLFLOW_TRACKING_USERNAME", "")
-    client, run_id, step = get_client(uri), None, "find or create the experiment"
-    try:
-        exp = get_or_create_experiment(client, name)
-        step = "start a run"
-        run_id = client.create_run(exp, run_name="vitp-doctor", tags={"vitp.doctor": "preflight"}).info.run_id
-        step = "log a param and a metric"
-        client.log_param(run_id, "doctor", "1")
-        client.log_metric(run_id, "doctor/ok", 1.0)
-        step = "log an artifact"
-        client.log_text(run_id, "ok\n", "vitp-doctor.txt")
-        step = "end and delete the run"
-        client.set_terminated(run_id)
-        client.delete_run(run_id)
-        run_id = None
-    except MlflowException as e:
-        return _mlflow_failure(shown, user, step, name, e)
-    finally:
-        with contextlib.suppress(Exception):  # cleanup after a failure already reported
-            run_id and client.delete_run(run_id)
-    return Check("mlflow", True, f"{shown} accepted a run{f' as {user!r}' if user else ''} in experiment "
-                 f"{name!r} (param, metric, artifact logged; run deleted)")
-
-
 def check_data(cfg) -> Check:
     """The shards the recipe trains on are finished (manifest.json present)."""
     from pipeline.data.ingest import shards_dir  # lazy: numpy, pyarrow

@@ -56,6 +56,33 @@ def test_probe_on_a_local_directory_leaves_nothing(tmp_path):
     assert "not shared between the nodes" in storage_fix(str(tmp_path), unshared["error"], unshared["step"])
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new-experiment", "existing-experiment"])
+def test_the_mlflow_check_leaves_no_run_artifact_or_experiment(tmp_path, existing):
+    """The MLflow check on a SQLite store: into the run's experiment when it exists, else a temporary
+    one deleted afterwards; either way no active run or new experiment is left, and no artifact file."""
+    from mlflow.entities import ViewType
+
+    from pipeline.cluster.doctor_mlflow import check_mlflow
+    from pipeline.recipes import resolve
+    from pipeline.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
+
+    cfg = resolve("debug", [f"work_dir={tmp_path}", "tracking.experiment=mine"])
+    client = get_client(resolve_tracking_uri(cfg))
+    if existing:
+        get_or_create_experiment(client, "mine")
+    before = {e.name for e in client.search_experiments(view_type=ViewType.ALL)}
+    check = check_mlflow(cfg)
+    assert check.ok and "artifact and run deleted" in check.detail, check.line()
+    assert ("experiment 'mine'" if existing else "a temporary experiment ('mine' does not exist yet") in check.detail
+    active = {e.name: e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
+    assert set(active) == before  # nothing new a user would see ('mine' only where it existed)
+    deleted_runs = client.search_runs([e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)],
+                                      run_view_type=ViewType.DELETED_ONLY)
+    assert [r.info.run_name for r in deleted_runs] == ["vitp-doctor"]  # the probe ran, and is deleted
+    assert not client.search_runs(list(active.values()))
+    assert not list(tmp_path.rglob("vitp-doctor.txt"))  # its artifact removed, not only its run
+
+
 # --------------------------------------------------------------------------- e2e: real cluster, S3, MLflow
 
 
@@ -117,10 +144,13 @@ def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, m
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
     client = MlflowClient(mlflow_server.uri)
-    exp = client.get_experiment_by_name("vit-pipeline-debug")
-    assert client.search_runs([exp.experiment_id]) == []  # no active run left
-    deleted = client.search_runs([exp.experiment_id], run_view_type=ViewType.DELETED_ONLY)
-    assert [r.info.run_name for r in deleted] == ["vitp-doctor"]
+    # the recipe's experiment did not exist: a temporary one took the probe run and was deleted
+    assert "a temporary experiment ('vit-pipeline-debug' does not exist yet" in found["mlflow"]
+    assert client.get_experiment_by_name("vit-pipeline-debug") is None
+    assert [e.name for e in client.search_experiments()] == ["Default"]
+    every = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    assert [r.info.run_name for r in client.search_runs(every, run_view_type=ViewType.DELETED_ONLY)] == ["vitp-doctor"]
+    assert "artifact and run deleted" in found["mlflow"]
     secret = cluster.token_path.read_text().strip()
     assert secret not in out.stdout + out.stderr and PASSWORD not in out.stdout + out.stderr
 
