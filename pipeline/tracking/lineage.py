@@ -11,19 +11,20 @@ import warnings
 from mlflow import MlflowClient
 
 from .. import storage
+from .redact import redact_text
 
 
 def log_dataset(client: MlflowClient, run_id: str, name: str, source: str, digest: str,
                 context: str = "train") -> None:
     """Record a dataset as an input of `run_id`: `source` a path or URI (shown as MLflow resolves
-    it), `digest` what identifies its content (same shards, same digest)."""
+    it, a password in it masked), `digest` what identifies its content (same shards, same digest)."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source  # lazy: mlflow.data
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
     with warnings.catch_warnings():  # MLflow registers its local source twice and says so
         warnings.simplefilter("ignore", UserWarning)
-        resolved = resolve_dataset_source(source)
+        resolved = resolve_dataset_source(redact_text(source))
     dataset = MetaDataset(resolved, name=name, digest=digest)
     client.log_inputs(run_id, datasets=[DatasetInput(
         dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])

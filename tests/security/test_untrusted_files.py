@@ -64,8 +64,8 @@ def checkpoint(tmp_path_factory):
     return ck
 
 
-# a tracking URI whose password holds "/" and "+", as cloud secret keys do
-SECRET_PASSWORD = "pa/ss+w0rd-9k2"
+# a tracking URI whose password holds "/", "+" and "%", as cloud secret keys and encoded URIs do
+SECRET_PASSWORD = "pa/ss+w0rd%2F9k2"
 SECRET_URI = f"http://alice:{SECRET_PASSWORD}@mlflow.example.com:5000"
 
 
@@ -76,6 +76,15 @@ def test_checkpoint_meta_and_export_config_carry_the_config_redacted(checkpoint)
     for path in [checkpoint / "meta.json", checkpoint.parent / "export" / "config.json"]:
         text = path.read_text()
         assert SECRET_PASSWORD not in text and "alice:***@mlflow.example.com" in text, path
+    # nor anywhere else in what the run wrote: DeepSpeed's model and optimizer files, our RNG
+    # state, the safetensors header; as written, or in any of the forms a URI or JSON gives it
+    from urllib.parse import quote
+
+    forms = {SECRET_PASSWORD, quote(SECRET_PASSWORD, safe=""), SECRET_PASSWORD.replace("/", "\\/")}
+    files = [p for p in checkpoint.parent.rglob("*") if p.is_file()]
+    assert len(files) > 5, files
+    leaks = [(str(p), form) for p in files for form in forms if form.encode() in p.read_bytes()]
+    assert not leaks, leaks
 
 
 def test_logged_dict_artifacts_are_redacted(tmp_path):

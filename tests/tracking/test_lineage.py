@@ -34,3 +34,10 @@ def test_dataset_and_model_inputs_are_recorded_on_the_run(tracking_uri, experime
     assert str(tmp_path / "shards") in d.dataset.source
     assert {t.key: t.value for t in d.tags}["mlflow.data.context"] == "train"
     assert [m.model_id for m in inputs.model_inputs] == [model.model_id]
+
+
+def test_a_dataset_source_keeps_no_password(tracking_uri, experiment):
+    with RunLogger.start(tracking_uri, experiment, "creds") as run:
+        log_dataset(run.client, run.run_id, "shards", "https://bob:s3cr%2Ft/k@data.example.com/shards", "0123")
+    (d,) = MlflowClient(tracking_uri).get_run(run.run_id).inputs.dataset_inputs
+    assert "s3cr" not in d.dataset.source and "bob:***@data.example.com/shards" in d.dataset.source
