@@ -31,6 +31,14 @@ def gather_spools(run_id: str) -> int:
     fails keeps its files, and the run's next start or gather takes them)."""
     if not ray.is_initialized():
         return 0
+    try:
+        return _gather(run_id)
+    except Exception as e:  # noqa: BLE001 - e.g. this disk full: the spools stay on their nodes
+        log.warning("metric spools of run %s not gathered: %s", run_id, e)
+        return 0
+
+
+def _gather(run_id: str) -> int:
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     refs = {node: _on(node, ended_spools, run_id) for node in nodes}
     found: dict[str, list[tuple[str, bytes]]] = {}
