@@ -111,11 +111,13 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
-    """Run again on what the first run built, with one of the digits shards broken: the few-shot
-    probe that reads it fails and says so, the other stages reuse their results, exit code 1."""
+    """Run again on what the first run built, with one of the digits shards broken inside: the
+    few-shot probe that reads it fails and says so, the other stages reuse their results, exit
+    code 1. (Framed as Parquet, "PAR1" at both ends, the shard passes the driver's check of the
+    shards' files, which refuses a file that is not Parquet at all: tests/test_uri_paths.py.)"""
     work, _ = demo
     shard = sorted((work / "shards" / "digits" / "train").glob("*.parquet"))[0]
-    shard.write_bytes(b"not a parquet file")
+    shard.write_bytes(b"PAR1" + b"not a parquet file" + b"PAR1")
     r = vitp("demo", "--quick", "--work-dir", str(work), timeout=1500)
     assert r.rc == 1, str(r)
     assert re.search(r"^\[demo\] few-shot FAILED: ", r.out, re.M), str(r)
