@@ -200,10 +200,10 @@ def check_shard_files(root: str, manifest: Optional[dict] = None) -> None:
         raise InputError(f"{root}: {len(missing)} of the {len(listed)} shards its manifest lists are missing "
                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); restore them or "
                          "re-run `vitp preprocess RECIPE --overwrite`")
+    fs, base = filesystem(root)
     for split, shards in m["shards"].items():
         if not shards:
             continue
-        fs, base = filesystem(root)
         with fs.open_input_file(join(base, shards[0]["file"])) as f:
             size = f.size()
             head, tail = f.read_at(4, 0), f.read_at(4, max(size - 4, 0))

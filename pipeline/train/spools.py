@@ -17,10 +17,13 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 60.0  # per round; a node that does not answer keeps its spool for the next start
 
 
-def _on(node_id: str, fn, *args):
-    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    return task.remote(*args)
+# The per-node reads and deletes: defined once, placed on one node per call.
+_ended_spools = ray.remote(num_cpus=0, max_retries=0)(ended_spools)
+_remove_spools = ray.remote(num_cpus=0, max_retries=0)(remove_spools)
+
+
+def _on(node_id: str, task, *args):
+    return task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
 
 
 def gather_spools(run_id: str) -> int:
@@ -40,7 +43,7 @@ def gather_spools(run_id: str) -> int:
 
 def _gather(run_id: str) -> int:
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    refs = {node: _on(node, ended_spools, run_id) for node in nodes}
+    refs = {node: _on(node, _ended_spools, run_id) for node in nodes}
     found: dict[str, list[tuple[str, bytes]]] = {}
     for node, ref in refs.items():  # every node read before any copy is written: the driver's
         try:                        # node would otherwise find (and copy again) copies of others
@@ -54,7 +57,7 @@ def _gather(run_id: str) -> int:
             copied.setdefault(node, {})[name] = len(data)
     for node, files in copied.items():  # copies are on disk here: the originals can go
         try:
-            ray.get(_on(node, remove_spools, run_id, files), timeout=TIMEOUT_S)
+            ray.get(_on(node, _remove_spools, run_id, files), timeout=TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - left there, sent again: the sender drops repeats
             log.warning("metric spools of run %s on node %s copied but not removed: %s", run_id, node[:8], e)
     count = sum(len(f) for f in copied.values())

@@ -72,26 +72,31 @@ print("PROBE " + json.dumps({"driver": where(), "tasks": ray.get(tasks)}))
 '''
 
 
-def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
-    """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
-    drivers run); the environment cluster/local.sh started in reaches every task on every node."""
+def _job_result(cluster, script, text: str, tag: str, *args: str) -> dict:
+    """Run `text` as a Ray job's driver (on the head) with `args`; the JSON it printed after `tag`."""
     import json
-    import os
     import sys
     import time
 
     from ray.job_submission import JobSubmissionClient
 
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
-    client = JobSubmissionClient(two_node_cluster.address)
-    job = client.submit_job(entrypoint=f"{sys.executable} {script}")
+    script.write_text(text)
+    client = JobSubmissionClient(cluster.address)
+    job = client.submit_job(entrypoint=" ".join([sys.executable, str(script), *args]))
     deadline = time.time() + 300
     while not client.get_job_status(job).is_terminal() and time.time() < deadline:
         time.sleep(1)
     logs = client.get_job_logs(job)
     assert client.get_job_status(job) == "SUCCEEDED", logs[-3000:]
-    seen = json.loads(next(line for line in logs.splitlines() if line.startswith("PROBE "))[6:])
+    return json.loads(next(line for line in logs.splitlines() if line.startswith(tag))[len(tag):])
+
+
+def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
+    """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
+    drivers run); the environment cluster/local.sh started in reaches every task on every node."""
+    import os
+
+    seen = _job_result(two_node_cluster, tmp_path / "probe.py", PROBE, "PROBE ")
     head, worker = two_node_cluster.node_dirs
     assert seen["driver"]["cwd"] == str(head / "work") and seen["driver"]["tmp"] == str(head / "tmp")
     by_dir = {}
@@ -143,22 +148,8 @@ def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_nod
     """Rank 0 on the worker node spooled steps 1-5 and died before sending them (its spool is in
     that node's TMPDIR, which the driver on the head cannot see): the driver gathers it through a
     task per node before it ends the run, every step arrives once, and the node's copy is gone."""
-    import json
-    import sys
-    import time
-
-    from ray.job_submission import JobSubmissionClient
-
-    script, uri = tmp_path / "spool_job.py", f"sqlite:///{tmp_path}/mlflow.db"
-    script.write_text(SPOOL_JOB)
-    client = JobSubmissionClient(two_node_cluster.address)
-    job = client.submit_job(entrypoint=f"{sys.executable} {script} {uri}")
-    deadline = time.time() + 300
-    while not client.get_job_status(job).is_terminal() and time.time() < deadline:
-        time.sleep(1)
-    logs = client.get_job_logs(job)
-    assert client.get_job_status(job) == "SUCCEEDED", logs[-3000:]
-    seen = json.loads(next(line for line in logs.splitlines() if line.startswith("SPOOL "))[6:])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    seen = _job_result(two_node_cluster, tmp_path / "spool_job.py", SPOOL_JOB, "SPOOL ", uri)
     worker_tmp = str(two_node_cluster.node_dirs[1] / "tmp")
     assert seen["dir"].startswith(worker_tmp), seen  # the spool was on the other node's disk
     assert seen["gathered"] == 1 and seen["left"] == [], seen
