@@ -7,7 +7,7 @@ naming the scheduler and step, never left FAILED. MLflow only through `pipeline.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from ray.tune import Callback
 
@@ -17,6 +17,20 @@ from ..tracking.store import get_client, quote
 
 STOPPED_BY_TAG = "vitp.stopped_by"  # who ended a run early: "asha" (the scheduler), ...
 STOPPED_AT_TAG = "vitp.stopped_at_step"
+
+# A trial's last result key holding the user's mistake it ended on (a ConfigError or InputError
+# inside its training: e.g. a source whose weights file is damaged). Such a trial returns instead of
+# raising: Tune retries every error trial_retries times, and the same input fails the same way on
+# every attempt. Its metric is NaN (no score); sweep.summarise and SweepProgress count it as failed.
+USER_ERROR = "vitp/user_error"
+
+
+def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
+    """The one line a failed trial ended on: the user's mistake it returned with, or the last
+    line of the error Tune recorded ("" for a trial that did not fail)."""
+    if (result or {}).get(USER_ERROR):
+        return str(result[USER_ERROR]).splitlines()[0][:300]
+    return (str(error).strip().splitlines() or ["?"])[-1][:300] if error else ""
 
 
 def _duration(seconds: float) -> str:
@@ -74,6 +88,9 @@ class SweepProgress(Callback):
         # A trial the scheduler stopped completes too (Tune marks its last result done): it is
         # told apart by its last reported step, short of the steps it was planned to train.
         result = trial.last_result or {}
+        if result.get(USER_ERROR):  # ended on the user's mistake: failed, not retried
+            self._end(trial, f"FAILED: {trial_error(None, result)[:200]}")
+            return
         value = result.get(self.metric)
         score = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {self.metric}"
         step = result.get("step")
@@ -92,8 +109,8 @@ class SweepProgress(Callback):
             self._mark_stopped(trial_id, step)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        error = str(getattr(trial, "error_msg", None) or "see the trial's error.txt").strip().splitlines()
-        self._end(trial, f"FAILED: {error[-1][:200] if error else '?'}")
+        error = trial_error(getattr(trial, "error_msg", None) or "see the trial's error.txt", None)
+        self._end(trial, f"FAILED: {error[:200]}")
 
     def _mark_stopped(self, trial_id: str, step: Any) -> None:
         """End the trial's MLflow run KILLED with who stopped it and when (not FAILED)."""

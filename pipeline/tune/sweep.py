@@ -29,7 +29,7 @@ from ..tracking.compare import best_per_dataset
 from ..tracking.runs import source_tags
 from ..tracking.store import quote, tag_filters
 from ..train.transfer import finetune_config
-from .progress import SweepProgress
+from .progress import USER_ERROR, SweepProgress, trial_error
 
 AXES = ("recipe", "source")  # trial keys that are not config fields
 
@@ -202,14 +202,19 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     """Tune trainable: one fine-tuning run on Ray Train, its evaluations reported to Tune. The
     sweep spec and parent run come through tune.with_parameters, so trial configs (what Tune
     shows and stores) hold only the swept values."""
+    from ..train.failures import FINAL  # lazy: ray.train internals (as below)
     from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
 
     spec = SweepSpec(**spec)
     cfg, tags = trial_config(spec, trial_params(trial))
     ctx = tune.get_context()
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
-    summary = run_training(cfg, extra_tags=tags, parent_run_id=parent_run_id,
-                           callbacks=[TuneReportCallback()])
+    try:
+        summary = run_training(cfg, extra_tags=tags, parent_run_id=parent_run_id,
+                               callbacks=[TuneReportCallback()])
+    except FINAL as e:  # its MLflow run is already ended FAILED with this line
+        tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
+        return
     if summary.already_finished:  # a resumed sweep: this trial's training had finished before
         tune.report(summary.metrics)
     if summary.metrics.get(spec.metric) is None:
@@ -340,8 +345,8 @@ def summarise(spec: SweepSpec, parent, results, seconds: float) -> dict[str, Any
     """Best trial per dataset (from the MLflow children) and the failures, into the parent run."""
     failed = [{"trial": os.path.basename(str(r.path)), "config": {k: v for k, v in (r.config or {}).items()
                                                                  if not k.startswith("__")},
-               "error": (str(r.error).strip().splitlines() or ["?"])[-1][:300]}
-              for r in results if r.error]
+               "error": trial_error(r.error, r.metrics)}
+              for r in results if r.error or (r.metrics or {}).get(USER_ERROR)]
     best = best_trials(spec.tracking_uri, spec.experiment, parent.run_id, spec.metric, spec.mode)
     name = spec.metric.replace("/", "_")
     # a resumed sweep's parent may hold an earlier summary: log after it, so the newest is latest

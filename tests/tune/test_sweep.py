@@ -185,29 +185,62 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digit
     assert len(steps) == len(set(steps)) >= 2, steps
 
 
+def _damaged_export(path) -> str:
+    """An export of the debug recipe whose weights file was cut short (a download that stopped):
+    its config.json is sound, so only a worker loading the weights finds the damage."""
+    import torch
+
+    from pipeline.model.weights import write_export
+    from pipeline.recipes import with_overrides
+
+    write_export(str(path), {"pos_embed": torch.zeros(1, 17, 64)}, with_overrides("debug").to_dict(), {"step": 4})
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return str(path)
+
+
+def _trial_failures(sweep_dir) -> dict[str, int]:
+    """{trial's experiment tag (its grid point): times Tune saw it fail} from the saved sweep state."""
+    import json
+
+    state = json.loads(sorted(sweep_dir.glob("experiment_state-*.json"))[-1].read_text())
+    return {json.loads(trial)["experiment_tag"]: json.loads(meta)["num_failures"]
+            for trial, meta in state["trial_data"]}
+
+
 @pytest.mark.e2e
 def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_shards):
+    """Two ways a grid point fails while the others finish: a fault (model.num_classes=5 on 10-class
+    digits: labels past the head, inside training) is retried trial_retries times; a user's mistake
+    (a damaged source, an InputError in the workers) ends its trial on the first attempt."""
     from pipeline.tracking.store import get_client
 
-    # model.num_classes=5 on 10-class digits fails inside training; the other point finishes
+    damaged = _damaged_export(tmp_path / "damaged-export")
     args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={_work(tmp_path, digits_shards)}",
-            "--tracking-uri", server.uri, "--space", "optim.lr=0.1", "--space", "model.num_classes=10,5",
-            "--set=tune.trial_retries=0", *FAST]
+            "--tracking-uri", server.uri, "--from", "scratch", "--from", damaged, "--space", "optim.lr=0.1",
+            "--space", "model.num_classes=10,5", "--set=tune.trial_retries=1", *FAST]
     proc = _vitp(args, _env(ray_session))
     log, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 1, log[-4000:]  # the sweep ran to the end; exit 1: a trial failed
-    assert "1 trial(s) failed" in log
+    assert proc.returncode == 1, log[-4000:]  # the sweep ran to the end; exit 1: trials failed
+    assert "3 trial(s) failed" in log, log[-4000:]
+    assert log.count("not a readable weights file") >= 2, log[-4000:]  # its line, per damaged trial
     rows = _children(server.uri, "s2")
-    status = sorted(("num_classes5-" in r["run_name"], r["status"]) for r in rows)
-    assert status == [(False, "FINISHED"), (True, "FAILED")]
+    status = sorted((r["source"] == damaged, "num_classes5-" in r["run_name"], r["status"]) for r in rows)
+    assert status == [(False, False, "FINISHED"), (False, True, "FAILED"),
+                      (True, False, "FAILED"), (True, True, "FAILED")], status
+    failures = _trial_failures(tmp_path / "sweeps" / "s2")  # Tune's own count of attempts that failed
+    assert sorted(("damaged-export" in tag, "num_classes=5" in tag, n) for tag, n in failures.items()) == [
+        (False, False, 0), (False, True, 2), (True, False, 0), (True, True, 0)], failures
     client = get_client(server.uri)
-    failed = next(r for r in rows if r["status"] == "FAILED")
-    assert client.get_run(failed["run_id"]).data.tags["vitp.error"].strip()  # what went wrong, in the run
+    for row in rows:
+        if row["status"] == "FAILED":  # what went wrong, in the run
+            error = client.get_run(row["run_id"]).data.tags["vitp.error"]
+            assert ("not a readable weights file" in error) == (row["source"] == damaged), error
     exp = client.get_experiment_by_name("vit-pipeline-debug")
     (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'sweep-s2'")
     assert parent.info.status == "FINISHED"
-    assert parent.data.tags["failed_trials"] == "1"
-    assert parent.data.metrics["sweep/failed"] == 1
+    assert parent.data.tags["failed_trials"] == "3"
+    assert parent.data.metrics["sweep/failed"] == 3
 
 
 @pytest.mark.e2e
