@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _say(command: str, message: str) -> None:
-    print(f"vitp {command}: {message}", file=sys.stderr, flush=True)
+    from ..tracking.redact import redact_message  # lazy: only an error needs it
+
+    print(f"vitp {command}: {redact_message(message)}", file=sys.stderr, flush=True)
 
 
 def _file_error(e: OSError) -> str:

@@ -25,7 +25,7 @@ def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfi
     """
     problems = [
         *_finite_problems(cfg), *_range_problems(cfg), *_name_problems(cfg),
-        *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg),
+        *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg), *_credential_problems(cfg),
         *(_path_problems(cfg) if check_paths else []),
     ]
     if problems:
@@ -255,6 +255,18 @@ def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
                 f"tune.space key {key!r} is not a config key: use dotted keys such as 'optim.lr'"
             )
     return problems
+
+
+def _credential_problems(cfg: ExperimentConfig) -> list[str]:
+    """Storage URIs with credentials in them (s3://KEY:SECRET@bucket/...): a path is printed,
+    logged and recorded with every run, so a secret in it would be too. The value is not repeated."""
+    paths = {"work_dir": cfg.work_dir, "data.path": cfg.data.path, "data.shards": cfg.data.shards,
+             "train.init_from": cfg.train.init_from}
+    return [f"{key}: a storage URI with credentials in it (user:password@) is refused: give the bucket "
+            "as s3://bucket/path and the credentials through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+            "(or the nodes' own role)"
+            for key, value in paths.items()
+            if is_uri(value) and "@" in value.split("://", 1)[1].split("/", 1)[0]]
 
 
 def _path_problems(cfg: ExperimentConfig) -> list[str]:

@@ -46,8 +46,13 @@ def is_secret_key(key: str) -> bool:
 
 def redact_text(text: str) -> str:
     """Mask credentials embedded in a string; everything else is returned unchanged."""
+    return redact_message(_INLINE_PAIR.sub(lambda m: f"{m.group('k')}{m.group('sep')}{REDACTED}", text))
+
+
+def redact_message(text: str) -> str:
+    """Mask the credentials a message can carry from its input (URI passwords, token shapes), not
+    `key: value` pairs: a message's own prose says "password: export MLFLOW_..."."""
     out = _URI_PASSWORD.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
-    out = _INLINE_PAIR.sub(lambda m: f"{m.group('k')}{m.group('sep')}{REDACTED}", out)
     for pat in _SECRET_VALUES:
         out = pat.sub(REDACTED, out)
     return out

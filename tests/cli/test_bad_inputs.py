@@ -35,6 +35,8 @@ CASES = [
     ("config debug --set parallel.zero_stage=5", 2, "parallel.zero_stage=5: ZeRO stage must be 0, 1, 2 or 3"),
     ("config debug --set data.image_size=30", 2, "data.image_size=30 is not divisible by the patch size 8"),
     ("config debug --set data.storage_format=gif", 2, "data.storage_format='gif' is not allowed"),
+    ("config debug --set data.shards=s3://AKIAFAKE:se%2Fcret@bucket/shards", 2,
+     "data.shards: a storage URI with credentials in it (user:password@) is refused"),
     ("config debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
     ("model X/99", 2, "model.variant='X/99' is not a ViT variant"),
     ("synth debug --set data.synth_classes=0", 2, "data.synth_classes=0: must be > 0"),

@@ -52,9 +52,9 @@ class Run:
                 f"--- stdout (tail)\n{self.out[-3000:]}\n--- stderr (tail)\n{self.err[-3000:]}")
 
 
-def vitp(*args: str, cwd: Path | None = None, timeout: float = 600) -> Run:
+def vitp(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict[str, str] | None = None) -> Run:
     t0 = time.monotonic()
-    p = subprocess.run([str(VITP), *args], cwd=cwd or ROOT, env=vitp_env(), capture_output=True,
+    p = subprocess.run([str(VITP), *args], cwd=cwd or ROOT, env=env or vitp_env(), capture_output=True,
                        text=True, timeout=timeout)
     return Run(args, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
@@ -291,7 +291,7 @@ def test_import_each_format_gives_the_same_weights(fmt, source, recorded, weight
     else:
         src = files[source]
     out = tmp_path / "imported"
-    r = ok(vitp("import", str(src), "--out", str(out), "--format", fmt))
+    r = ok(scenario.vitp("import", str(src), "--out", str(out), "--format", fmt))
     assert f"wrote {out}" in r.out and "vitp finetune" in r.out, str(r)
     cfg = assert_same_weights(out, sd)
     assert cfg["_export"]["format"].startswith(recorded), cfg["_export"]
@@ -356,9 +356,62 @@ def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
 # ================================================================================ e2e part
 
 
+# Fake secrets where a user keeps them, with the '/', '+' and '%' that cloud keys and generated
+# passwords hold: the chain runs with them and none may appear in anything it prints or writes
+# (test_no_secret_leaves_the_chain). The S3 server (moto) and the MLflow server accept them.
+SECRETS = {"S3 secret key": "fake/S3+secret%2Fkey9z", "MLflow password": "ml/Pass%41+w0rd",
+           "database password": "db/pw%2Fq+y"}
+
+
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    return Scenario(tmp_path_factory.mktemp("every-command"))
+def scenario(tmp_path_factory, s3):
+    """The chain's work dir, and what a user on a shared tracking server has: an MLflow server with
+    basic auth (its password in MLFLOW_TRACKING_PASSWORD), its runs in PostgreSQL (the database
+    password inside MLFLOW_BACKEND_STORE_URI) and its artifacts on S3 (the secret key in
+    AWS_SECRET_ACCESS_KEY)."""
+    import tempfile
+    from urllib.parse import quote
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from postgres import PostgresServer
+
+    base = tmp_path_factory.mktemp("every-command")
+    # the chain's TMPDIR (Ray's session logs, checkpoint staging, spools): searched for the
+    # secrets too; short, for Ray's socket paths
+    tmp = Path(tempfile.mkdtemp(prefix="vitp-e", dir="/tmp"))
+    db = PostgresServer(base / "postgres")
+    db.create("vitp", SECRETS["database password"], "mlflow")
+    env = {**vitp_env(), "TMPDIR": str(tmp), "AWS_SECRET_ACCESS_KEY": SECRETS["S3 secret key"],
+           "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": SECRETS["MLflow password"]}
+    server_env = {**env, "MLFLOW_AUTH_ADMIN_PASSWORD": SECRETS["MLflow password"],
+                  "MLFLOW_BACKEND_STORE_URI": f"postgresql://vitp:{quote(SECRETS['database password'], safe='')}"
+                                              f"@127.0.0.1:{db.port}/mlflow"}
+    port = free_port()
+    server = subprocess.Popen([str(VITP), "mlflow-server", "--auth", "--port", str(port), "--workers", "1",
+                               "--artifacts-destination", f"{s3.bucket('mlflow')}/artifacts",
+                               "--log", str(base / "mlflow-server.log")],
+                              cwd=base, env=server_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    banner = []
+    while not banner or "Ctrl-C stops it" not in banner[-1]:
+        line = server.stdout.readline()
+        assert line, "".join(banner) + server.stderr.read()
+        banner.append(line)
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+    os.environ.update({k: env[k] for k in saved})  # this test's own MLflow client logs in too
+    try:
+        yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        server.send_signal(signal.SIGINT)
+        try:
+            server.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        db.stop()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Scenario:
@@ -366,24 +419,30 @@ class Scenario:
 
     SWEEP = "cli-sweep"
 
-    def __init__(self, base: Path):
-        self.base = base
+    def __init__(self, base: Path, tmp: Path, env: dict[str, str], uri: str, printed: list[str]):
+        self.base, self.tmp, self.env, self.uri = base, tmp, env, uri
         self.work = base / "work"
         self.synth = self.work / "synth"
         self.shards = self.work / "shards"
         self.export = self.work / "export"
         self.runs: dict[str, Run] = {}
         self.facts: dict[str, str] = {}
+        self.printed = printed  # everything the chain's commands printed
+
+    def vitp(self, *args: str, timeout: float = 600) -> Run:
+        r = vitp(*args, timeout=timeout, env=self.env)
+        self.printed.append(r.out + r.err)
+        return r
 
     # What every pre-training command of the chain shares: the tiny debug recipe on the corpus
     # `vitp synth` rendered, sharded by `vitp preprocess`.
     def pretrain_sets(self) -> list[str]:
-        return [f"work_dir={self.work}", "data.synth_images_per_class=16", "data.source=imagefolder",
-                f"data.path={self.synth}", f"data.shards={self.shards}"]
+        return [f"work_dir={self.work}", f"tracking.uri={self.uri}", "data.synth_images_per_class=16",
+                "data.source=imagefolder", f"data.path={self.synth}", f"data.shards={self.shards}"]
 
     def finetune_sets(self) -> list[str]:
-        return [f"work_dir={self.work}", "train.steps=4", "train.log_every=2", "train.eval_every=4",
-                "optim.warmup_steps=1"]
+        return [f"work_dir={self.work}", f"tracking.uri={self.uri}", "train.steps=4", "train.log_every=2",
+                "train.eval_every=4", "optim.warmup_steps=1"]
 
     def need(self, step: str) -> Run:
         if step not in self.runs:
@@ -398,15 +457,15 @@ class Scenario:
         return [a for item in items for a in ("--set", item)]
 
     def _synth(self) -> Run:
-        return vitp("synth", "debug", *self.sets([f"work_dir={self.work}", "data.synth_images_per_class=16"]))
+        return self.vitp("synth", "debug", *self.sets([f"work_dir={self.work}", "data.synth_images_per_class=16"]))
 
     def _preprocess(self) -> Run:
         self.need("synth")
-        return vitp("preprocess", "debug", *self.sets(self.pretrain_sets()))
+        return self.vitp("preprocess", "debug", *self.sets(self.pretrain_sets()))
 
     def _pretrain(self) -> Run:
         self.need("preprocess")
-        r = vitp("pretrain", "debug", *self.sets(self.pretrain_sets() + [
+        r = self.vitp("pretrain", "debug", *self.sets(self.pretrain_sets() + [
             "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
             "optim.warmup_steps=1"]))
         if r.rc == 0:
@@ -416,32 +475,29 @@ class Scenario:
 
     def _export(self) -> Run:
         self.need("pretrain")
-        return vitp("export", self.facts["checkpoint"], "--out", str(self.export), "--register", "vit-e2e")
+        return self.vitp("export", self.facts["checkpoint"], "--out", str(self.export), "--register", "vit-e2e")
 
     def _finetune(self) -> Run:
         self.need("export")
-        r = vitp("finetune", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()))
+        r = self.vitp("finetune", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()))
         if r.rc == 0:
             self.facts["finetune_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
         return r
 
     def _fewshot(self) -> Run:
         self.need("export")
-        return vitp("fewshot", "debug_finetune", "--from", str(self.export), "--set", f"work_dir={self.work}")
+        return self.vitp("fewshot", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()[:2]))
 
     def _sweep(self) -> Run:
         self.need("export")
-        return vitp("sweep", "debug_finetune", "--name", self.SWEEP, "--from", str(self.export),
+        return self.vitp("sweep", "debug_finetune", "--name", self.SWEEP, "--from", str(self.export),
                     "--from", "scratch", "--space", "optim.lr=0.1",
                     *self.sets(self.finetune_sets() + ['tune.space={"optim.lr": [0.1]}']))
 
     def tracking_client(self):
         from mlflow.tracking import MlflowClient
 
-        from pipeline.recipes import with_overrides
-        from pipeline.tracking.store import resolve_tracking_uri
-
-        return MlflowClient(resolve_tracking_uri(with_overrides("debug", [f"work_dir={self.work}"])))
+        return MlflowClient(self.uri)
 
 
 @pytest.mark.e2e
@@ -515,7 +571,7 @@ class TestChain:
         sd = load_tensors(scenario.export / "model.safetensors")
         for fmt, src in (("ours", scenario.export), ("auto", scenario.export / "model.safetensors")):
             out = scenario.work / f"reimported-{fmt}"
-            r = ok(vitp("import", str(src), "--out", str(out), "--format", fmt))
+            r = ok(scenario.vitp("import", str(src), "--out", str(out), "--format", fmt))
             assert f"wrote {out}" in r.out
             got = load_tensors(out / "model.safetensors")
             assert got.keys() == sd.keys() and all(np.array_equal(got[k], sd[k]) for k in sd), fmt
@@ -524,7 +580,7 @@ class TestChain:
         scenario.need("export")
         image = sorted(sorted(scenario.synth.iterdir())[0].iterdir())[0]  # one of the corpus images
         out = scenario.work / "attention"
-        r = ok(vitp("attention", str(scenario.export), str(image), "--out", str(out)))
+        r = ok(scenario.vitp("attention", str(scenario.export), str(image), "--out", str(out)))
         assert f"wrote {out}/rollout.png and {out}/attention_distance.png" in r.out, str(r)
         assert is_png(out / "rollout.png") and is_png(out / "attention_distance.png")
 
@@ -557,8 +613,8 @@ class TestChain:
     def test_compare_reads_everything_back(self, scenario):
         for step in ("pretrain", "finetune", "fewshot", "sweep"):
             scenario.need(step)
-        sets = ["--set", f"work_dir={scenario.work}"]
-        rows = json.loads(ok(vitp("compare", *sets, "--format", "json")).out)
+        sets = scenario.sets(scenario.finetune_sets()[:2])  # work_dir, tracking.uri
+        rows = json.loads(ok(scenario.vitp("compare", *sets, "--format", "json")).out)
         by_id = {row["run_id"]: row for row in rows}
         assert scenario.facts["pretrain_run"] in by_id and scenario.facts["finetune_run"] in by_id
         assert by_id[scenario.facts["finetune_run"]]["source"] == str(scenario.export)
@@ -568,11 +624,11 @@ class TestChain:
         assert all(row["status"] == "FINISHED" and row["lr"] in (0.1, "0.1") for row in trials), trials
 
         plot = scenario.work / "compare.png"
-        r = ok(vitp("compare", *sets, "--sweep", scenario.SWEEP, "--plot", str(plot)))
+        r = ok(scenario.vitp("compare", *sets, "--sweep", scenario.SWEEP, "--plot", str(plot)))
         assert is_png(plot) and f"wrote {plot}" in r.err
         table = [line for line in r.out.splitlines() if line.strip()]
         assert "best top-1" in table[0] and len(table) == 1 + 1 + 2  # header, rule, two trials
-        csv_out = ok(vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
+        csv_out = ok(scenario.vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
         csv_rows = [line for line in csv_out.splitlines() if line]
         assert csv_rows[0].startswith("best,recipe,variant,dataset,source,lr") and len(csv_rows) == 3
 
@@ -580,20 +636,27 @@ class TestChain:
 # --- submit / jobs against a local Ray cluster (cluster/local.sh: one head node, no auth)
 
 
+@dataclass
+class LocalCluster:
+    address: str  # the dashboard (Jobs API)
+    state: Path  # its nodes' directories: Ray's logs, sessions, working dirs
+
+
 @pytest.fixture(scope="module")
-def local_cluster(tmp_path_factory):
+def local_cluster(scenario):
+    """Started in the chain's environment (its secrets too), as a user starts one from their shell."""
     import tempfile
 
     port, dash = free_port(), free_port()
     state = Path(tempfile.mkdtemp(prefix="vitp-c", dir="/tmp"))  # short: Ray's socket paths are limited
-    env = {**vitp_env(), "PYTHON": sys.executable}
+    env = {**scenario.env, "PYTHON": sys.executable}
     script = ROOT / "cluster" / "local.sh"
     start = subprocess.run([str(script), "start", "--workers", "0", "--num-cpus", "1", "--port", str(port),
                             "--dashboard-port", str(dash), "--state-dir", str(state)],
                            env=env, capture_output=True, text=True, timeout=300)
     try:
         assert start.returncode == 0, start.stdout[-3000:] + start.stderr[-3000:]
-        yield f"http://127.0.0.1:{dash}"
+        yield LocalCluster(f"http://127.0.0.1:{dash}", state)
     finally:
         subprocess.run([str(script), "stop", "--state-dir", str(state)], env=env, capture_output=True,
                        text=True, timeout=180)
@@ -602,19 +665,113 @@ def local_cluster(tmp_path_factory):
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
-def test_submit_and_jobs_against_a_local_cluster(local_cluster, tmp_path):
+def test_submit_and_jobs_against_a_local_cluster(scenario, local_cluster, tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text("# the smallest job: resolve a recipe on the cluster and print it\n"
                     "entrypoint: vitp config debug --set train.steps=7\n"
                     "metadata:\n  stage: test\n")
-    address = ["--address", local_cluster]
-    r = ok(vitp("submit", str(spec), *address, "--follow", timeout=600))
+    address = ["--address", local_cluster.address]
+    r = ok(scenario.vitp("submit", str(spec), *address, "--follow", timeout=600))
     assert "job spec" in r.out and "debug" in r.out.splitlines()[0], str(r)
     job_id = re.search(r"^submitted (\S+) to ", r.out, re.M).group(1)
     assert f"job {job_id} SUCCEEDED" in r.out and '"steps": 7' in r.out  # --follow streamed the job's output
 
-    listed = ok(vitp("jobs", "list", *address)).out
+    listed = ok(scenario.vitp("jobs", "list", *address)).out
     assert re.search(rf"^{re.escape(job_id)}\s+SUCCEEDED\s", listed, re.M), listed
-    logs = ok(vitp("jobs", "logs", job_id, *address)).out
+    logs = ok(scenario.vitp("jobs", "logs", job_id, *address)).out
     assert '"recipe": "debug"' in logs and '"steps": 7' in logs
-    assert ok(vitp("jobs", "stop", job_id, *address)).out.strip() == f"{job_id}: already finished"
+    assert ok(scenario.vitp("jobs", "stop", job_id, *address)).out.strip() == f"{job_id}: already finished"
+
+
+# --- no secret leaves the chain
+
+
+def _forms(secret: str) -> set[bytes]:
+    """A secret as it could be written: as is, URL-encoded (a URI), JSON-escaped."""
+    from urllib.parse import quote, quote_plus
+
+    return {f.encode() for f in (secret, quote(secret, safe=""), quote_plus(secret), json.dumps(secret)[1:-1])}
+
+
+def _files(*roots: Path):
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                yield path
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@pytest.mark.slow
+def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
+    """The whole chain above, then doctor, submit and jobs on a cluster started in the same shell,
+    with the secrets of SECRETS in the environment and the database URI: none of them, in any
+    form, is in a printed line, an MLflow run (params, tags, metrics, inputs, artifacts), a
+    registered or logged model, a job record, the tracking database's files, the S3 bucket, or
+    any file the chain, the MLflow server or the cluster wrote (Ray's logs included)."""
+    from mlflow.tracking import MlflowClient
+    from ray.job_submission import JobSubmissionClient
+
+    for step in ("pretrain", "export", "finetune", "fewshot", "sweep"):
+        scenario.need(step)
+    address = ["--address", local_cluster.address]
+    sets = scenario.sets(scenario.finetune_sets()[:2])
+    ok(scenario.vitp("compare", *sets))
+    r = scenario.vitp("doctor", "debug", *address, *sets)
+    assert r.rc == 0, str(r)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"entrypoint: vitp compare --set work_dir={scenario.work} --set tracking.uri={scenario.uri}\n")
+    job_id = re.search(r"^submitted (\S+) to ", ok(scenario.vitp("submit", str(spec), *address, "--follow")).out,
+                       re.M).group(1)
+    ok(scenario.vitp("jobs", "list", *address))
+    ok(scenario.vitp("jobs", "logs", job_id, *address))
+    # a URI with credentials in it, where a path is expected: refused in one line that does not repeat them
+    key = SECRETS["S3 secret key"]
+    from urllib.parse import quote
+
+    bad = scenario.vitp("preprocess", "debug", "--set", f"data.shards=s3://AKIAFAKE:{quote(key, safe='')}@b/shards")
+    assert bad.rc == 2 and "data.shards: a storage URI with credentials in it" in bad.err, str(bad)
+
+    found = []  # (secret, where)
+
+    def search(where: str, data: bytes) -> None:
+        for name, secret in SECRETS.items():
+            if any(form in data for form in _forms(secret)):
+                found.append((name, where))
+
+    for i, text in enumerate(scenario.printed):
+        search(f"printed output #{i}", text.encode())
+    client = MlflowClient(scenario.uri)
+    for exp in client.search_experiments():
+        search(f"experiment {exp.name}", json.dumps(dict(exp.tags)).encode())
+        for run in client.search_runs([exp.experiment_id]):
+            search(f"run {run.info.run_name}", json.dumps(run.to_dictionary(), default=str).encode())
+            for artifact in _all_artifacts(client, run.info.run_id):
+                search(f"run {run.info.run_name} artifact {artifact}",
+                       Path(client.download_artifacts(run.info.run_id, artifact, str(tmp_path / "dl"))).read_bytes())
+    for model in client.search_registered_models():
+        search(f"registered model {model.name}", str(model).encode())
+    jobs = JobSubmissionClient(local_cluster.address)
+    for job in jobs.list_jobs():
+        search(f"job record {job.submission_id}", job.json().encode() if hasattr(job, "json") else str(job).encode())
+        if job.submission_id:
+            search(f"job logs {job.submission_id}", jobs.get_job_logs(job.submission_id).encode())
+    objects = s3.client().get_paginator("list_objects_v2")
+    for bucket in s3.client().list_buckets()["Buckets"]:
+        for page in objects.paginate(Bucket=bucket["Name"]):
+            for obj in page.get("Contents", []):
+                search(f"s3://{bucket['Name']}/{obj['Key']}",
+                       s3.client().get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read())
+    n = 0
+    for path in _files(scenario.base, scenario.tmp, local_cluster.state):
+        n += 1
+        search(str(path), path.read_bytes())
+    assert n > 100, n  # the chain's files, the database's, Ray's logs: all were there to search
+    assert not found, "\n".join(f"{name} in {where}" for name, where in found)
+
+
+def _all_artifacts(client, run_id: str, path: str = "") -> list[str]:
+    out = []
+    for item in client.list_artifacts(run_id, path or None):
+        out.extend(_all_artifacts(client, run_id, item.path) if item.is_dir else [item.path])
+    return out
