@@ -29,8 +29,6 @@ RESULT_TAG = "VITP_DOCTOR_PROBE "  # the probe job's result line in its logs
 TOKEN_FIX = "export RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN=<the token>) and retry"
 UNREACHABLE_FIX = ("start the cluster (cluster/local.sh start, ray up), port-forward the head's dashboard "
                    "port 8265, or pass --address http://<head>:8265")
-# Credentials the shipped job specs forward from the submitting shell (runtime_env env_vars).
-FORWARDED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0, "data": 30.0}
 
 
@@ -160,7 +158,8 @@ def storage_fix(root: str, error: str, step: str = "") -> str:
     if any(k in low for k in ("access_denied", "accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                               "invalid_access_key", "signature", "credentials", "expired")):
         return ("set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, the nodes' instance role) to "
-                f"an identity allowed to put, list, get and delete objects in s3://{bucket}")
+                f"an identity allowed to put, list, get and delete objects in s3://{bucket} (on a cluster: in "
+                "the nodes' own environment or role; doctor forwards none from this shell)")
     if any(k in low for k in ("connect", "resolve", "curl", "timed out", "timeout", "network")):
         return (f"the object store does not answer: set AWS_ENDPOINT_URL to it (now {endpoint or 'unset = AWS S3'})"
                 " on this machine and the nodes")
@@ -195,14 +194,15 @@ def cluster_probe(root: str, shared: str, expected: str, include_self: bool, tim
 
 
 def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout: float) -> list[dict]:
-    """cluster_probe run as a Ray job (its driver on the head), with the credentials job specs forward."""
+    """cluster_probe run as a Ray job (its driver on the head) with the nodes' own credentials: none
+    are forwarded from this shell (a runtime_env is stored by the Jobs API and written into Ray's
+    runtime-env agent log on every node it reaches)."""
     from pipeline.cluster import jobs  # lazy: ray, mlflow
     client = jobs.client(cluster.address)
     entrypoint = shlex.join(["python", "-m", "pipeline.cluster.doctor", root, shared, expected])
-    env = {k: os.environ[k] for k in FORWARDED if os.environ.get(k)}  # as the job specs forward them
     with jobs.cluster_errors(cluster.address):
         job_id = jobs.submit_when_agent_ready(client, {
-            "entrypoint": entrypoint, "runtime_env": {"env_vars": env} if env else None,
+            "entrypoint": entrypoint,
             "submission_id": f"vitp-doctor-{uuid.uuid4().hex[:8]}", "metadata": {"vitp": "doctor"}},
             log=lambda m: None)
         try:

@@ -26,6 +26,7 @@ from ..names import check_name
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
+from ..tracking.redact import is_secret_key
 from ..tracking.runs import source_tags
 from ..tracking.store import quote, tag_filters
 from ..train.transfer import finetune_config
@@ -249,11 +250,25 @@ def _parent_run_id(spec: SweepSpec) -> Optional[str]:
     return runs[0]["run_id"] if runs else None
 
 
+def _keep_credentials_out_of_trial_actors() -> None:
+    """Tune copies AWS_* credentials from this process's environment into each trial actor's
+    runtime_env, and Ray's runtime-env agent writes every runtime_env it creates into its log on the
+    node (runtime_env_agent.log). The actors inherit the job's environment anyway (a local Ray:
+    this process's; a submitted job: its runtime_env and the node's), so credentials are dropped
+    from the names Tune propagates. A Ray without that list is left as it is."""
+    from ray.tune.execution import class_cache
+
+    names = getattr(class_cache, "ENV_VARS_TO_PROPAGATE", None)
+    if isinstance(names, (set, frozenset)):
+        class_cache.ENV_VARS_TO_PROPAGATE = {n for n in names if not is_secret_key(n)}
+
+
 def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
     # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
+    _keep_credentials_out_of_trial_actors()
     sweeps_root = storage.join(spec.work_dir, "sweeps")
     path = storage.join(sweeps_root, spec.name)
     # Tune keeps its state through the same filesystem (S3 endpoint) as the rest of the pipeline

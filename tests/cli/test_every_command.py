@@ -291,7 +291,7 @@ def test_import_each_format_gives_the_same_weights(fmt, source, recorded, weight
     else:
         src = files[source]
     out = tmp_path / "imported"
-    r = ok(scenario.vitp("import", str(src), "--out", str(out), "--format", fmt))
+    r = ok(vitp("import", str(src), "--out", str(out), "--format", fmt))
     assert f"wrote {out}" in r.out and "vitp finetune" in r.out, str(r)
     cfg = assert_same_weights(out, sd)
     assert cfg["_export"]["format"].startswith(recorded), cfg["_export"]
@@ -379,7 +379,7 @@ def scenario(tmp_path_factory, s3):
     # the chain's TMPDIR (Ray's session logs, checkpoint staging, spools): searched for the
     # secrets too; short, for Ray's socket paths
     tmp = Path(tempfile.mkdtemp(prefix="vitp-e", dir="/tmp"))
-    db = PostgresServer(base / "postgres")
+    db = PostgresServer(Path(tempfile.mkdtemp(prefix="vitp-pg", dir="/tmp")))  # pytest's tmp is root-only
     db.create("vitp", SECRETS["database password"], "mlflow")
     env = {**vitp_env(), "TMPDIR": str(tmp), "AWS_SECRET_ACCESS_KEY": SECRETS["S3 secret key"],
            "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": SECRETS["MLflow password"]}
@@ -399,7 +399,7 @@ def scenario(tmp_path_factory, s3):
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
     os.environ.update({k: env[k] for k in saved})  # this test's own MLflow client logs in too
     try:
-        yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)])
+        yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)], db_dir=db.root)
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -412,6 +412,7 @@ def scenario(tmp_path_factory, s3):
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(db.root, ignore_errors=True)
 
 
 class Scenario:
@@ -419,8 +420,8 @@ class Scenario:
 
     SWEEP = "cli-sweep"
 
-    def __init__(self, base: Path, tmp: Path, env: dict[str, str], uri: str, printed: list[str]):
-        self.base, self.tmp, self.env, self.uri = base, tmp, env, uri
+    def __init__(self, base: Path, tmp: Path, env: dict[str, str], uri: str, printed: list[str], db_dir: Path):
+        self.base, self.tmp, self.env, self.uri, self.db_dir = base, tmp, env, uri, db_dir
         self.work = base / "work"
         self.synth = self.work / "synth"
         self.shards = self.work / "shards"
@@ -763,7 +764,7 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
                 search(f"s3://{bucket['Name']}/{obj['Key']}",
                        s3.client().get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read())
     n = 0
-    for path in _files(scenario.base, scenario.tmp, local_cluster.state):
+    for path in _files(scenario.base, scenario.tmp, scenario.db_dir, local_cluster.state):
         n += 1
         search(str(path), path.read_bytes())
     assert n > 100, n  # the chain's files, the database's, Ray's logs: all were there to search
