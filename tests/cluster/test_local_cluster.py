@@ -1,7 +1,8 @@
 """A real two-node local Ray cluster: the debug pre-training job through `vitp submit`, where its
 Train workers ran, its MLflow run, a failing job's exit status and error, that the nodes share
 no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
-and that a metric spool left on the worker node reaches MLflow through the driver."""
+and that a metric spool left on the worker node reaches MLflow through the driver, and that a real
+Train run whose rank 0 runs on the worker node and is killed before its last send loses no step."""
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -157,3 +158,109 @@ def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_nod
     history = sorted((m.step, m.value) for m in mlflow.get_metric_history(seen["run_id"], "train/loss"))
     assert history == [(step, 1.0 / step) for step in range(1, 6)]
     assert mlflow.get_run(seen["run_id"]).info.status == "FINISHED"
+
+
+RANK0_JOB = r'''
+import functools, json, sys
+import ray, ray.train
+from pipeline import recipes
+from pipeline.data.commands import ensure_shards
+from pipeline.train.trainer import run_training
+
+uri, work, steps = sys.argv[1:]
+ray.init()
+here = ray.get_runtime_context().get_node_id()
+other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+# The one Train worker (rank 0) on the node that is not the driver's: Train's per-worker label
+# selector, set here because where rank 0 runs is otherwise Ray's choice.
+ray.train.ScalingConfig = functools.partial(ray.train.ScalingConfig, label_selector=[{"ray.io/node-id": other}])
+cfg = recipes.resolve("debug", [f"work_dir={work}", f"tracking.uri={uri}", "tracking.run_name=rank0-elsewhere",
+                                "parallel.num_workers=1", "parallel.grad_accum=2", "parallel.cpus_per_worker=2", f"train.steps={steps}",
+                                "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100",
+                                "train.max_failures=1", "tracking.log_timeout_s=2", "tracking.system_metrics=false"])
+ensure_shards(cfg)
+summary = run_training(cfg, with_val=False)
+print("RANK0 " + json.dumps({"run_id": summary.mlflow_run_id, "node": other, "step": summary.metrics["step"]}))
+'''
+
+
+def _spooled_steps(spool_root) -> int:
+    """The highest step in any spool file under `spool_root` (0 if none)."""
+    import json
+
+    top = 0
+    for path in spool_root.rglob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                top = max(top, int(json.loads(line).get("step", 0)))
+            except (ValueError, AttributeError):
+                continue  # a line being written
+    return top
+
+
+@pytest.mark.e2e
+def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_no_step(two_node_cluster, tmp_path):
+    """A real Train run whose only worker, rank 0, runs on the non-head node. MLflow goes down after
+    the checkpoint at step 100; rank 0 spools on and is SIGKILLed with steps spooled that MLflow never
+    got; MLflow comes back; Train restarts the worker and resumes from the checkpoint. Every step's
+    train/loss is in MLflow exactly once and the run is FINISHED."""
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
+
+    from pipeline.net import free_port
+    from pipeline.tracking.server import start_server
+
+    steps = 800  # margin: the outage and the kill must come before the run ends, on a fast machine too
+    store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()
+    server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-1.log")
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_JOB)
+    jobs = JobSubmissionClient(two_node_cluster.address)
+    job = jobs.submit_job(entrypoint=" ".join([sys.executable, str(script), server.uri, str(tmp_path / "work"),
+                                               str(steps)]))
+    mlflow = MlflowClient(server.uri)
+
+    def logged(run_id) -> list[int]:
+        return [m.step for m in mlflow.get_metric_history(run_id, "train/loss")]
+
+    deadline, run_id = time.time() + 400, None
+    while run_id is None or len(logged(run_id)) < 120:  # past the checkpoint at step 100
+        assert not jobs.get_job_status(job).is_terminal(), jobs.get_job_logs(job)[-3000:]
+        assert time.time() < deadline, "the run never logged 120 steps"
+        exp = mlflow.get_experiment_by_name("vit-pipeline-debug")
+        runs = mlflow.search_runs([exp.experiment_id], "attributes.run_name = 'rank0-elsewhere'") if exp else []
+        run_id = runs[0].info.run_id if runs else None
+        time.sleep(0.5)
+    server.stop()  # the outage: rank 0 spools what it cannot send
+    sent = max(m.step for m in MlflowClient(store).get_metric_history(run_id, "train/loss"))  # the store itself
+    spool_root = two_node_cluster.node_dirs[1] / "tmp" / "vitp-mlflow-spool" / run_id
+    # past the next checkpoint: the restarted worker resumes from it, so steps sent+1..checkpoint
+    # are trained once only, and reach MLflow only if the dead rank 0's spool does
+    target, deadline = (sent // 100 + 1) * 100 + 10, time.time() + 300
+    while _spooled_steps(spool_root) < target:
+        assert not jobs.get_job_status(job).is_terminal(), "the run ended during the outage (raise steps)"
+        assert time.time() < deadline, f"rank 0 spooled no step {target} under {spool_root}"
+        time.sleep(0.2)
+    (rank0,) = list_actors(address=two_node_cluster.address, detail=True,
+                           filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    spooled = _spooled_steps(spool_root)
+    os.kill(rank0.pid, signal.SIGKILL)  # before its last send: steps sent+1..spooled are only in its spool
+    server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-2.log")
+    while not jobs.get_job_status(job).is_terminal():
+        time.sleep(1)
+    logs = jobs.get_job_logs(job)
+    assert jobs.get_job_status(job) == "SUCCEEDED", logs[-3000:]
+    seen = json.loads(next(line for line in logs.splitlines() if line.startswith("RANK0 "))[len("RANK0 "):])
+    assert rank0.node_id == seen["node"] and seen["step"] == steps  # rank 0 ran on the node without the driver
+    print(f"MLflow had steps 1-{sent}; rank 0 had spooled to step {spooled} when it was killed")
+    assert spooled >= target > sent, (sent, spooled)
+    mlflow = MlflowClient(server.uri)
+    assert sorted(logged(run_id)) == list(range(1, steps + 1))  # every step, once
+    assert mlflow.get_run(run_id).info.status == "FINISHED"
+    server.stop()
