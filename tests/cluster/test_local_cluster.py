@@ -201,9 +201,9 @@ def _spooled_steps(spool_root) -> int:
 @pytest.mark.e2e
 def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_no_step(two_node_cluster, tmp_path):
     """A real Train run whose only worker, rank 0, runs on the non-head node. MLflow goes down after
-    the checkpoint at step 100; rank 0 spools on and is SIGKILLed with steps spooled that MLflow never
-    got; MLflow comes back; Train restarts the worker and resumes from the checkpoint. Every step's
-    train/loss is in MLflow exactly once and the run is FINISHED."""
+    step 120; rank 0 spools on past the next checkpoint and is SIGKILLed with those steps never sent;
+    MLflow comes back; Train restarts the worker from that checkpoint, so the steps before it are
+    not trained again. Every step's train/loss is in MLflow exactly once and the run is FINISHED."""
     import json
     import os
     import signal
