@@ -4,14 +4,17 @@ on tiny inputs, checking what it printed or wrote (not only the exit code).
 Fast part (`make test`, ~1 min): --help, config (+ --list, --keys), model, import (each
 --format), and bad invocations (one line on stderr, the documented exit code). The e2e part
 (`make test-e2e`): one chained scenario in a temporary work dir, synth -> preprocess -> pretrain
--> export -> import / attention / finetune / fewshot / sweep -> compare; mlflow-server; submit +
-jobs against a local Ray cluster (cluster/local.sh). The demo has its own file (test_demo_e2e.py).
+-> export -> import / attention / finetune / fewshot / sweep -> compare against a basic-auth MLflow
+server (runs in PostgreSQL, artifacts on S3); mlflow-server; submit + jobs against a local Ray
+cluster (cluster/local.sh); then a search of everything the chain printed and wrote for the
+secrets it ran with (test_no_secret_leaves_the_chain). The demo has its own file (test_demo_e2e.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -396,21 +399,18 @@ def scenario(tmp_path_factory, s3):
         line = server.stdout.readline()
         assert line, "".join(banner) + server.stderr.read()
         banner.append(line)
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
-    os.environ.update({k: env[k] for k in saved})  # this test's own MLflow client logs in too
     try:
-        yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)], db_dir=db.root)
+        with pytest.MonkeyPatch.context() as mp:  # this test's own MLflow client logs in too
+            for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+                mp.setenv(key, env[key])
+            yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)], db_dir=db.root)
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         server.send_signal(signal.SIGINT)
         try:
             server.communicate(timeout=90)
         except subprocess.TimeoutExpired:
             server.kill()
         db.stop()
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(db.root, ignore_errors=True)
 
@@ -754,7 +754,7 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
         search(f"registered model {model.name}", str(model).encode())
     jobs = JobSubmissionClient(local_cluster.address)
     for job in jobs.list_jobs():
-        search(f"job record {job.submission_id}", job.json().encode() if hasattr(job, "json") else str(job).encode())
+        search(f"job record {job.submission_id}", job.model_dump_json().encode())
         if job.submission_id:
             search(f"job logs {job.submission_id}", jobs.get_job_logs(job.submission_id).encode())
     objects = s3.client().get_paginator("list_objects_v2")
