@@ -7,6 +7,7 @@ validate cross-field rules (validate.py does) or import torch or ray.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import typing
 from typing import Any, Literal, Mapping
@@ -33,19 +34,36 @@ def valid_keys(cfg: ExperimentConfig | None = None) -> list[str]:
     return out
 
 
+def unknown_key(key: str) -> ConfigError:
+    """The error for a key no config has: the closest valid keys (a typo, or the right name in the
+    wrong section), else the keys of its section, else where to find them all."""
+    keys = valid_keys()
+    last = key.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == last]
+    close += [k for k in difflib.get_close_matches(key, keys, n=3, cutoff=0.75) if k not in close]
+    lasts = difflib.get_close_matches(last, {k.rsplit(".", 1)[-1] for k in keys}, n=2, cutoff=0.8)
+    close += [k for k in keys if k.rsplit(".", 1)[-1] in lasts and k not in close]
+    if close:
+        hint = "did you mean " + " or ".join(repr(k) for k in close[:3]) + "?"
+    elif "." in key and any(k.startswith(key.rsplit(".", 1)[0] + ".") for k in keys):
+        section = key.rsplit(".", 1)[0]
+        hint = f"keys of {section}: " + ", ".join(k for k in keys if k.startswith(section + "."))
+    else:
+        hint = "`vitp config --keys` lists them all"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
 def field_type(key: str) -> Any:
-    """The declared type of a dotted key; ConfigError with the valid keys if unknown."""
+    """The declared type of a dotted key; ConfigError naming the closest keys if unknown."""
     parts = key.split(".")
     cls: Any = ExperimentConfig
     for i, part in enumerate(parts):
         types = hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in types:
-            raise ConfigError(
-                f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}"
-            )
+            raise unknown_key(key)
         cls = types[part]
         if i < len(parts) - 1 and not dataclasses.is_dataclass(cls):
-            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+            raise unknown_key(key)
     if dataclasses.is_dataclass(cls):
         raise ConfigError(f"{key!r} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(cls)[0].name}=...")
     return cls

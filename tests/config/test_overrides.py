@@ -32,11 +32,11 @@ def test_bad_override_values(item, needle):
         apply_overrides(debug(), [item])
 
 
-def test_unknown_key_lists_valid_keys():
+def test_unknown_key_lists_its_sections_keys():
     with pytest.raises(ConfigError) as e:
         apply_overrides(debug(), ["optim.learning_rate=0.1"])
     msg = str(e.value)
-    assert "optim.learning_rate" in msg and "optim.lr" in msg and "parallel.zero_stage" in msg
+    assert "optim.learning_rate" in msg and "optim.lr" in msg and "parallel.zero_stage" not in msg
     with pytest.raises(ConfigError, match="is a section"):
         apply_overrides(debug(), ["optim=1"])
     with pytest.raises(ConfigError, match="unknown config key"):
@@ -90,3 +90,19 @@ def test_set_values_is_typed_and_returns_a_copy():
 def test_set_values_rejects_wrong_types_and_unknown_keys(values, needle):
     with pytest.raises(ConfigError, match=needle):
         set_values(debug(), values)
+
+
+@pytest.mark.parametrize("key, says", [
+    ("optim.lrr", "did you mean 'optim.lr'?"),  # a typo
+    ("train.lr", "did you mean 'optim.lr'?"),  # the right name in the wrong section
+    ("stepz", "did you mean 'train.steps'?"),  # a typo without its section
+    ("optim.nosuch", "keys of optim: optim.name, optim.lr,"),  # nothing close: its section's keys
+    ("nosuch.key", "`vitp config --keys` lists them all"),
+])
+def test_an_unknown_key_names_the_closest_keys_not_all_of_them(key, says):
+    from pipeline.config.overrides import field_type
+
+    with pytest.raises(ConfigError) as e:
+        field_type(key)
+    assert str(e.value) == f"unknown config key {key!r}; " + str(e.value).split("; ", 1)[1]
+    assert says in str(e.value) and "data.storage_format" not in str(e.value), str(e.value)
