@@ -43,17 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error (give it before the command)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show Ray's own INFO output (worker starts, dataset plans, reports); "
-                             "by default only errors, warnings and vitp's lines")
+    global_flags = {
+        "--debug": "show the full traceback of an error",
+        "--verbose": "show Ray's own INFO output (worker starts, dataset plans, reports); by default "
+                     "only errors, warnings and vitp's lines",
+    }
+    for flag, text in global_flags.items():
+        parser.add_argument(flag, action="store_true", help=f"{text} (before or after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Handler] = {}
     for group in (experiment, evaluate, cluster, demo):
         handlers.update(group.add_parsers(sub))
     for name, handler in handlers.items():
         sub.choices[name].set_defaults(handler=handler)
+        for flag, text in global_flags.items():  # after the command too; absent, the top level's value stands
+            sub.choices[name].add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
     return parser
 
 

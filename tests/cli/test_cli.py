@@ -1,5 +1,6 @@
 """`vitp` as a user runs it: a real subprocess of the installed console script."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,23 @@ def test_config_prints_resolved_json():
     cfg = json.loads(r.stdout)
     assert cfg["optim"]["lr"] == 0.005 and cfg["parallel"]["zero_stage"] == 3
     assert cfg["recipe"] == "debug"
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_and_verbose_are_taken_before_or_after_the_command(where, monkeypatch):
+    """--debug (the traceback instead of one line) and --verbose (Ray's INFO output) anywhere."""
+    from pipeline.cli import main
+    from pipeline.config import ConfigError
+    from pipeline.console import VERBOSE_ENV
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    command = ["config", "debug", "--set", "optim.lrr=1"]
+    flags = ["--debug", "--verbose"]
+    with pytest.raises(ConfigError, match="did you mean 'optim.lr'"):  # --debug: raised, not mapped to exit 2
+        main(flags + command if where == "before" else command + flags)
+    assert os.environ.get(VERBOSE_ENV) == "1"
+    monkeypatch.delenv(VERBOSE_ENV)
+    assert main(command) == 2 and VERBOSE_ENV not in os.environ  # neither: one line, exit 2
 
 
 def test_config_errors_exit_2_with_message():
