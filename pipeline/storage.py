@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Iterator
@@ -23,6 +24,16 @@ def is_uri(path: str) -> bool:
 
 
 _FS_CACHE: dict[tuple, pafs.FileSystem] = {}
+
+
+# scheme://user@... or scheme://user:password@...: the password runs to the next "@" (cloud secret
+# keys hold "/", often not percent-encoded), as pipeline/tracking/redact.py reads URIs too
+_USERINFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*@|[^/@\s:]*:[^@\s]*@)")
+
+
+def has_credentials(path: str) -> bool:
+    """True for a URI with credentials before its host or bucket (s3://KEY:SECRET@bucket/...)."""
+    return bool(_USERINFO.match(path or ""))
 
 
 def _s3(bucket_uri: str) -> pafs.FileSystem:

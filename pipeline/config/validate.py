@@ -12,7 +12,7 @@ from ..errors import ConfigError
 # The one allowed edge from config into model: the variant table is a torch-free leaf module.
 from ..model.variants import decode_variant
 from ..names import name_error
-from ..storage import abspath, exists, is_uri, isdir
+from ..storage import abspath, exists, has_credentials, is_uri, isdir
 from .overrides import field_type
 from .schema import ExperimentConfig
 
@@ -265,8 +265,7 @@ def _credential_problems(cfg: ExperimentConfig) -> list[str]:
     return [f"{key}: a storage URI with credentials in it (user:password@) is refused: give the bucket "
             "as s3://bucket/path and the credentials through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
             "(or the nodes' own role)"
-            for key, value in paths.items()
-            if is_uri(value) and "@" in value.split("://", 1)[1].split("/", 1)[0]]
+            for key, value in paths.items() if has_credentials(value)]
 
 
 def _path_problems(cfg: ExperimentConfig) -> list[str]:

@@ -37,6 +37,8 @@ CASES = [
     ("config debug --set data.storage_format=gif", 2, "data.storage_format='gif' is not allowed"),
     ("config debug --set data.shards=s3://AKIAFAKE:se%2Fcret@bucket/shards", 2,
      "data.shards: a storage URI with credentials in it (user:password@) is refused"),
+    ("config debug --set work_dir=s3://AKIAFAKE:se/cret@bucket/vit", 2,  # a secret with "/" as is
+     "work_dir: a storage URI with credentials in it (user:password@) is refused"),
     ("config debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
     ("model X/99", 2, "model.variant='X/99' is not a ViT variant"),
     ("synth debug --set data.synth_classes=0", 2, "data.synth_classes=0: must be > 0"),
