@@ -58,18 +58,23 @@ def _children(uri, sweep):
         return []
 
 
-def _terminated_trials(sweep_dir) -> int:
-    """How many trials the newest saved Tune sweep state marks TERMINATED (0 if none saved)."""
+def _saved_trials(sweep_dir) -> list[tuple[dict, dict]]:
+    """(trial, run metadata) of each trial in the newest saved Tune sweep state ([] if none saved)."""
     import json
 
     states = sorted(sweep_dir.glob("experiment_state-*.json"))
     if not states:
-        return 0
+        return []
     try:
         trials = json.loads(states[-1].read_text())["trial_data"]
     except (OSError, ValueError, KeyError):  # being written
-        return 0
-    return sum(json.loads(state)["status"] == "TERMINATED" for state, _ in trials)
+        return []
+    return [(json.loads(trial), json.loads(meta)) for trial, meta in trials]
+
+
+def _terminated_trials(sweep_dir) -> int:
+    """How many trials the newest saved Tune sweep state marks TERMINATED (0 if none saved)."""
+    return sum(trial["status"] == "TERMINATED" for trial, _ in _saved_trials(sweep_dir))
 
 
 def _mark_trials_pending(sweep_dir) -> int:
@@ -201,11 +206,7 @@ def _damaged_export(path) -> str:
 
 def _trial_failures(sweep_dir) -> dict[str, int]:
     """{trial's experiment tag (its grid point): times Tune saw it fail} from the saved sweep state."""
-    import json
-
-    state = json.loads(sorted(sweep_dir.glob("experiment_state-*.json"))[-1].read_text())
-    return {json.loads(trial)["experiment_tag"]: json.loads(meta)["num_failures"]
-            for trial, meta in state["trial_data"]}
+    return {trial["experiment_tag"]: meta["num_failures"] for trial, meta in _saved_trials(sweep_dir)}
 
 
 @pytest.mark.e2e
