@@ -389,9 +389,9 @@ def scenario(tmp_path_factory, s3):
     server_env = {**env, "MLFLOW_AUTH_ADMIN_PASSWORD": SECRETS["MLflow password"],
                   "MLFLOW_BACKEND_STORE_URI": f"postgresql://vitp:{quote(SECRETS['database password'], safe='')}"
                                               f"@127.0.0.1:{db.port}/mlflow"}
-    port = free_port()
+    port, bucket = free_port(), s3.bucket("mlflow")
     server = subprocess.Popen([str(VITP), "mlflow-server", "--auth", "--port", str(port), "--workers", "1",
-                               "--artifacts-destination", f"{s3.bucket('mlflow')}/artifacts",
+                               "--artifacts-destination", f"{bucket}/artifacts",
                                "--log", str(base / "mlflow-server.log")],
                               cwd=base, env=server_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     banner = []
@@ -403,13 +403,16 @@ def scenario(tmp_path_factory, s3):
         with pytest.MonkeyPatch.context() as mp:  # this test's own MLflow client logs in too
             for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
                 mp.setenv(key, env[key])
-            yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)], db_dir=db.root)
+            yield Scenario(base, tmp, env, f"http://127.0.0.1:{port}", printed=["".join(banner)], db_dir=db.root,
+                           artifacts_bucket=bucket.removeprefix("s3://"))
     finally:
         server.send_signal(signal.SIGINT)
-        try:
-            server.communicate(timeout=90)
+        try:  # the process, not its pipes: a process it started may hold them open after it ended
+            server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+        server.stdout.close()
+        server.stderr.close()
         db.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(db.root, ignore_errors=True)
@@ -420,8 +423,10 @@ class Scenario:
 
     SWEEP = "cli-sweep"
 
-    def __init__(self, base: Path, tmp: Path, env: dict[str, str], uri: str, printed: list[str], db_dir: Path):
+    def __init__(self, base: Path, tmp: Path, env: dict[str, str], uri: str, printed: list[str], db_dir: Path,
+                 artifacts_bucket: str):
         self.base, self.tmp, self.env, self.uri, self.db_dir = base, tmp, env, uri, db_dir
+        self.artifacts_bucket = artifacts_bucket  # where the MLflow server stores artifacts
         self.work = base / "work"
         self.synth = self.work / "synth"
         self.shards = self.work / "shards"
@@ -622,7 +627,8 @@ class TestChain:
         assert any(row.get("fewshot_25") is not None for row in rows)
         trials = [row for row in rows if row["sweep"] == scenario.SWEEP]
         assert sorted(row["source"] for row in trials) == sorted([str(scenario.export), "scratch"])
-        assert all(row["status"] == "FINISHED" and row["lr"] in (0.1, "0.1") for row in trials), trials
+        assert all(row["status"] == "FINISHED" and row["lr"] in (0.1, "0.1") for row in trials), \
+            [(row["source"], row["status"], row["lr"]) for row in trials]
 
         plot = scenario.work / "compare.png"
         r = ok(scenario.vitp("compare", *sets, "--sweep", scenario.SWEEP, "--plot", str(plot)))
@@ -710,6 +716,8 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
     form, is in a printed line, an MLflow run (params, tags, metrics, inputs, artifacts), a
     registered or logged model, a job record, the tracking database's files, the S3 bucket, or
     any file the chain, the MLflow server or the cluster wrote (Ray's logs included)."""
+    from urllib.parse import quote, urlparse
+
     from mlflow.tracking import MlflowClient
     from ray.job_submission import JobSubmissionClient
 
@@ -728,8 +736,6 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
     ok(scenario.vitp("jobs", "logs", job_id, *address))
     # a URI with credentials in it, where a path is expected: refused in one line that does not repeat them
     key = SECRETS["S3 secret key"]
-    from urllib.parse import quote
-
     bad = scenario.vitp("preprocess", "debug", "--set", f"data.shards=s3://AKIAFAKE:{quote(key, safe='')}@b/shards")
     assert bad.rc == 2 and "data.shards: a storage URI with credentials in it" in bad.err, str(bad)
 
@@ -742,14 +748,30 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
 
     for i, text in enumerate(scenario.printed):
         search(f"printed output #{i}", text.encode())
+    # every object in the S3 server, MLflow's artifacts among them (the server stores each one,
+    # byte for byte, under its --artifacts-destination)
+    objects = s3.client().get_paginator("list_objects_v2")
+    stored = {}  # s3 key (bucket/key) -> size
+    for bucket in s3.client().list_buckets()["Buckets"]:
+        for page in objects.paginate(Bucket=bucket["Name"]):
+            for obj in page.get("Contents", []):
+                stored[f"{bucket['Name']}/{obj['Key']}"] = obj["Size"]
+                search(f"s3://{bucket['Name']}/{obj['Key']}",
+                       s3.client().get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read())
     client = MlflowClient(scenario.uri)
+    n_artifacts = 0
     for exp in client.search_experiments():
         search(f"experiment {exp.name}", json.dumps(dict(exp.tags)).encode())
         for run in client.search_runs([exp.experiment_id]):
             search(f"run {run.info.run_name}", json.dumps(run.to_dictionary(), default=str).encode())
+            # each artifact MLflow lists is one of the objects searched above (same size); read
+            # there, not downloaded through the server (about 2 s each through its proxy)
+            assert run.info.artifact_uri.startswith("mlflow-artifacts:"), run.info.artifact_uri  # served by it
+            root = f"{scenario.artifacts_bucket}/artifacts/{urlparse(run.info.artifact_uri).path.strip('/')}"
             for artifact in _all_artifacts(client, run.info.run_id):
-                search(f"run {run.info.run_name} artifact {artifact}",
-                       Path(client.download_artifacts(run.info.run_id, artifact, str(tmp_path / "dl"))).read_bytes())
+                assert stored.get(f"{root}/{artifact.path}") == artifact.file_size, (run.info.run_name, artifact)
+                n_artifacts += 1
+    assert n_artifacts > 10, n_artifacts  # analysis, plots, configs, models: all were there to search
     for model in client.search_registered_models():
         search(f"registered model {model.name}", str(model).encode())
     jobs = JobSubmissionClient(local_cluster.address)
@@ -757,12 +779,6 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
         search(f"job record {job.submission_id}", job.model_dump_json().encode())
         if job.submission_id:
             search(f"job logs {job.submission_id}", jobs.get_job_logs(job.submission_id).encode())
-    objects = s3.client().get_paginator("list_objects_v2")
-    for bucket in s3.client().list_buckets()["Buckets"]:
-        for page in objects.paginate(Bucket=bucket["Name"]):
-            for obj in page.get("Contents", []):
-                search(f"s3://{bucket['Name']}/{obj['Key']}",
-                       s3.client().get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read())
     n = 0
     for path in _files(scenario.base, scenario.tmp, scenario.db_dir, local_cluster.state):
         n += 1
@@ -771,8 +787,9 @@ def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
     assert not found, "\n".join(f"{name} in {where}" for name, where in found)
 
 
-def _all_artifacts(client, run_id: str, path: str = "") -> list[str]:
+def _all_artifacts(client, run_id: str, path: str = "") -> list:
+    """The run's artifacts (FileInfo: path, file_size), at every depth."""
     out = []
     for item in client.list_artifacts(run_id, path or None):
-        out.extend(_all_artifacts(client, run_id, item.path) if item.is_dir else [item.path])
+        out.extend(_all_artifacts(client, run_id, item.path) if item.is_dir else [item])
     return out
