@@ -1,7 +1,7 @@
 # vit-pipeline: `make test` and `make demo` set up .venv on first use.
 #
 # torch is installed first and pinned, so GPU users pick their build:
-#   make test TORCH_VERSION=2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+#   make test TORCH_VERSION=2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 PYTHON          ?= python3
 TORCH_VERSION   ?= 2.13.0
 TORCH_INDEX_URL ?=

@@ -61,7 +61,7 @@ def _pretrain_i21k(variant: str, recipe: str, workers: int, micro: int, zero: in
 def b16_i21k() -> ExperimentConfig:
     """ViT-B/16 on ImageNet-21k, 90 epochs (paper Table 3: Adam, lr 1e-3, wd 0.03, batch 4096).
 
-    Run:      vitp pretrain b16_i21k --set data.path=s3://BUCKET/imagenet21k-shards
+    Run:      vitp pretrain b16_i21k --set data.shards=s3://BUCKET/imagenet21k-shards
     Hardware: 8 x H100/H200 (one node), micro-batch 128 x accum 4, ZeRO-1, bf16.
     Expect:   ~312k steps; fine-tuned at 384 the paper reports ImageNet 84.0 top-1 for this
               pre-training (B/16 is ~35 GFLOPs/img at 224, so 3 x 35.2 x 4096 x 312k = 135 EFLOPs).
@@ -72,7 +72,7 @@ def b16_i21k() -> ExperimentConfig:
 def l16_i21k() -> ExperimentConfig:
     """ViT-L/16 on ImageNet-21k, 90 epochs (paper Table 3: Adam, lr 1e-3, wd 0.03, batch 4096).
 
-    Run:      vitp pretrain l16_i21k --set data.path=s3://BUCKET/imagenet21k-shards
+    Run:      vitp pretrain l16_i21k --set data.shards=s3://BUCKET/imagenet21k-shards
     Hardware: 16 x H100/H200 (two nodes), micro-batch 64 x accum 4, ZeRO-1, bf16.
     Expect:   paper Table 2 (0.23k TPUv3-core-days): ImageNet 85.30, CIFAR-10 99.15,
               CIFAR-100 93.25, Pets 94.67, Flowers 99.61 after fine-tuning at 384.
@@ -83,7 +83,7 @@ def l16_i21k() -> ExperimentConfig:
 def h14_i21k() -> ExperimentConfig:
     """ViT-H/14 on ImageNet-21k, 90 epochs (Adam, wd 0.03, batch 4096).
 
-    Run:      vitp pretrain h14_i21k --set data.path=s3://BUCKET/imagenet21k-shards
+    Run:      vitp pretrain h14_i21k --set data.shards=s3://BUCKET/imagenet21k-shards
     Hardware: 32 x H100/H200 (four nodes), micro-batch 64 x accum 2, ZeRO-2, bf16
               (model states 2P + 14P/N = 1.5 GB/GPU; ~358 MB activations per image).
     Expect:   the paper pre-trains H/14 on JFT only; we use its JFT learning rate for H (3e-4,

@@ -19,8 +19,9 @@ from pipeline.errors import UserError
 # The end of `vitp --help`. An invalid config lists its problems below the one line, one per line.
 EXIT_CODES = """exit codes:
   0    success
-  1    the work failed: a submitted job FAILED, a sweep trial failed, preprocess wrote
-       nothing; or an internal error (a bug: one line, `vitp --debug CMD ...` shows the traceback)
+  1    the work failed: a submitted job FAILED, a sweep trial failed, a demo stage failed,
+       preprocess wrote nothing; or an internal error (a bug: one line, `vitp --debug CMD ...`
+       shows the traceback)
   2    bad input you can fix: usage, config, paths and files, job specs, MLflow queries
   3    the Ray cluster or its Jobs API cannot be reached or refused the request; or a
        `vitp doctor` check failed

@@ -269,16 +269,14 @@ def _credential_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def _path_problems(cfg: ExperimentConfig) -> list[str]:
-    """Local input paths that do not exist (URIs are not checked: that would need the network)."""
+    """Local input paths that do not exist (URIs are not checked: that would need the network).
+
+    An empty data.path is not a problem here: only `vitp preprocess` reads the corpus (and says
+    so in one line, data.catalog.plan_source); training reads data.shards."""
     d, t = cfg.data, cfg.train
     problems: list[str] = []
-    needs_path = d.source not in ("synthetic", "digits")
-    if needs_path and not d.path:
-        problems.append(
-            f"data.path is empty but data.source={d.source!r} reads files: "
-            f"set --set data.path=/path/to/{d.source}"
-        )
-    elif needs_path and not is_uri(d.path) and not exists(d.path):
+    needs_path = d.source not in ("synthetic", "digits") and bool(d.path)
+    if needs_path and not is_uri(d.path) and not exists(d.path):
         problems.append(
             f"data.path={d.path!r} does not exist: point it at the {d.source} dataset "
             "(local path or s3://, gs:// URI)"

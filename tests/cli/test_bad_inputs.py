@@ -39,7 +39,7 @@ CASES = [
      "data.shards: a storage URI with credentials in it (user:password@) is refused"),
     ("config debug --set work_dir=s3://AKIAFAKE:se/cret@bucket/vit", 2,  # a secret with "/" as is
      "work_dir: a storage URI with credentials in it (user:password@) is refused"),
-    ("config debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
+    ("pretrain debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
     ("model X/99", 2, "model.variant='X/99' is not a ViT variant"),
     ("synth debug --set data.synth_classes=0", 2, "data.synth_classes=0: must be > 0"),
     ("preprocess debug --set data.source=imagefolder --set data.path=missing", 2,

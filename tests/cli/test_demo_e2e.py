@@ -124,3 +124,6 @@ def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
     assert re.search(r"^FAILED:  few-shot: ", r.out, re.M), str(r)
     assert re.search(r"^  pre-trained\s+0\.\d{3}", r.out, re.M), str(r)  # the rest is still reported
     assert "every stage succeeded" not in r.out
+    # ... and `vitp --help` says what that exit code means
+    code1 = re.search(r"^  1 (.*?)^  2 ", vitp("--help").out, re.M | re.S).group(1)
+    assert "a demo stage failed" in code1, code1

@@ -379,6 +379,13 @@ def test_dockerfile_context_and_layer_order():
     assert re.search(r'"torch==2\.13\.\d+"', text) and index in {"cu126", "cu130", "cu132"}
 
 
+def test_every_gpu_install_line_names_a_published_torch_build():
+    """The install lines users copy (README, Makefile) name a CUDA index torch 2.13 is built for."""
+    for name in ("README.md", "Makefile", "cluster/Dockerfile"):
+        indexes = re.findall(r"download\.pytorch\.org/whl/(cu\d+)", (ROOT / name).read_text())
+        assert indexes and set(indexes) <= {"cu126", "cu130", "cu132"}, (name, indexes)
+
+
 @pytest.mark.parametrize("path", LAUNCHER, ids=lambda p: p.name)
 def test_launcher_host_commands_use_rays_docker_mount_path(path):
     from ray.autoscaler.sdk import get_docker_host_mount_location

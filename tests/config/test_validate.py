@@ -20,7 +20,6 @@ def _invalid(**overrides):
     ({"parallel.zero_stage": 4}, ["parallel.zero_stage=4", "0, 1, 2 or 3"]),
     ({"parallel.offload_params": "true"}, ["offload_params", "zero_stage=3"]),
     ({"model.variant": "Q/16"}, ["model.variant='Q/16'", "B/<patch>"]),
-    ({"data.source": "imagefolder"}, ["data.path is empty", "--set data.path="]),
     ({"data.source": "imagefolder", "data.path": "/no/such/dir"}, ["data.path='/no/such/dir' does not exist"]),
     ({"train.init_from": "/no/such/ckpt"}, ["train.init_from", "scratch"]),
     ({"optim.warmup_steps": 1000}, ["optim.warmup_steps=1000", "train.steps=60"]),
@@ -31,6 +30,19 @@ def test_validation_names_field_and_fix(overrides, needles):
         validate(_invalid(**overrides))
     for needle in needles:
         assert needle in str(e.value)
+
+
+def test_the_corpus_path_is_asked_for_by_preprocess_only(tmp_path):
+    """Training from shards needs no data.path (the documented `vitp pretrain h14_i21k --set
+    data.shards=s3://...`); preprocessing without one says which key to set."""
+    from pipeline.data.commands import run_preprocess
+    from pipeline.errors import InputError
+    from pipeline.recipes import resolve
+
+    cfg = resolve("h14_i21k", ["data.shards=s3://bucket/imagenet21k-shards"])
+    assert cfg.data.path == "" and cfg.data.source == "parquet"
+    with pytest.raises(InputError, match=r"data.source='imagefolder' reads files: set --set data.path="):
+        run_preprocess(resolve("debug", ["data.source=imagefolder", f"data.shards={tmp_path}"]), log=lambda s: None)
 
 
 def test_heads_must_divide_width():
