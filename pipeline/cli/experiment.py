@@ -12,7 +12,8 @@ import sys
 from pipeline import recipes
 from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
                                typed_changes)
-from pipeline.config import ExperimentConfig, parse_value, set_values, valid_keys, validate
+from pipeline.config import ExperimentConfig, parse_value, set_values, validate
+from pipeline.config.keydoc import key_table
 from pipeline.errors import ConfigError, InputError
 from pipeline.names import check_name
 from pipeline.storage import abspath
@@ -31,7 +32,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if not args.recipe:
         raise ConfigError("name a recipe, or --list to see them")
     cfg = config_from(args, check_paths=False)  # reading a recipe needs none of its paths to exist here
-    print("\n".join(valid_keys(cfg)) if args.keys else cfg.to_json())
+    print(key_table(cfg) if args.keys else cfg.to_json())
     return 0
 
 
@@ -39,7 +40,8 @@ def _add_config(sub) -> Handler:
     p = sub.add_parser("config", help="print a recipe's resolved config as JSON")
     add_recipe(p, optional=True)
     p.add_argument("--list", action="store_true", help="list the recipes")
-    p.add_argument("--keys", action="store_true", help="list every settable dotted key")
+    p.add_argument("--keys", action="store_true",
+                   help="list every key --set takes: its type, the recipe's value (and the default), its meaning")
     p.add_argument("--no-path-check", action="store_true", help=argparse.SUPPRESS)  # the default now; old scripts pass it
     return cmd_config
 

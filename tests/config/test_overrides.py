@@ -106,3 +106,62 @@ def test_an_unknown_key_names_the_closest_keys_not_all_of_them(key, says):
         field_type(key)
     assert str(e.value) == f"unknown config key {key!r}; " + str(e.value).split("; ", 1)[1]
     assert says in str(e.value) and "data.storage_format" not in str(e.value), str(e.value)
+
+
+def test_every_key_is_described_with_its_type_value_default_and_schema_comment():
+    """`vitp config --keys`: one entry per key --set takes, in schema order; the recipe's value and
+    the schema default; the meaning is the comment on the field's line in schema.py, or the comment
+    lines right above it."""
+    import re
+    from pathlib import Path
+
+    from pipeline.config import ExperimentConfig, valid_keys
+    from pipeline.config import schema
+    from pipeline.config.keydoc import key_docs, key_table
+    from pipeline.recipes import resolve
+
+    cfg = resolve("debug", ["optim.lr=0.02", "data.path=/corpus"], check_paths=False)
+    docs = key_docs(cfg)
+    assert [d.key for d in docs] == valid_keys()
+
+    def get(c, key):
+        for part in key.split("."):
+            c = getattr(c, part)
+        return c
+
+    for d in docs:
+        assert d.value == get(cfg, d.key) and d.default == get(ExperimentConfig(), d.key), d
+    by_key = {d.key: d for d in docs}
+    assert by_key["optim.lr"].type == "float" and by_key["data.source"].type == "choice"
+    assert "parquet" in by_key["data.source"].meaning  # a long Literal's choices go to the meaning
+
+    # the comments, read here line by line (schema.py: one section class after another)
+    lines = Path(schema.__file__).read_text().splitlines()
+    section, seen_trailing, seen_block = "", 0, 0
+    prefix = {"DataConfig": "data.", "ModelConfig": "model.", "OptimConfig": "optim.",
+              "ParallelConfig": "parallel.", "TrainConfig": "train.", "TuneConfig": "tune.",
+              "TrackingConfig": "tracking.", "ExperimentConfig": ""}
+    for i, line in enumerate(lines):
+        if m := re.match(r"^class (\w+)", line):
+            section = m.group(1)
+        m = re.match(r"^    (\w+): [^#]*?(?:#\s*(.*))?$", line)
+        if not m or section not in prefix or f"{prefix[section]}{m.group(1)}" not in by_key:
+            continue
+        doc = by_key[f"{prefix[section]}{m.group(1)}"]
+        if m.group(2):
+            assert doc.meaning.startswith(m.group(2)), (doc, m.group(2))
+            seen_trailing += 1
+        elif lines[i - 1].lstrip().startswith("#"):
+            block, j = [], i - 1
+            while lines[j].lstrip().startswith("#"):
+                block.insert(0, lines[j].strip().lstrip("#").strip())
+                j -= 1
+            assert doc.meaning == " ".join(block), doc
+            seen_block += 1
+    assert seen_trailing > 30 and seen_block >= 2, (seen_trailing, seen_block)
+
+    table = key_table(cfg).splitlines()
+    assert table[0].split()[:2] == ["key", "type"] and len(table) == 1 + len(docs)
+    lr = next(line for line in table if line.startswith("optim.lr "))
+    default = ExperimentConfig().optim.lr
+    assert f" 0.02 (default {default})" in lr, lr  # the override, and the schema default beside it
