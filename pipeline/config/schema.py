@@ -1,8 +1,8 @@
 """The typed experiment config: one dataclass per concern, and its plain-dict form.
 
-Owns the schema and `ExperimentConfig.to_dict()` (the single source of truth sent to workers,
-MLflow and `config.json`) and the run-name formula. Must not parse `--set` text, validate, or
-import torch or ray: the CLI, the job submitter and the tests all read it.
+Owns the schema (each field's comment is its meaning: `vitp config --keys`), `to_dict()` (sent to
+workers, MLflow and `config.json`) and the run-name formula. Must not parse `--set` text,
+validate, or import torch or ray: the CLI, the job submitter and the tests all read it.
 """
 from __future__ import annotations
 
@@ -27,42 +27,42 @@ DataSource = Literal[
 class DataConfig:
     """Where images come from, how they are stored in shards, and how ingest augments them."""
 
-    source: DataSource = "synthetic"
+    source: DataSource = "synthetic"  # corpus format; "synthetic" renders fractals, "digits" is bundled
     path: str = ""  # input corpus (path or s3://, gs:// URI); unused for synthetic / digits
     shards: str = ""  # Parquet shard directory; "" = <work_dir>/shards/<source>
     image_size: int = 224  # training resolution fed to the model
     storage_size: int = 256  # shorter side stored in shards (resize + centre crop)
-    num_classes: int = 1000
+    num_classes: int = 1000  # labels in the corpus; preprocess quarantines images labelled beyond it
     val_fraction: float = 0.02  # split by hash of the file identity, so it is stable
     # keep this fraction of the train split in the shards (val untouched); nested by key hash:
     # a smaller fraction's images are all in a larger one's (low-data curves)
     train_fraction: float = 1.0
-    storage_format: Literal["uint8", "jpeg"] = "uint8"
-    jpeg_quality: int = 95
+    storage_format: Literal["uint8", "jpeg"] = "uint8"  # pixels in shards: raw, or JPEG decoded at ingest
+    jpeg_quality: int = 95  # when storage_format="jpeg"
     shard_mb: float = 256  # target shard size (MB); the shard count is rounded up from it
     synth_classes: int = 1000  # synthetic fractal corpus: classes (one IFS each)
-    synth_images_per_class: int = 1000
+    synth_images_per_class: int = 1000  # synthetic fractal corpus: images per class
     synth_seed: int = 0  # which IFS each class is: another seed draws classes never seen
-    augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"
+    augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"  # training crop
     crop_scale_min: float = 0.08  # inception crop area range lower bound
-    hflip: bool = True
+    hflip: bool = True  # random horizontal flip in training
     # The official code normalises to [-1, 1]: (x/255 - 0.5) / 0.5 on the device.
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # per channel, with mean above
 
 
 @dataclass
 class ModelConfig:
     """The ViT: a variant string plus the head and regularisation choices."""
 
-    variant: str = "B/16"
-    num_classes: int = 1000
-    pool: Literal["cls", "gap"] = "cls"
+    variant: str = "B/16"  # Ti|S|B|L|H/<patch>, hybrids (R50+B/16), pico/8; `vitp model VARIANT`
+    num_classes: int = 1000  # classifier outputs
+    pool: Literal["cls", "gap"] = "cls"  # image representation: class token, or global average pool
     # "pretrain": tanh pre-logits (width D) + linear; "finetune": zero-init linear only.
     head: Literal["pretrain", "finetune"] = "pretrain"
     representation_size: Optional[int] = None  # pre-logits width; None = model width D
-    dropout: float = 0.0
-    attn_dropout: float = 0.0
+    dropout: float = 0.0  # after the embedding and in the MLPs
+    attn_dropout: float = 0.0  # on the attention weights
     grad_checkpointing: bool = False  # recompute each block in backward (activation memory)
     # a hybrid's (R50+B/16, ...) weight standardisation and GroupNorm epsilons: "bit" as the
     # official code, "timm" as timm's hybrids (set by `vitp import` from the weights' source)
@@ -73,15 +73,15 @@ class ModelConfig:
 class OptimConfig:
     """Optimizer and LR schedule. Defaults: the paper's pre-training Adam recipe."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.03
+    name: Literal["adamw", "sgd"] = "adamw"  # optimizer (sgd: momentum, the paper's fine-tuning)
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.999  # Adam second-moment decay
+    weight_decay: float = 0.03  # decoupled; not on biases, norms, pos-embed, class token
     momentum: float = 0.9  # sgd only
     grad_clip: float = 1.0  # global-norm clip; 0 disables
-    warmup_steps: int = 10_000
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int = 10_000  # linear warm-up from 0 to lr
+    schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
 
 
@@ -91,16 +91,16 @@ class ParallelConfig:
 
     num_workers: int = 8  # workers to run (the most, with min_workers)
     min_workers: int = 0  # >0: elastic, Train runs with min_workers..num_workers as nodes come and go
-    use_gpu: bool = True
-    cpus_per_worker: float = 8.0
-    gpus_per_worker: float = 1.0
-    global_batch: int = 4096
+    use_gpu: bool = True  # false: CPU workers (gloo), as in the tests and debug recipes
+    cpus_per_worker: float = 8.0  # Ray resources each Train worker reserves
+    gpus_per_worker: float = 1.0  # GPUs each Train worker reserves (with use_gpu)
+    global_batch: int = 4096  # images per optimizer step, over all workers
     micro_batch: int = 64  # per worker per forward/backward
     grad_accum: int = 8  # global_batch = micro_batch * grad_accum * num_workers
-    zero_stage: int = 1
-    offload_optimizer: bool = False
+    zero_stage: int = 1  # DeepSpeed ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters partitioned
+    offload_optimizer: bool = False  # ZeRO optimizer state (and step) on the CPU
     offload_params: bool = False  # ZeRO-3 only
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # compute dtype; master weights stay fp32
 
 
 @dataclass
@@ -109,16 +109,16 @@ class TrainConfig:
 
     steps: int = 90_000  # optimizer steps
     pause_at: int = 0  # >0: stop at this step with a checkpoint (continue later); schedule unchanged
-    log_every: int = 50
+    log_every: int = 50  # steps between progress lines and MLflow metrics
     eval_every: int = 0  # 0 = only at the end
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 2
-    seed: int = 0
+    checkpoint_every: int = 1000  # steps between checkpoints; 0 = at the end only
+    keep_checkpoints: int = 2  # newest checkpoints kept in storage; 0 = all
+    seed: int = 0  # model init, data order and augmentation
     max_failures: int = 3  # Ray Train worker-group restarts before the run fails (preemptions aside)
     nonfinite_patience: int = 3  # consecutive non-finite steps (skipped) before a rollback
     nan_drill: str = ""  # fault drill: steps whose loss is made NaN, e.g. "7" or "7-30"
     record_samples: bool = False  # each rank's sample keys per step -> <run>/samples/ (audit)
-    resume: Literal["auto", "never", "must"] = "auto"
+    resume: Literal["auto", "never", "must"] = "auto"  # same run name: continue from its newest checkpoint?
     init_from: str = ""  # fine-tuning source: checkpoint dir, exported weights, or "" = scratch
     device_peak_tflops: float = 989.0  # for MFU: H100/H200 dense bf16 989, A100 312
     compile: bool = False  # torch.compile the model (DeepSpeed's engine.compile, inductor backend)
@@ -137,13 +137,13 @@ class TuneConfig:
     """Ray Tune sweep over dotted config keys."""
 
     space: dict[str, list] = field(default_factory=dict)  # e.g. {"optim.lr": [0.001, 0.003]}
-    search: Literal["grid", "random"] = "grid"
+    search: Literal["grid", "random"] = "grid"  # how the space is searched
     num_samples: int = 1  # random search draws; grid repeats
-    scheduler: Literal["none", "asha"] = "none"
-    metric: str = "val/top1"
-    mode: Literal["max", "min"] = "max"
+    scheduler: Literal["none", "asha"] = "none"  # asha: stop poor trials early, at evaluations
+    metric: str = "val/top1"  # what the search optimises and the best trial is chosen by
+    mode: Literal["max", "min"] = "max"  # whether a higher or a lower metric is better
     max_concurrent_trials: int = 0  # 0 = derived from cluster resources
-    trial_retries: int = 1
+    trial_retries: int = 1  # retries of a trial that failed (never for a user error)
 
 
 @dataclass
@@ -151,9 +151,9 @@ class TrackingConfig:
     """MLflow: where runs go and how they are named."""
 
     uri: str = ""  # "" = sqlite:///<work_dir>/mlflow.db
-    experiment: str = "vit-pipeline"
+    experiment: str = "vit-pipeline"  # MLflow experiment the runs go to
     run_name: str = ""  # "" = <recipe>-<variant>-<dataset>
-    tags: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)  # extra MLflow run tags
     log_timeout_s: float = 5.0  # longest a training step waits on MLflow; the rest is spooled
     spool_max_mb: float = 512.0  # most unsent metrics a run's spool keeps while MLflow is down
     system_metrics: bool = True  # CPU, memory (GPU when present) of rank 0's node, at each log step
@@ -163,7 +163,7 @@ class TrackingConfig:
 class ExperimentConfig:
     """Everything one command needs. `recipe` names the function in recipes.py it came from."""
 
-    recipe: str = "custom"
+    recipe: str = "custom"  # set by the recipe; part of the run name
     work_dir: str = "work"  # local path or URI; shards, checkpoints, MLflow store live here
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -131,6 +131,7 @@ def test_every_key_is_described_with_its_type_value_default_and_schema_comment()
 
     for d in docs:
         assert d.value == get(cfg, d.key) and d.default == get(ExperimentConfig(), d.key), d
+    assert all(d.meaning for d in docs), [d.key for d in docs if not d.meaning]  # a new key needs its comment
     by_key = {d.key: d for d in docs}
     assert by_key["optim.lr"].type == "float" and by_key["data.source"].type == "choice"
     assert "parquet" in by_key["data.source"].meaning  # a long Literal's choices go to the meaning
