@@ -146,13 +146,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            **{k: round(v, 3) for k, v in s.estimate.gb().items()}} for s in settings], indent=2))
         return 0
     best = settings[0]
+    overrides = _plan_overrides(args, best)
     print(f"ViT-{args.variant} at {args.image_size}px on {args.gpus} x {args.gpu_mem:g} GB, {args.precision}: "
           f"use ZeRO-{best.zero_stage}, micro-batch {best.micro_batch}"
           f"{', activation checkpointing' if best.checkpointing else ''}{', offload' if best.offload else ''}")
-    print(f"  --set parallel.zero_stage={best.zero_stage} parallel.micro_batch={best.micro_batch} "
-          f"model.grad_checkpointing={str(best.checkpointing).lower()} "
-          f"parallel.offload_optimizer={str(best.offload).lower()}"
-          + (" parallel.offload_params=true" if best.offload and best.zero_stage == 3 else ""))
+    print("  " + " ".join(f"--set {k}={v}" for k, v in overrides.items()))
     print(f"  {'zero':>4} {'micro':>5} {'ckpt':>4} {'offload':>7} {'states':>7} {'acts':>7} {'total GB':>8} {'cost':>5}")
     for s in settings[:args.top]:
         e = s.estimate
@@ -162,6 +160,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_overrides(args: argparse.Namespace, best) -> dict[str, object]:
+    """The plan as overrides a recipe takes as they are: --global-batch kept over --gpus workers,
+    the accumulation derived (the micro-batch halved until it divides: a smaller one fits too)."""
+    micro, per_step = best.micro_batch, args.global_batch // args.gpus
+    if args.global_batch % args.gpus:
+        raise InputError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}: "
+                         "use a multiple of the GPU count")
+    while per_step % micro:
+        micro //= 2
+    out: dict[str, object] = {
+        "model.variant": args.variant, "data.image_size": args.image_size, "parallel.precision": args.precision,
+        "parallel.num_workers": args.gpus, "parallel.global_batch": args.global_batch,
+        "parallel.micro_batch": micro, "parallel.grad_accum": per_step // micro,
+        "parallel.zero_stage": best.zero_stage, "model.grad_checkpointing": str(best.checkpointing).lower(),
+        "parallel.offload_optimizer": str(best.offload).lower()}
+    if best.offload and best.zero_stage == 3:
+        out["parallel.offload_params"] = "true"
+    return out
+
+
 def _add_plan(sub) -> Handler:
     p = sub.add_parser("plan", help="the cheapest ZeRO stage / micro-batch / checkpointing / offload that fits")
     p.add_argument("variant", help='e.g. "H/14"')
@@ -169,6 +187,9 @@ def _add_plan(sub) -> Handler:
     p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
     p.add_argument("--max-micro-batch", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=4096,
+                   help="images per optimizer step (the paper's 4096): the printed --set line derives "
+                        "the gradient accumulation from it")
     p.add_argument("--top", type=int, default=6, help="settings listed, cheapest first")
     p.add_argument("--json", action="store_true")
     return cmd_plan
