@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from .config import (ConfigError, DataConfig, ExperimentConfig, ModelConfig, OptimConfig,
                      ParallelConfig, TrackingConfig, TrainConfig, TuneConfig, apply_overrides,
-                     validate)
+                     derive_grad_accum, validate)
 
 # Dataset facts used by the presets: (classes, training images).
 IMAGENET21K = (21_843, 14_197_122)
@@ -360,8 +360,10 @@ def check_scoped(overrides: Sequence[str], recipes: Sequence[str]) -> None:
 
 
 def with_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Recipe + `--set` overrides, NOT validated (for callers that change it further first)."""
-    return apply_overrides(get_recipe(name), list(overrides))
+    """Recipe + `--set` overrides, NOT validated (for callers that change it further first); a
+    worker count or micro-batch set without grad_accum gets the accumulation that keeps the batch."""
+    cfg = apply_overrides(get_recipe(name), list(overrides))
+    return derive_grad_accum(cfg, {o.split("=", 1)[0].strip() for o in overrides})
 
 
 def resolve(name: str, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = True) -> ExperimentConfig:

@@ -201,6 +201,19 @@ def for_world(cfg: ExperimentConfig, world: int) -> ExperimentConfig:
         f"count that divides it (parallel.num_workers / parallel.min_workers)")
 
 
+def derive_grad_accum(cfg: ExperimentConfig, set_keys: set[str]) -> ExperimentConfig:
+    """After `--set parallel.num_workers=N` (or micro_batch / global_batch) without grad_accum: the
+    accumulation that keeps global = micro x accum x workers, when it divides. A grad_accum the user
+    set is theirs (validate says what does not add up), and so is a product that holds already."""
+    p = cfg.parallel
+    batch_keys = {"parallel.num_workers", "parallel.micro_batch", "parallel.global_batch"}
+    per_step = p.micro_batch * p.num_workers
+    if ("parallel.grad_accum" in set_keys or not batch_keys & set_keys or per_step <= 0
+            or per_step * p.grad_accum == p.global_batch or p.global_batch % per_step):
+        return cfg
+    return cfg.replace(parallel=dataclasses.replace(p, grad_accum=p.global_batch // per_step))
+
+
 def drill_steps(spec: str) -> range:
     """train.nan_drill "7" or "7-30" -> the steps (1-based) whose loss the drill makes NaN."""
     if not spec.strip():

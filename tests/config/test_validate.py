@@ -70,3 +70,27 @@ def test_validate_returns_local_paths_absolute(tmp_path, monkeypatch):
     assert out.data.shards == "s3://bucket/shards" and out.data.path == ""
     assert cfg.work_dir == "runs"  # the input is not modified
     assert validate(_invalid(**{"train.init_from": "scratch"})).train.init_from == "scratch"
+
+
+def test_a_worker_count_or_micro_batch_set_alone_keeps_the_global_batch():
+    """`--set parallel.num_workers=N` (or micro_batch, global_batch) without grad_accum: the
+    accumulation is derived so that micro x accum x workers is the global batch; a grad_accum the
+    user set, or a count the batch does not divide, is reported as before."""
+    from pipeline.recipes import get_recipe, resolve
+
+    recipe = get_recipe("h14_i21k").parallel
+    for sets in (["parallel.num_workers=16"], ["parallel.micro_batch=32"],
+                 ["parallel.num_workers=64", "parallel.micro_batch=16"], ["parallel.global_batch=2048"]):
+        p = resolve("h14_i21k", sets, check_paths=False).parallel
+        assert p.micro_batch * p.grad_accum * p.num_workers == p.global_batch, (sets, p)
+        assert p.grad_accum != recipe.grad_accum, sets  # each of these needed a new accumulation
+        untouched = {"parallel.num_workers": "num_workers", "parallel.micro_batch": "micro_batch",
+                     "parallel.global_batch": "global_batch"}
+        for key, name in untouched.items():  # what the user did not set stays the recipe's
+            if not any(s.startswith(key + "=") for s in sets):
+                assert getattr(p, name) == getattr(recipe, name), (sets, name)
+    with pytest.raises(ConfigError, match=rf"set parallel.grad_accum={recipe.global_batch // (recipe.micro_batch * 16)}"):
+        resolve("h14_i21k", ["parallel.num_workers=16", f"parallel.grad_accum={recipe.grad_accum}"],
+                check_paths=False)
+    with pytest.raises(ConfigError, match=rf"parallel.global_batch {recipe.global_batch} != micro {recipe.micro_batch} "):
+        resolve("h14_i21k", ["parallel.num_workers=48"], check_paths=False)
