@@ -34,6 +34,19 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """A command's help names each option's default, where it has one worth saying (not an
+    unset None or an off switch) and its text does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, "", argparse.SUPPRESS) or not action.option_strings
+                or "default" in text.lower() or isinstance(default, list) and not default):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `vitp` parser; each command's parser carries its handler (the one registry, gathered
     from every group's add_parsers) as the `handler` default."""
@@ -57,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         handlers.update(group.add_parsers(sub))
     for name, handler in handlers.items():
         sub.choices[name].set_defaults(handler=handler)
+        sub.choices[name].formatter_class = _ShowDefaults
         for flag, text in global_flags.items():  # after the command too; absent, the top level's value stands
             sub.choices[name].add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
     return parser

@@ -174,7 +174,7 @@ def _add_mlflow_server(sub) -> Handler:
                                    "host needs --auth (basic auth; admin password from "
                                    "$MLFLOW_AUTH_ADMIN_PASSWORD, never the old default).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--port", type=int, default=5000, help="port to listen on")
     p.add_argument("--backend-store-uri",
                    default=os.environ.get("MLFLOW_BACKEND_STORE_URI") or "sqlite:///mlflow-server/mlflow.db",
                    help="SQL store: sqlite:///path.db or postgresql://... (default $MLFLOW_BACKEND_STORE_URI, "
@@ -186,7 +186,7 @@ def _add_mlflow_server(sub) -> Handler:
                    help="comma-separated Host header values to accept (DNS-rebinding guard), "
                         "e.g. mlflow.example.com,mlflow.mlflow.svc")
     p.add_argument("--auth", action="store_true", help="basic auth (MLflow's basic-auth app)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="server worker processes")
     p.add_argument("--log", help="server log file (default a temp file)")
     return cmd_mlflow_server
 

@@ -109,9 +109,9 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--image-size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier outputs")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype")
 
 
 def _add_model(sub) -> Handler:
@@ -125,7 +125,7 @@ def _add_model(sub) -> Handler:
     p.add_argument("--micro-batch", type=int, default=1, help="images per worker per forward")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--offload", action="store_true", help="optimizer (and ZeRO-3 parameter) offload to CPU")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     return cmd_model
 
 
@@ -186,12 +186,12 @@ def _add_plan(sub) -> Handler:
     _add_memory_args(p)
     p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
-    p.add_argument("--max-micro-batch", type=int, default=256)
+    p.add_argument("--max-micro-batch", type=int, default=256, help="largest micro-batch tried")
     p.add_argument("--global-batch", type=int, default=4096,
                    help="images per optimizer step (the paper's 4096): the printed --set line derives "
                         "the gradient accumulation from it")
     p.add_argument("--top", type=int, default=6, help="settings listed, cheapest first")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     return cmd_plan
 
 

@@ -1,4 +1,5 @@
 """`vitp` as a user runs it: a real subprocess of the installed console script."""
+import argparse
 import json
 import os
 import shutil
@@ -69,3 +70,21 @@ def test_model_prints_params_and_flops():
     assert "632.05M params" in r.stdout
     r = run("model", "B/16", "--image-size", "200")
     assert r.returncode == 2 and "multiple of 16" in r.stderr
+
+
+def test_every_commands_help_names_its_defaults():
+    """`vitp CMD --help`: each option with a default worth saying shows it (argparse's text)."""
+    from pipeline.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    shown = 0
+    for name, p in sub.choices.items():
+        text = " ".join(p.format_help().split())  # argparse wraps lines anywhere between words
+        for action in p._actions:
+            if (action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS)
+                    and action.help != argparse.SUPPRESS):
+                if "default" in (action.help or "").lower():  # its own words say it
+                    continue
+                assert f"(default: {action.default})" in text, (name, action.option_strings, action.default)
+                shown += 1
+    assert shown >= 15, shown
