@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 from .config import (ConfigError, DataConfig, ExperimentConfig, ModelConfig, OptimConfig,
                      ParallelConfig, TrackingConfig, TrainConfig, TuneConfig, apply_overrides,
-                     derive_grad_accum, validate)
+                     derive_grad_accum, set_values, validate)
+from .config.files import is_experiment_file, parse_experiment
 
 # Dataset facts used by the presets: (classes, training images).
 IMAGENET21K = (21_843, 14_197_122)
@@ -316,6 +317,8 @@ RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
 
 def get_recipe(name: str) -> ExperimentConfig:
     """The named recipe's config; ConfigError listing the names if it does not exist."""
+    if is_experiment_file(name):
+        return with_overrides(name)
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; recipes: {', '.join(RECIPES)}")
     return RECIPES[name]()
@@ -360,10 +363,18 @@ def check_scoped(overrides: Sequence[str], recipes: Sequence[str]) -> None:
 
 
 def with_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Recipe + `--set` overrides, NOT validated (for callers that change it further first); a
-    worker count or micro-batch set without grad_accum gets the accumulation that keeps the batch."""
-    cfg = apply_overrides(get_recipe(name), list(overrides))
-    return derive_grad_accum(cfg, {o.split("=", 1)[0].strip() for o in overrides})
+    """Recipe (or an experiment file: config/files.py) + `--set` overrides, NOT validated (for
+    callers that change it further first); a worker count or micro-batch set without grad_accum
+    gets the accumulation that keeps the batch."""
+    if is_experiment_file(name):
+        from . import storage  # lazy: pyarrow, for a file on object storage
+
+        base, changes = parse_experiment(storage.read_bytes(name).decode("utf-8", "replace"), name)
+        cfg, changed = set_values(get_recipe(base), changes), set(changes)
+    else:
+        cfg, changed = get_recipe(name), set()
+    cfg = apply_overrides(cfg, list(overrides))
+    return derive_grad_accum(cfg, changed | {o.split("=", 1)[0].strip() for o in overrides})
 
 
 def resolve(name: str, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = True) -> ExperimentConfig:

@@ -27,7 +27,9 @@ def add_set(p: argparse.ArgumentParser, help: str = "override a config field, e.
 
 def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str | None = None) -> None:
     """The positional RECIPE (see `vitp config --list`) and its --set overrides."""
-    p.add_argument("recipe", nargs="?" if optional else None, help="recipe name (see `vitp config --list`)")
+    p.add_argument("recipe", nargs="?" if optional else None,
+                   help="recipe name (`vitp config --list`), or your experiment file (.yaml/.json: "
+                        "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one)")
     add_set(p, **({"help": set_help} if set_help else {}))
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pipeline import recipes
 from pipeline.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
                                typed_changes)
 from pipeline.config import ExperimentConfig, parse_value, set_values, validate
+from pipeline.config.files import is_experiment_file
 from pipeline.config.keydoc import key_table
 from pipeline.errors import ConfigError, InputError
 from pipeline.names import check_name
@@ -319,7 +321,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         # sources are paths: resolved here, where the user's working directory is known
         space[key] = [(abspath(v) if key == "source" else v) if key in AXES else parse_value(key, v)
                       for v in values.split(",") if v]
-    spec = build_spec(args.name or args.recipe, base, args.recipe, args.overrides, changes=typed_changes(args),
+    name = args.name or (Path(args.recipe).stem if is_experiment_file(args.recipe) else args.recipe)
+    spec = build_spec(name, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)
     connect_ray(base, args.address)

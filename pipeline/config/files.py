@@ -1,0 +1,40 @@
+"""Experiment files: a user's own experiment as YAML or JSON, given where a recipe name goes
+(`vitp pretrain my-exp.yaml`). Owns the format: read into a base recipe and dotted changes; nothing
+in a file is ever run (yaml.safe_load). Must not import torch or ray.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+from .schema import flatten
+
+EXTENSIONS = (".yaml", ".yml", ".json")
+FORMAT = ("an experiment file is a mapping: `recipe: NAME` (its base, `vitp config --list`), then "
+          "sections as `vitp config` prints them (optim: {lr: 0.003}) and/or `set:` with dotted keys "
+          "(set: {optim.lr: 0.003})")
+
+
+def is_experiment_file(name: str) -> bool:
+    return name.lower().endswith(EXTENSIONS)
+
+
+def parse_experiment(text: str, where: str) -> tuple[str, dict[str, Any]]:
+    """(base recipe, {dotted key: value}) from a file's text. A config `vitp config` printed, or a
+    run's config.json, loads back as it is; `set:` entries win over sections."""
+    import yaml  # lazy: only a file needs it
+
+    try:
+        data = yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{where}: not YAML or JSON{line} ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("recipe"), str) or not data["recipe"]:
+        raise InputError(f"{where}: {FORMAT}")
+    data = dict(data)
+    recipe = data.pop("recipe")
+    dotted = data.pop("set", None) or {}
+    if not isinstance(dotted, dict) or not all(isinstance(k, str) for k in dotted):
+        raise InputError(f"{where}: `set:` maps dotted keys to values; {FORMAT}")
+    return recipe, {**flatten(data), **dotted}
