@@ -40,6 +40,8 @@ def quiet_env() -> dict[str, str]:
             "RAY_DEDUP_LOGS": "0",
             # MLflow prints "View run ... at: URL" whenever a run on a server ends (every trial)
             "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+            # ... and redraws a bar for every artifact it downloads (a run's config, weights)
+            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
             "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "cluster",
                                                     "ray_data_logging.yaml")}
 

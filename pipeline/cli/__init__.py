@@ -12,7 +12,7 @@ import select
 import sys
 
 from pipeline.cli import cluster, demo, evaluate, experiment
-from pipeline.cli.args import Handler
+from pipeline.cli.args import Handler, recipe_from_run
 from pipeline.console import VERBOSE_ENV, quiet_env, quiet_loggers
 from pipeline.errors import UserError
 
@@ -129,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(quiet_env())  # before any command imports ray.data
     quiet_loggers()
     if args.debug:  # no mapping: every error ends in its traceback
+        recipe_from_run(args)
         code = args.handler(args)
         sys.stdout.flush()
         return code
     try:
+        recipe_from_run(args)  # runs:/RUN_ID -> that run's config, before any command reads it
         code = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code

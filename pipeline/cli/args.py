@@ -28,8 +28,9 @@ def add_set(p: argparse.ArgumentParser, help: str = "override a config field, e.
 def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str | None = None) -> None:
     """The positional RECIPE (see `vitp config --list`) and its --set overrides."""
     p.add_argument("recipe", nargs="?" if optional else None,
-                   help="recipe name (`vitp config --list`), or your experiment file (.yaml/.json: "
-                        "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one)")
+                   help="recipe name (`vitp config --list`), your experiment file (.yaml/.json: "
+                        "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one), or "
+                        "runs:/RUN_ID for a new run like that MLflow run")
     add_set(p, **({"help": set_help} if set_help else {}))
 
 
@@ -62,6 +63,31 @@ def typed_changes(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "scheduler", None):
         changes["tune.scheduler"] = args.scheduler
     return changes
+
+
+RUN_PREFIX = "runs:/"  # MLflow's own way to name a run: `vitp pretrain runs:/RUN_ID` runs one like it
+
+
+def recipe_from_run(args: argparse.Namespace) -> None:
+    """A recipe given as runs:/RUN_ID becomes an experiment file made from that run's logged
+    config (tracking.lineage.run_as_experiment), in a folder removed when vitp exits."""
+    if not str(getattr(args, "recipe", None) or "").startswith(RUN_PREFIX):
+        return
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    from pipeline.errors import ConfigError
+    from pipeline.tracking.lineage import run_as_experiment  # lazy: mlflow
+
+    uri = getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ConfigError(f"{args.recipe}: the run is read from MLflow: give --tracking-uri URI or set "
+                          "MLFLOW_TRACKING_URI (the server or store the run is in)")
+    folder = tempfile.mkdtemp(prefix="vitp-like-")
+    atexit.register(shutil.rmtree, folder, True)
+    args.recipe = run_as_experiment(uri, args.recipe[len(RUN_PREFIX):].strip("/"), folder)
 
 
 def recipe_config(args: argparse.Namespace) -> ExperimentConfig:

@@ -1,6 +1,6 @@
 """What a run was made from, as MLflow records it: the shards it trained on (a dataset input, the
-UI's Dataset column) and the registered model it started from (a model input). Registering a
-model is pipeline.train.registry's job; this module only links runs to what exists.
+UI's Dataset column), the registered model it started from (a model input), and its config (a
+new run like it: runs:/RUN_ID). Registering a model is pipeline.train.registry's job.
 """
 from __future__ import annotations
 
@@ -45,3 +45,34 @@ def log_model_input(client: MlflowClient, run_id: str, model_id: str) -> None:
     from mlflow.entities import LoggedModelInput
 
     client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
+
+
+def run_as_experiment(uri: str, run_id: str, dest_dir: str) -> str:
+    """An experiment file (config/files.py) for a new run like `run_id`: its logged config.json
+    (redacted as logged), with the run name `<its run name>-like-<run id[:8]>`: a run of its own,
+    and the same command again continues that one. Written under `dest_dir`; returns its path."""
+    import os
+
+    from mlflow.exceptions import MlflowException
+
+    from ..errors import InputError
+    from .store import get_client
+
+    client = get_client(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise InputError(f"runs:/{run_id}: no such run at {redact_text(uri)} (`vitp compare` lists the "
+                         "runs there)") from None
+    try:
+        local = client.download_artifacts(run_id, "config.json", dest_dir)
+    except (MlflowException, OSError):
+        raise InputError(f"runs:/{run_id}: run {run.info.run_name!r} has no config.json artifact (vitp "
+                         "pretrain, finetune and sweep trials log one)") from None
+    with open(local) as f:
+        config = json.load(f)
+    config["set"] = {"tracking.run_name": f"{run.info.run_name}-like-{run_id[:8]}"}
+    path = os.path.join(dest_dir, f"like-{run_id[:8]}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path

@@ -88,3 +88,35 @@ def test_every_commands_help_names_its_defaults():
                 assert f"(default: {action.default})" in text, (name, action.option_strings, action.default)
                 shown += 1
     assert shown >= 15, shown
+
+
+def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch):
+    """`vitp CMD runs:/RUN_ID`: the run's logged config.json, under a run name of its own (the same
+    command again continues that one, never the original); a missing run or store is one line."""
+    from pipeline.config import ExperimentConfig
+    from pipeline.recipes import resolve
+    from pipeline.tracking.runs import RunLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = resolve("debug", ["optim.lr=0.02", "train.steps=33", f"work_dir={tmp_path}"], check_paths=False)
+    logger = RunLogger.start(uri, "like", cfg.run_name)
+    logger.log_config(cfg.to_dict())
+    logger.end()
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    p = subprocess.run([*VITP, "config", f"runs:/{logger.run_id}", "--set", "train.steps=34"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr  # no download progress either
+    got = ExperimentConfig.from_dict(json.loads(p.stdout))
+    assert got.tracking.run_name == f"{cfg.run_name}-like-{logger.run_id[:8]}"
+    assert got.train.steps == 34  # --set over the run's config
+    want = cfg.to_dict()
+    want["tracking"]["run_name"], want["train"]["steps"] = got.tracking.run_name, 34
+    assert got.to_dict() == want  # the rest exactly as the run had it
+
+    p = subprocess.run([*VITP, "config", "runs:/0123456789abcdef"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 2 and p.stderr.startswith("vitp config: runs:/0123456789abcdef: no such run at "), p.stderr
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    r = run("config", f"runs:/{logger.run_id}")
+    assert r.returncode == 2 and "give --tracking-uri URI or set MLFLOW_TRACKING_URI" in r.stderr, r.stderr
