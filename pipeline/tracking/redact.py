@@ -11,7 +11,7 @@ REDACTED = "***"
 
 # A key whose last component names a credential, as a whole word ("hf_token", "db_password",
 # "aws_secret_access_key", "apiKey"), or ends in "_key" ("AZURE_STORAGE_KEY", "ssh_key"), but not
-# inside another word ("tokenizer", "author", "monkey"). The README promises *_SECRET_*, *_TOKEN,
+# inside another word ("tokenizer", "author", "monkey"). docs/cluster.md promises *_SECRET_*, *_TOKEN,
 # *_PASSWORD and *_KEY. Only *string* values under such keys are redacted: numbers stay visible.
 _SECRET_WORD = re.compile(
     r"(^|_)(passw(or)?d|pwd|secrets?|tokens?|credentials?|auth|api_?key|access_?key|private_?key"

@@ -263,9 +263,8 @@ def _k8s_docs() -> list[tuple[Path, dict]]:
             for d in yaml.safe_load_all(p.read_text()) if isinstance(d, dict) and d.get("kind")]
 
 
-def _readme_cluster_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text[text.index("## Run on a cluster"):text.index("\n## ", text.index("## Run on a cluster") + 3)]
+def _cluster_doc() -> str:
+    return (ROOT / "docs" / "cluster.md").read_text()
 
 
 def _admits(policy: dict, policy_ns: str, pod_ns: str, pod_labels: dict, port: int) -> bool:
@@ -286,7 +285,7 @@ def _admits(policy: dict, policy_ns: str, pod_ns: str, pod_labels: dict, port: i
 
 
 def test_networkpolicy_admits_the_kuberay_operator_on_the_dashboard_port():
-    readme = _readme_cluster_section()
+    readme = _cluster_doc()
     (op_ns,) = re.findall(r"helm install kuberay-operator\b.*--namespace (\S+)", readme)
     policy = yaml.safe_load((ROOT / "cluster" / "kuberay" / "networkpolicy.yaml").read_text())
     (ns,) = set(re.findall(r"kubectl -n (\S+) apply -f cluster/kuberay/", readme))
@@ -300,7 +299,7 @@ def test_networkpolicy_admits_the_kuberay_operator_on_the_dashboard_port():
 
 
 def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
-    readme = _readme_cluster_section()
+    readme = _cluster_doc()
     namespace = {d: ns for ns, d in re.findall(r"kubectl -n (\S+) apply -f cluster/(\w+)/", readme)}
     defined = {(namespace[p.parent.name], d["kind"], d["metadata"]["name"]) for p, d in _k8s_docs()}
     kinds = {"secret": "Secret", "configmap": "ConfigMap", "serviceaccount": "ServiceAccount"}
@@ -422,4 +421,4 @@ def test_sweep_and_fewshot_read_the_shards_the_downstream_spec_writes():
     made = prepared("preprocess_downstream")
     assert {s for s, _, _ in made} == {"cifar10", "cifar100", "pets", "flowers", "imagenet"}
     assert prepared("finetune_sweep") == made and prepared("fewshot") <= made  # the sweep: every dataset
-    assert "jobs/preprocess_downstream.yaml" in _readme_cluster_section()
+    assert "jobs/preprocess_downstream.yaml" in _cluster_doc()
