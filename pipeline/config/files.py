@@ -34,6 +34,9 @@ def parse_experiment(text: str, where: str) -> tuple[str, dict[str, Any]]:
         raise InputError(f"{where}: {FORMAT}")
     data = dict(data)
     recipe = data.pop("recipe")
+    if is_experiment_file(recipe):
+        raise InputError(f"{where}: recipe: {recipe!r} is a file; a file's base is a built-in recipe "
+                         "(`vitp config --list`)")
     dotted = data.pop("set", None) or {}
     if not isinstance(dotted, dict) or not all(isinstance(k, str) for k in dotted):
         raise InputError(f"{where}: `set:` maps dotted keys to values; {FORMAT}")

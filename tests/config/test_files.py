@@ -42,6 +42,7 @@ def test_a_worker_count_in_a_file_derives_the_accumulation(tmp_path):
     ("recipe: debug\nset: [optim.lr]\n", InputError, "`set:` maps dotted keys to values"),
     ("recipe: debug\noptim: {lrr: 1}\n", ConfigError, "did you mean 'optim.lr'"),
     ("recipe: no_such\n", ConfigError, "unknown recipe 'no_such'"),
+    ("recipe: exp.yaml\n", InputError, "a file's base is a built-in recipe"),  # (itself: no loop)
     ("recipe: debug\noptim: {lr: fast}\n", ConfigError, "optim.lr"),
     ("recipe: debug\nx: !!python/object/apply:os.system [echo hi]\n", InputError, "not YAML or JSON"),
 ])
