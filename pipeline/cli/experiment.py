@@ -132,7 +132,7 @@ def _add_model(sub) -> Handler:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pipeline.model.memory import plan
+    from pipeline.model.memory import plan, plan_overrides
     from pipeline.model.variants import decode_variant
 
     decode_variant(args.variant)  # a bad name is one ConfigError line
@@ -148,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            **{k: round(v, 3) for k, v in s.estimate.gb().items()}} for s in settings], indent=2))
         return 0
     best = settings[0]
-    overrides = _plan_overrides(args, best)
+    overrides = plan_overrides(best, args.variant, args.image_size, args.precision, args.gpus, args.global_batch)
     print(f"ViT-{args.variant} at {args.image_size}px on {args.gpus} x {args.gpu_mem:g} GB, {args.precision}: "
           f"use ZeRO-{best.zero_stage}, micro-batch {best.micro_batch}"
           f"{', activation checkpointing' if best.checkpointing else ''}{', offload' if best.offload else ''}")
@@ -160,26 +160,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{'yes' if s.offload else 'no':>7} {e.states / 1e9:>7.2f} {e.activations / 1e9:>7.2f} "
               f"{e.device / 1e9:>8.2f} {s.cost:>5.2f}")
     return 0
-
-
-def _plan_overrides(args: argparse.Namespace, best) -> dict[str, object]:
-    """The plan as overrides a recipe takes as they are: --global-batch kept over --gpus workers,
-    the accumulation derived (the micro-batch halved until it divides: a smaller one fits too)."""
-    micro, per_step = best.micro_batch, args.global_batch // args.gpus
-    if args.global_batch % args.gpus:
-        raise InputError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}: "
-                         "use a multiple of the GPU count")
-    while per_step % micro:
-        micro //= 2
-    out: dict[str, object] = {
-        "model.variant": args.variant, "data.image_size": args.image_size, "parallel.precision": args.precision,
-        "parallel.num_workers": args.gpus, "parallel.global_batch": args.global_batch,
-        "parallel.micro_batch": micro, "parallel.grad_accum": per_step // micro,
-        "parallel.zero_stage": best.zero_stage, "model.grad_checkpointing": str(best.checkpointing).lower(),
-        "parallel.offload_optimizer": str(best.offload).lower()}
-    if best.offload and best.zero_stage == 3:
-        out["parallel.offload_params"] = "true"
-    return out
 
 
 def _add_plan(sub) -> Handler:
@@ -362,13 +342,17 @@ def _add_sweep(sub) -> Handler:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeline.train.export import export  # lazy: keeps vitp --help fast (torch)
+    from pipeline.train.export import export_as  # lazy: keeps vitp --help fast (torch)
 
-    out = args.out or args.checkpoint.rstrip("/") + "-export"
+    suffix = {"ours": "-export", "timm": "-timm.safetensors", "hf": "-hf"}[args.format]
+    out = args.out or args.checkpoint.rstrip("/") + suffix
     if args.register:
+        if args.format != "ours":
+            raise ConfigError("--register logs our export format: leave out --format, register, then "
+                              "export the registered export with --format")
         check_name("--register", args.register)  # before the export is written
-    export(args.checkpoint, out)
-    print(f"wrote {out}/model.safetensors and {out}/config.json")
+    export_as(args.checkpoint, out, args.format)
+    print(f"wrote {out}" if args.format == "timm" else f"wrote {out}/model.safetensors and {out}/config.json")
     if args.register:
         from pipeline.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
 
@@ -379,8 +363,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _add_export(sub) -> Handler:
     p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
-    p.add_argument("checkpoint", type=abspath, help="a checkpoint directory or URI written by pretrain/finetune")
-    p.add_argument("--out", type=abspath, help="output directory or URI (default CHECKPOINT-export)")
+    p.add_argument("checkpoint", type=abspath, help="a checkpoint (or, with --format, export) directory or URI")
+    p.add_argument("--format", choices=("ours", "timm", "hf"), default="ours",
+                   help="ours: safetensors + config.json that vitp reads; timm: timm-named weights (a "
+                        ".safetensors file); hf: a Hugging Face ViTForImageClassification dir")
+    p.add_argument("--out", type=abspath, help="output directory, file (timm) or URI (default CHECKPOINT-export, "
+                                               "-timm.safetensors or -hf)")
     p.add_argument("--register", metavar="NAME",
                    help="also log the export as an MLflow model of the run that trained it (its config "
                         "and metrics) and register it as a new version of NAME")

@@ -19,13 +19,13 @@ from safetensors.torch import save
 from .. import storage
 from ..config import ExperimentConfig
 from ..errors import InputError
-from .convert_hf import from_hf
+from .convert_hf import from_hf, hf_config, to_hf
 from .convert_hybrid import f32 as _t
 from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
 from .variants import VARIANTS, decode_variant
 from .loading import resample_pos_embed
 from .vit import build_vit
-from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_weights, write_export
+from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights, write_export
 
 StateDict = dict[str, torch.Tensor]
 
@@ -356,3 +356,22 @@ def export_timm(export_dir: str, out_path: str) -> str:
         data = buf.getvalue()
     storage.write_bytes(out_path, data)  # a path or URI; parents made, written whole
     return out_path
+
+
+def export_hf(export_dir: str, out_dir: str, name: str = "") -> str:
+    """Our export dir -> a Hugging Face `ViTForImageClassification` directory (model.safetensors and
+    config.json, what `from_pretrained` reads). HF's ViT classifies the class token with one linear
+    layer: a pre-training head (tanh pre-logits), global-average pooling or a hybrid has no
+    counterpart there and is refused (`name`: what the error names, default export_dir)."""
+    cfg = read_config(export_dir)
+    spec = decode_variant(cfg.model.variant)
+    unsupported = [why for why, bad in (
+        (f"a hybrid ({cfg.model.variant})", spec.resnet is not None),
+        ("the pre-training head (tanh pre-logits): export a fine-tuned model", cfg.model.head != "finetune"),
+        ("global-average pooling (model.pool=gap)", cfg.model.pool != "cls")) if bad]
+    if unsupported:
+        raise InputError(f"{name or export_dir}: Hugging Face's ViTForImageClassification has no counterpart for "
+                         f"{unsupported[0]}")
+    storage.write_bytes(storage.join(out_dir, WEIGHTS), save(to_hf(read_weights(export_dir)), metadata={"format": "pt"}))
+    storage.write_json(storage.join(out_dir, CONFIG), hf_config(spec, cfg.model.num_classes, cfg.data.image_size))
+    return out_dir

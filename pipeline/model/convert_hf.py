@@ -1,6 +1,7 @@
-"""Hugging Face `ViTModel` / `ViTForImageClassification` state dicts -> our naming.
+"""Hugging Face `ViTModel` / `ViTForImageClassification` state dicts <-> our naming.
 
-Both the hub naming (`encoder.layer.{i}...`) and transformers >= 5's module naming (`layers.{i}...`).
+In: the hub naming (`encoder.layer.{i}...`) and transformers >= 5's module naming (`layers.{i}...`).
+Out: a fine-tuning-head ViT as `ViTForImageClassification` (hub naming) and its config.json.
 """
 from __future__ import annotations
 
@@ -71,3 +72,41 @@ def from_hf(sd: Mapping[str, Any]) -> StateDict:
                 raise InputError(f"encoder.layer.{i}: attention {e.args[0]} missing (HF ViT with "
                                "qkv_bias=False is not supported)") from None
     return out
+
+
+def to_hf(sd: Mapping[str, torch.Tensor]) -> StateDict:
+    """Ours -> HF `ViTForImageClassification` (hub naming, `vit.` prefix; q, k, v split back into
+    three Linears). The inverse of from_hf for a fine-tuning-head ViT."""
+    out: StateDict = {}
+    top = {v: k for k, v in _HF_TOP.items() if k not in ("pooler.dense", "classifier")}
+    layer = {"norm1": "layernorm_before", "norm2": "layernorm_after", "attn.proj": "attention.output.dense",
+             "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+    for k, v in sd.items():
+        if k.startswith("mpp."):  # masked patch prediction's training-only head
+            continue
+        if k in ("cls_token", "pos_embed"):
+            out[f"vit.embeddings.{'cls_token' if k == 'cls_token' else 'position_embeddings'}"] = _t(v)
+        elif m := re.match(r"blocks\.(\d+)\.(.+)\.(weight|bias)$", k):
+            i, mod, kind = m.groups()
+            if mod == "attn.qkv":
+                for name, part in zip(("query", "key", "value"), _t(v).chunk(3)):
+                    out[f"vit.encoder.layer.{i}.attention.attention.{name}.{kind}"] = part.clone()
+            else:
+                out[f"vit.encoder.layer.{i}.{layer[mod]}.{kind}"] = _t(v)
+        elif k.startswith("head."):
+            out[f"classifier.{k.split('.', 1)[1]}"] = _t(v)
+        else:
+            mod, _, kind = k.rpartition(".")
+            out[f"vit.{top[mod]}.{kind}"] = _t(v)
+    return out
+
+
+def hf_config(spec, num_classes: int, image_size: int) -> dict[str, Any]:
+    """The `ViTConfig` (as its config.json) of a plain ViT `spec` (variants.ViTSpec)."""
+    return {"architectures": ["ViTForImageClassification"], "model_type": "vit",
+            "hidden_size": spec.width, "num_hidden_layers": spec.depth, "num_attention_heads": spec.heads,
+            "intermediate_size": spec.mlp_dim, "hidden_act": "gelu", "layer_norm_eps": 1e-6,
+            "image_size": image_size, "patch_size": spec.patch, "num_channels": 3, "qkv_bias": True,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "id2label": {str(i): f"LABEL_{i}" for i in range(num_classes)},
+            "label2id": {f"LABEL_{i}": i for i in range(num_classes)}}

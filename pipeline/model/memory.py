@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import InputError
 from .flops import param_count
 from .variants import ViTSpec, decode_variant
 
@@ -190,3 +191,25 @@ def plan(variant: str | ViTSpec, image_size: int = 224, *, gpus: int = 8, gpu_me
                         * (OFFLOAD_COST if offload else 1.0) * max(1.0, 8 / fit) + 0.01 * stage)
                 out.append(Setting(stage, fit, checkpointing, offload, best, cost))
     return sorted(out, key=lambda s: s.cost)
+
+
+def plan_overrides(best: Setting, variant: str, image_size: int, precision: str, gpus: int,
+                   global_batch: int) -> dict[str, object]:
+    """A plan's setting as `--set` overrides a recipe takes as they are: `global_batch` kept over
+    `gpus` workers, the accumulation derived (the micro-batch halved until it divides: a smaller
+    one fits too). InputError when the batch does not split over the GPUs."""
+    if global_batch % gpus:
+        raise InputError(f"--global-batch {global_batch} does not split over --gpus {gpus}: "
+                         "use a multiple of the GPU count")
+    micro, per_step = best.micro_batch, global_batch // gpus
+    while per_step % micro:
+        micro //= 2
+    out: dict[str, object] = {
+        "model.variant": variant, "data.image_size": image_size, "parallel.precision": precision,
+        "parallel.num_workers": gpus, "parallel.global_batch": global_batch,
+        "parallel.micro_batch": micro, "parallel.grad_accum": per_step // micro,
+        "parallel.zero_stage": best.zero_stage, "model.grad_checkpointing": str(best.checkpointing).lower(),
+        "parallel.offload_optimizer": str(best.offload).lower()}
+    if best.offload and best.zero_stage == 3:
+        out["parallel.offload_params"] = "true"
+    return out

@@ -79,6 +79,23 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
                                  "mlflow_run_id": meta.get("mlflow_run_id")})
 
 
+FORMATS = ("ours", "timm", "hf")  # `vitp export --format`
+
+
+def export_as(source: str, out: str, fmt: str = "ours") -> str:
+    """A checkpoint dir (consolidated first) or an export dir -> `fmt`: our export dir, timm-named
+    weights (a .safetensors file) or a Hugging Face ViTForImageClassification dir; returns `out`."""
+    from ..model.convert import export_hf, export_timm  # lazy: the converters
+
+    if fmt == "ours":
+        return export(source, out)
+    with contextlib.ExitStack() as stack:
+        ours = source
+        if weights.source_info(source).kind == "checkpoint":
+            ours = export(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="vitp-export-")))
+        return export_timm(ours, out) if fmt == "timm" else export_hf(ours, out, name=source)
+
+
 def load_weights(path: str) -> dict[str, torch.Tensor]:
     """State dict from any source: an export dir, a .safetensors / .pt file, or a training
     checkpoint dir (consolidated here, with DeepSpeed for ZeRO checkpoints)."""

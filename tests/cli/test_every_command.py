@@ -619,6 +619,37 @@ class TestChain:
         assert run.data.tags["source_model"] == "models:/vit-e2e/1"  # the registered version it started from
         assert [m.model_id for m in run.inputs.model_inputs] == [run.data.tags["source_model_id"]]
 
+    def test_export_leaves_for_timm_and_hugging_face(self, scenario):
+        """--format timm on the pre-training checkpoint, --format hf on the fine-tuned one: the files
+        timm and transformers read, holding our weights (renamed only) and computing our logits."""
+        import torch
+        import transformers
+        from safetensors.numpy import load_file
+
+        from pipeline.train.export import load_model
+
+        scenario.need("export")
+        ckpt = re.search(r"^\s*checkpoint:\s+(\S+)", scenario.need("finetune").out, re.M).group(1)
+        timm_file = scenario.work / "timm" / "vit.safetensors"
+        r = ok(scenario.vitp("export", scenario.facts["checkpoint"], "--format", "timm", "--out", str(timm_file)))
+        assert f"wrote {timm_file}" in r.out, str(r)
+        ours, timm = load_file(str(scenario.export / "model.safetensors")), load_file(str(timm_file))
+        renamed = {k.replace("pre_logits.0.", "pre_logits.fc."): v for k, v in ours.items()}
+        assert timm.keys() == renamed.keys() and all(np.array_equal(timm[k], renamed[k]) for k in timm)
+
+        hf_dir = scenario.work / "hf"
+        ok(scenario.vitp("export", ckpt, "--format", "hf", "--out", str(hf_dir)))
+        hf = transformers.ViTForImageClassification.from_pretrained(str(hf_dir)).eval()
+        mine = load_model(ckpt)
+        x = torch.randn(2, 3, mine.image_size, mine.image_size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(pixel_values=x).logits, mine(x), atol=1e-5, rtol=0)  # depth 2: see test_convert
+        one_line_error(scenario.vitp("export", scenario.facts["checkpoint"], "--format", "hf", "--out",
+                                     str(scenario.work / "hf-refused")), "export", 2,
+                       "no counterpart for the pre-training head")
+        one_line_error(scenario.vitp("export", ckpt, "--format", "hf", "--register", "x"), "export", 2,
+                       "--register logs our export format")
+
     def test_fewshot_reports_every_shot_count(self, scenario):
         r = scenario.need("fewshot")
         got = {int(k): float(v) for k, v in re.findall(r"^fewshot/(\d+)shot_top1: (\d\.\d{4})$", r.out, re.M)}

@@ -232,6 +232,41 @@ def test_hf_vitmodel_pooler_is_our_pre_logits():
                                    atol=ATOL, rtol=0)
 
 
+def test_our_export_as_a_hugging_face_dir_gives_transformers_the_same_logits(tmp_path):
+    """`vitp export --format hf`: a fine-tuned ViT as ViTForImageClassification (from_pretrained
+    reads it) computes our function: float64 to roundoff, float32 within ATOL; the naming round-trips
+    through from_hf exactly; heads HF's ViT lacks are refused in one line."""
+    from pipeline.model.convert import export_hf
+    from pipeline.model.convert_hf import to_hf
+    from pipeline.model.vit import build_vit
+    from pipeline.model.weights import write_export
+    from pipeline.recipes import resolve
+
+    cfg = resolve("debug_finetune", check_paths=False)  # pico/8 at 48 px, fine-tuning head, 10 classes
+    torch.manual_seed(3)
+    m = perturb(build_vit(cfg.model, cfg.data.image_size))
+    sd = m.state_dict()
+    back = from_hf(to_hf(sd))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+    exp = write_export(str(tmp_path / "export"), sd, cfg.to_dict(), {})
+    out = export_hf(exp, str(tmp_path / "hf"))
+    hf = transformers.ViTForImageClassification.from_pretrained(out).eval()
+    assert hf.config.num_labels == cfg.model.num_classes and hf.config.image_size == cfg.data.image_size
+    x = ours(images(size=cfg.data.image_size, seed=5))
+    with torch.no_grad():
+        ref = m(x)
+        assert ref.abs().max() > 0.05
+        torch.testing.assert_close(hf(pixel_values=x).logits, ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(hf.double()(pixel_values=x.double()).logits, m.double()(x.double()),
+                                   atol=1e-9, rtol=0)
+
+    pretrain = resolve("debug", check_paths=False)  # the tanh pre-logits head
+    exp = write_export(str(tmp_path / "pretrain"), build_vit(pretrain.model, 32).state_dict(), pretrain.to_dict(), {})
+    with pytest.raises(ValueError, match="has no counterpart for the pre-training head"):
+        export_hf(exp, str(tmp_path / "hf2"))
+
+
 def test_hf_unknown_keys_are_named():
     with pytest.raises(ValueError, match="decoder"):
         from_hf({"decoder.0.weight": torch.zeros(1)})
