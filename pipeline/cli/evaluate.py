@@ -1,4 +1,4 @@
-"""`vitp` commands that evaluate or bring in weights: fewshot, import, attention, analyze, compare.
+"""`vitp` commands that evaluate or bring in weights: fewshot, import, attention, analyze, predict, compare.
 
 Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
 Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
@@ -110,6 +110,47 @@ def cmd_attention(args: argparse.Namespace) -> int:
     p2 = plot_attention_distance(mean_attention_distance(model, x), storage.join(args.out, "attention_distance.png"))
     print(f"wrote {p1} and {p2}")
     return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+    import torch  # lazy: keeps vitp --help fast (torch)
+
+    from pipeline.data.ingest import normalize  # lazy: keeps vitp --help fast (torch)
+    from pipeline.model.weights import read_config
+    from pipeline.train.export import load_model  # lazy: keeps vitp --help fast (torch)
+
+    for image in args.images:  # every missing image fails before the model loads
+        _check_image(image)
+    cfg, model = read_config(args.checkpoint), load_model(args.checkpoint)
+    rows = []
+    for i in range(0, len(args.images), 64):
+        paths = args.images[i:i + 64]
+        pixels = np.stack([_read_image(p, model.image_size)[1] for p in paths])  # as evaluation crops them
+        with torch.no_grad():
+            probs = model(normalize(torch.from_numpy(pixels), cfg.data.mean, cfg.data.std).contiguous()).softmax(-1)
+        top = probs.topk(min(args.top, probs.shape[1]))
+        rows += [{"image": path, "top": [{"class": int(c), "prob": round(float(v), 6)} for v, c in zip(vs, cs)]}
+                 for path, vs, cs in zip(paths, top.values, top.indices)]
+    for row in rows if not args.json else ():
+        print(f"{row['image']}: " + ", ".join(f"class {t['class']} {t['prob']:.3f}" for t in row["top"]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+def _add_predict(sub) -> Handler:
+    p = sub.add_parser("predict", help="the top classes a model gives images",
+                       description="Each image is decoded and centre-cropped as evaluation does, then "
+                                   "classified by the model of an export or checkpoint; one line per "
+                                   "image with its top classes (class index, probability), or --json.")
+    p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
+    p.add_argument("images", nargs="+", help="image files (paths or URIs)")
+    p.add_argument("--top", type=int, default=5, help="classes shown per image")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return cmd_predict
 
 
 def _add_attention(sub) -> Handler:
@@ -246,4 +287,4 @@ def _add_compare(sub) -> Handler:
 def add_parsers(sub) -> dict[str, Handler]:
     """Add this group's subcommands to `sub`; returns {command name: handler}."""
     return {"fewshot": _add_fewshot(sub), "import": _add_import(sub), "attention": _add_attention(sub),
-            "analyze": _add_analyze(sub), "compare": _add_compare(sub)}
+            "analyze": _add_analyze(sub), "predict": _add_predict(sub), "compare": _add_compare(sub)}

@@ -120,3 +120,50 @@ def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     r = run("config", f"runs:/{logger.run_id}")
     assert r.returncode == 2 and "give --tracking-uri URI or set MLFLOW_TRACKING_URI" in r.stderr, r.stderr
+
+
+def test_predict_gives_each_image_the_models_top_classes(tmp_path):
+    """`vitp predict EXPORT IMAGES...`: per image, the classes the model ranks highest with their
+    probabilities, as the model computes them on the image cropped the way evaluation crops it;
+    a missing image is one line before any model loads."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from pipeline.data.decode import decode_image, resize_center_crop
+    from pipeline.data.ingest import normalize
+    from pipeline.model.vit import build_vit
+    from pipeline.model.weights import write_export
+    from pipeline.recipes import resolve
+
+    cfg = resolve("debug_finetune", check_paths=False)
+    torch.manual_seed(0)
+    model = build_vit(cfg.model, cfg.data.image_size).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # the zero-initialised head would tie every class
+    export = write_export(str(tmp_path / "export"), model.state_dict(), cfg.to_dict(), {})
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, size in enumerate(((64, 80), (30, 50))):
+        paths.append(str(tmp_path / f"img{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(paths[-1])
+
+    r = run("predict", export, *paths, "--top", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["image"] for row in rows] == paths
+    for row, path in zip(rows, paths):
+        pixels = resize_center_crop(decode_image(open(path, "rb").read()), cfg.data.image_size)
+        with torch.no_grad():
+            probs = model(normalize(torch.from_numpy(pixels[None].copy()), cfg.data.mean, cfg.data.std)
+                          .contiguous()).softmax(-1)[0]
+        want = probs.argsort(descending=True)[:3].tolist()
+        assert [t["class"] for t in row["top"]] == want, (row, probs)
+        assert [t["prob"] for t in row["top"]] == pytest.approx(probs[want].tolist(), abs=1e-5)
+    text = run("predict", export, paths[0], "--top", "2")
+    assert text.returncode == 0 and text.stdout.startswith(f"{paths[0]}: class {rows[0]['top'][0]['class']} ")
+
+    r = run("predict", export, paths[0], str(tmp_path / "missing.png"))
+    assert r.returncode == 2 and r.stderr.strip() == (f"vitp predict: {tmp_path / 'missing.png'}: no such image "
+                                                      "file; give a JPEG or PNG (a path or URI)"), r.stderr

@@ -81,7 +81,7 @@ def test_every_command_has_exactly_one_handler():
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) == {
         "config", "model", "plan", "synth", "preprocess", "pretrain", "finetune", "sweep", "export", "fewshot",
-        "import", "attention", "analyze", "compare", "submit", "jobs", "mlflow-server", "doctor", "demo"}
+        "import", "attention", "analyze", "predict", "compare", "submit", "jobs", "mlflow-server", "doctor", "demo"}
     for name, p in sub.choices.items():
         assert callable(p.get_default("handler")), name
 

@@ -31,7 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VITP = Path(sys.executable).parent / "vitp"  # the console script the venv installed
 COMMANDS = ("config", "model", "plan", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
-            "fewshot", "import", "attention", "analyze", "compare", "submit", "jobs", "mlflow-server", "doctor",
+            "fewshot", "import", "attention", "analyze", "predict", "compare", "submit", "jobs", "mlflow-server", "doctor",
             "demo")
 
 
