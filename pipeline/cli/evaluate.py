@@ -134,10 +134,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         top = probs.topk(min(args.top, probs.shape[1]))
         rows += [{"image": path, "top": [{"class": int(c), "prob": round(float(v), 6)} for v, c in zip(vs, cs)]}
                  for path, vs, cs in zip(paths, top.values, top.indices)]
-    for row in rows if not args.json else ():
-        print(f"{row['image']}: " + ", ".join(f"class {t['class']} {t['prob']:.3f}" for t in row["top"]))
     if args.json:
         print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['image']}: " + ", ".join(f"class {t['class']} {t['prob']:.3f}" for t in row["top"]))
     return 0
 
 
