@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -143,6 +144,10 @@ def _add_doctor(sub) -> Handler:
 # ----------------------------------------------------------------------- mlflow-server
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def cmd_mlflow_server(args: argparse.Namespace) -> int:
     from pipeline.tracking.redact import redact_text
     from pipeline.tracking.server import AuthSettings, start_server  # lazy: keeps vitp --help fast (mlflow)
@@ -158,6 +163,9 @@ def cmd_mlflow_server(args: argparse.Namespace) -> int:
     print(f"  clients: export MLFLOW_TRACKING_URI={handle.uri}"
           + ("  MLFLOW_TRACKING_USERNAME=... MLFLOW_TRACKING_PASSWORD=..." if args.auth else ""))
     print("  Ctrl-C stops it", flush=True)
+    # a process manager's stop (SIGTERM) also stops the server's own process group, which would
+    # otherwise outlive this command; Ctrl-C is ignored only where the shell said so (nohup, `&`)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while handle.alive():
             time.sleep(1)

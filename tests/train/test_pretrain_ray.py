@@ -303,15 +303,14 @@ def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
     return out, starts
 
 
-# ZeRO-3 in `make test` (partitioned optimizer state and the consolidated export on Ray); ZeRO-2
-# and ZeRO-1 in the e2e run (suite time); ZeRO-0 runs on Ray in the fine-tuning tests and stage 2
-# in the rehearsal too.
-@pytest.mark.parametrize("workers,stage", [pytest.param(1, 2, marks=pytest.mark.e2e), (2, 3),
-                                           pytest.param(2, 1, marks=pytest.mark.e2e)])
+# Once, at ZeRO-3 (partitioned optimizer state, the consolidated export on Ray): that the engine
+# resumes exactly at every stage, and with one worker accumulating two micro-batches, is
+# test_engine.py's test_checkpoint_resume_continues_exactly, in-process.
+@pytest.mark.parametrize("workers,stage", [(2, 3)])
 def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, workers, stage):
     """A Train worker SIGKILLed after a checkpoint: the restarted workers resume at the data
     position and train every step on the same samples as an uninterrupted run (each rank its
-    own stream; with 1 worker two micro-batches a step). The uninterrupted run, validated at its
+    own stream). The uninterrupted run, validated at its
     end, also carries the run contract (_check_run_contract)."""
     import threading
 
