@@ -23,7 +23,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 # DeepSpeed's JIT-built CPU ops live in the venv, not in the user-wide ~/.cache/torch_extensions:
 # a build is keyed by its include paths, so two checkouts sharing that cache rebuild each other's
-# ops (about a minute, inside whichever run loads one first). pipeline/train/engine.py uses this
+# ops (about a minute, inside whichever run loads one first). vitp/train/engine.py uses this
 # folder whenever it exists.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
@@ -32,7 +32,7 @@ TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 .PHONY: install browser test test-fast test-e2e test-all demo clean
 
 define WARM_DS_OPS
-import pipeline.train.engine  # where (the venv) and with which ninja the ops are built, as every run does
+import vitp.train.engine  # where (the venv) and with which ninja the ops are built, as every run does
 from deepspeed.accelerator import get_accelerator
 acc = get_accelerator()
 if acc.device_name() == "cpu":

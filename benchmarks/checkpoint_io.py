@@ -41,7 +41,7 @@ def _moto() -> subprocess.Popen | None:
     """Point AWS_ENDPOINT_URL at a fresh moto server unless one is configured; returns it."""
     if os.environ.get("AWS_ENDPOINT_URL"):
         return None
-    from pipeline.net import free_port
+    from vitp.net import free_port
 
     port = free_port()
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H",
@@ -69,10 +69,10 @@ def _bucket() -> str:
 def measure(variant: str, zero: int, dests: dict[str, str], repeats: int) -> list[dict]:
     import torch
 
-    from pipeline import storage
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import build_model_and_engine
-    from pipeline.train.step import train_step
+    from vitp import storage
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import build_model_and_engine
+    from vitp.train.step import train_step
     from train_step import bench_config  # noqa: E402  (benchmarks/train_step.py)
 
     args = types.SimpleNamespace(variant=variant, image_size=32 if variant.startswith("pico") else 224,

@@ -45,10 +45,10 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from pipeline.data.commands import run_preprocess
-from pipeline.data.decode import decode_image
-from pipeline.data.ingest import augment_image, build_train_dataset, iter_device_batches, normalize, row_rng
-from pipeline.recipes import get_recipe
+from vitp.data.commands import run_preprocess
+from vitp.data.decode import decode_image
+from vitp.data.ingest import augment_image, build_train_dataset, iter_device_batches, normalize, row_rng
+from vitp.recipes import get_recipe
 from record import add_results_args, append_result  # benchmarks/record.py, beside this script
 
 EPOCHS_CHARGED = (90, 10)  # epochs over which (a)'s one-off cost is spread, for (d)

@@ -14,7 +14,7 @@ import tempfile
 
 CHILD = r"""
 import resource, sys
-from pipeline.data.decode import decode_image
+from vitp.data.decode import decode_image
 data = open(sys.argv[1], "rb").read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = decode_image(data, max_pixels=1 << 30)

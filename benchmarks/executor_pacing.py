@@ -1,4 +1,4 @@
-"""Training steps/s of a Ray Train run with Ray Data's scheduling loop paced (pipeline/data/
+"""Training steps/s of a Ray Train run with Ray Data's scheduling loop paced (vitp/data/
 executor.py) against unpaced, the same run otherwise.
 
 Run (from the repository root):
@@ -34,12 +34,12 @@ def one_mode(args) -> dict:
     """In this process: a local Ray, the debug shards (made once per --workdir), one run."""
     import ray
 
-    from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import resolve
-    from pipeline.net import free_port
-    from pipeline.tracking.server import start_server
-    from pipeline.tracking.store import get_client
-    from pipeline.train.trainer import run_training
+    from vitp.data.commands import run_preprocess
+    from vitp.recipes import resolve
+    from vitp.net import free_port
+    from vitp.tracking.server import start_server
+    from vitp.tracking.store import get_client
+    from vitp.train.trainer import run_training
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     shards = os.path.join(args.workdir, "shards")
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     if args.one is not None:
         print("RESULT " + json.dumps(one_mode(args)), flush=True)
         return 0
-    from pipeline.data.executor import ROUND_ENV, ROUND_S
+    from vitp.data.executor import ROUND_ENV, ROUND_S
 
     os.makedirs(args.workdir, exist_ok=True)
     rows = []

@@ -36,8 +36,8 @@ def harmonic(values: list[float]) -> float:
 
 def one_run(cfg, name: str) -> dict:
     """Train `cfg` as run `name`; images/s (all windows, without the first) and probe figures."""
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
 
     cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=name))
     summary = run_training(cfg)
@@ -69,10 +69,10 @@ def main() -> int:
 
     import ray
 
-    from pipeline.data.commands import run_preprocess
-    from pipeline.data.ingest import shards_dir
-    from pipeline.recipes import resolve
-    from pipeline.storage import exists, join
+    from vitp.data.commands import run_preprocess
+    from vitp.data.ingest import shards_dir
+    from vitp.recipes import resolve
+    from vitp.storage import exists, join
 
     work = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="fewshot-bench-"))
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

@@ -44,10 +44,10 @@ def main():
     import torch
     from ray.data import DataContext
 
-    import pipeline.data.ingest as ingest
-    from pipeline.data.ingest import build_train_dataset, iter_device_batches
-    from pipeline.data.shards import read_manifest
-    from pipeline.recipes import get_recipe
+    import vitp.data.ingest as ingest
+    from vitp.data.ingest import build_train_dataset, iter_device_batches
+    from vitp.data.shards import read_manifest
+    from vitp.recipes import get_recipe
 
     shards = os.path.join(args.workdir, "shards-uint8")
     manifest = read_manifest(shards)  # a clear error if data_throughput.py has not run there

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # `pipeline`; this script's directory (record.py) is sys.path[0]
+if _ROOT not in sys.path:  # `vitp`; this script's directory (record.py) is sys.path[0]
     sys.path.insert(0, _ROOT)
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
@@ -106,8 +106,8 @@ def child(a: argparse.Namespace) -> None:
     import pyarrow.compute as pc
     import ray
     from ray._private import worker as ray_worker
-    from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import debug
+    from vitp.data.commands import run_preprocess
+    from vitp.recipes import debug
     ray.init(num_cpus=a.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     cfg = debug()  # the debug recipe with this corpus and 16 px storage

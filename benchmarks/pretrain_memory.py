@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
 
-from pipeline.recipes import resolve  # noqa: E402
-from pipeline.train.loop import memory_model  # noqa: E402
+from vitp.recipes import resolve  # noqa: E402
+from vitp.train.loop import memory_model  # noqa: E402
 
 
 class WorkerRSS:

@@ -66,9 +66,9 @@ def main() -> int:
 
     import ray
 
-    from pipeline.data.commands import run_preprocess
-    from pipeline.data.ingest import build_train_dataset, train_rows_per_epoch
-    from pipeline.recipes import resolve
+    from vitp.data.commands import run_preprocess
+    from vitp.data.ingest import build_train_dataset, train_rows_per_epoch
+    from vitp.recipes import resolve
 
     work = args.workdir or tempfile.mkdtemp(prefix="resume-bench-")
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

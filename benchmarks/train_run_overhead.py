@@ -31,9 +31,9 @@ def _one_setting(args: argparse.Namespace) -> None:
     import ray
 
     sys.path.insert(0, ROOT)
-    from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import resolve
-    from pipeline.train.trainer import run_training
+    from vitp.data.commands import run_preprocess
+    from vitp.recipes import resolve
+    from vitp.train.trainer import run_training
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     root = tempfile.mkdtemp(prefix="vitp-overhead-")

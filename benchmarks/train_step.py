@@ -13,7 +13,7 @@ What it measures, on synthetic inputs made on the device (uint8 images normalise
 step, as `iter_device_batches` does in training; random labels):
 
   --mode engine (default)  `build_model_and_engine` (DeepSpeed, world of one via gloo/NCCL) and
-                           `pipeline.train.step.train_step`: forward, loss, backward, clip, AdamW.
+                           `vitp.train.step.train_step`: forward, loss, backward, clip, AdamW.
                            Imports nothing from Ray.
   --mode ray               the same timed loop inside a 1-worker Ray Train `TorchTrainer`;
                            the numbers come back through `ray.train.report(checkpoint=...)`.
@@ -97,8 +97,8 @@ def resolve_peak(args) -> tuple[float, str]:
 
 def bench_config(args):
     """Our ExperimentConfig for a world-of-one benchmark of `args` (typed fields)."""
-    from pipeline.config import set_values
-    from pipeline.recipes import get_recipe
+    from vitp.config import set_values
+    from vitp.recipes import get_recipe
 
     return set_values(get_recipe("debug"), {
         "model.variant": args.variant, "data.image_size": args.image_size,
@@ -114,8 +114,8 @@ def bench_config(args):
 
 
 def flops_per_image(args, head: str | None = None) -> float:
-    from pipeline.model.flops import training_flops
-    from pipeline.model.variants import decode_variant
+    from vitp.model.flops import training_flops
+    from vitp.model.variants import decode_variant
 
     head = head or args.head
     rep = decode_variant(args.variant).width if head == "pretrain" else None
@@ -166,10 +166,10 @@ def _env(device: torch.device) -> dict[str, Any]:
 
 def run_engine_step(args, peak: float, peak_source: str, mode: str = "engine") -> dict[str, Any]:
     """Build the DeepSpeed engine for a world of one (or join Ray's group) and time train_step."""
-    from pipeline.data.ingest import normalize
-    from pipeline.train.engine import device_for
-    from pipeline.train.loop import build_model_and_engine, memory_model
-    from pipeline.train.step import memory_gb, train_step
+    from vitp.data.ingest import normalize
+    from vitp.train.engine import device_for
+    from vitp.train.loop import build_model_and_engine, memory_model
+    from vitp.train.step import memory_gb, train_step
 
     cfg = bench_config(args)
     device = device_for(cfg)
@@ -279,7 +279,7 @@ def hf_vit(args, device: torch.device, dtype: torch.dtype):
     """`transformers.ViTForImageClassification` with our ViT's shape (linear head, no pooler)."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    from pipeline.model.variants import decode_variant
+    from vitp.model.variants import decode_variant
 
     s = decode_variant(args.variant)
     hf_cfg = ViTConfig(hidden_size=s.width, num_hidden_layers=s.depth, num_attention_heads=s.heads,
@@ -301,9 +301,9 @@ def run_compare_hf(args) -> dict[str, Any]:
     import torch.nn.functional as F
     import transformers
 
-    from pipeline.data.ingest import normalize
-    from pipeline.model.vit import ViT
-    from pipeline.train.loop import seed_everything
+    from vitp.data.ingest import normalize
+    from vitp.model.vit import ViT
+    from vitp.train.loop import seed_everything
 
     device, dtype = torch.device(args.device), _dtype(args.precision)
     seed_everything(0)

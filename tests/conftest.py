@@ -62,8 +62,8 @@ def ray_session():
 
 def _preprocessed(tmp_path_factory, recipe: str) -> str:
     """`vitp preprocess RECIPE` into a fresh directory; returns the shards' path."""
-    from pipeline.data.commands import run_preprocess
-    from pipeline.recipes import resolve
+    from vitp.data.commands import run_preprocess
+    from vitp.recipes import resolve
 
     root = tmp_path_factory.mktemp(f"{recipe}-shards")
     run_preprocess(resolve(recipe, [f"data.shards={root}"]), log=lambda s: None)

@@ -1,4 +1,4 @@
-"""The package's shape, checked from its source: the import graph of pipeline/ (every import,
+"""The package's shape, checked from its source: the import graph of vitp/ (every import,
 function-local ones included, relative ones resolved) has no cycles, follows the layer order
 config -> data -> model -> train -> tune -> cluster -> cli (console, errors, names, net, safe_load,
 storage, tracking are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
@@ -22,21 +22,21 @@ MAX_LINES = 400
 
 # The layers, lowest first: a module may import its own layer, a lower one, and the sinks.
 LAYERS = ("config", "data", "model", "train", "tune", "cluster", "cli")
-LAYER_OF_PREFIX = {"pipeline.config": "config", "pipeline.recipes": "config", "pipeline.data": "data",
-                   "pipeline.model": "model", "pipeline.train": "train", "pipeline.tune": "tune",
-                   "pipeline.cluster": "cluster", "pipeline.cli": "cli"}
+LAYER_OF_PREFIX = {"vitp.config": "config", "vitp.recipes": "config", "vitp.data": "data",
+                   "vitp.model": "model", "vitp.train": "train", "vitp.tune": "tune",
+                   "vitp.cluster": "cluster", "vitp.cli": "cli"}
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
-SINKS = ("pipeline.console", "pipeline.errors", "pipeline.names", "pipeline.net", "pipeline.safe_load",
-         "pipeline.storage", "pipeline.tracking")
-SINK_MAY_IMPORT = {"pipeline.console": ("pipeline.errors",), "pipeline.errors": (),
-                   "pipeline.names": ("pipeline.errors",), "pipeline.net": ("pipeline.errors",),
-                   "pipeline.safe_load": ("pipeline.errors",), "pipeline.storage": ("pipeline.errors",),
-                   "pipeline.tracking": SINKS + ("pipeline.config", "pipeline.recipes")}
+SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.safe_load",
+         "vitp.storage", "vitp.tracking")
+SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors",), "vitp.errors": (),
+                   "vitp.names": ("vitp.errors",), "vitp.net": ("vitp.errors",),
+                   "vitp.safe_load": ("vitp.errors",), "vitp.storage": ("vitp.errors",),
+                   "vitp.tracking": SINKS + ("vitp.config", "vitp.recipes")}
 # The one upward edge allowed: validation checks a variant name against the (torch-free) table.
-ALLOWED_UPWARD = {("pipeline.config.validate", "pipeline.model.variants")}
+ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants")}
 
-TORCH_FREE = ("pipeline.console", "pipeline.config", "pipeline.recipes", "pipeline.tracking", "pipeline.storage",
-              "pipeline.errors", "pipeline.names", "pipeline.net")
+TORCH_FREE = ("vitp.console", "vitp.config", "vitp.recipes", "vitp.tracking", "vitp.storage",
+              "vitp.errors", "vitp.names", "vitp.net")
 TORCH_RAY = {"torch", "ray", "deepspeed"}  # deepspeed imports torch
 MODEL_FORBIDDEN = {"ray", "deepspeed"}
 
@@ -46,7 +46,7 @@ MODEL_FORBIDDEN = {"ray", "deepspeed"}
 
 @dataclass(frozen=True)
 class Import:
-    target: str  # a pipeline module ("pipeline.model.vit") or an external top-level name ("torch")
+    target: str  # a vitp module ("vitp.model.vit") or an external top-level name ("torch")
     line: int
     local: bool  # inside a function (runs when called, not when the module is imported)
     names: tuple[str, ...] = ()  # `from X import a, b`: the names taken from X
@@ -87,7 +87,7 @@ class _Collector(ast.NodeVisitor):
         self.package = mod.name if is_pkg else mod.name.rpartition(".")[0]
 
     def _resolve(self, dotted: str) -> str:
-        """A pipeline module path -> the longest prefix that is a module of the package."""
+        """A vitp module path -> the longest prefix that is a module of the package."""
         parts = dotted.split(".")
         for i in range(len(parts), 0, -1):
             cand = ".".join(parts[:i])
@@ -96,7 +96,7 @@ class _Collector(ast.NodeVisitor):
         return dotted
 
     def _add(self, target: str, node: ast.AST, names: tuple[str, ...] = ()) -> None:
-        if not _in(target, "pipeline"):
+        if not _in(target, "vitp"):
             target = target.split(".")[0]
         self.mod.imports.append(Import(target, node.lineno, self.depth > 0, names))
 
@@ -119,7 +119,7 @@ class _Collector(ast.NodeVisitor):
     def visit_Import(self, node):
         for alias in node.names:
             name = alias.name
-            self._add(self._resolve(name) if _in(name, "pipeline") else name, node)
+            self._add(self._resolve(name) if _in(name, "vitp") else name, node)
 
     def visit_ImportFrom(self, node):
         if node.level:
@@ -128,12 +128,12 @@ class _Collector(ast.NodeVisitor):
             dotted = ".".join(base + ([node.module] if node.module else []))
         else:
             dotted = node.module or ""
-        if not _in(dotted, "pipeline"):
+        if not _in(dotted, "vitp"):
             self._add(dotted, node)
             return
         names = tuple(a.name for a in node.names)
         plain = []
-        for name in names:  # `from pipeline.model import vit` imports the submodule
+        for name in names:  # `from vitp.model import vit` imports the submodule
             sub = f"{dotted}.{name}"
             if sub in self.known:
                 self._add(sub, node)
@@ -149,14 +149,14 @@ class Graph:
     errors: list[str]  # files that do not parse
 
     def edges(self, local: bool = True):
-        """(importer, Import) for every import of a pipeline module by another one."""
+        """(importer, Import) for every import of a vitp module by another one."""
         for mod in self.modules.values():
             for imp in mod.imports:
                 if imp.target in self.modules and imp.target != mod.name and (local or not imp.local):
                     yield mod, imp
 
     def where(self, src: str, dst: str) -> str:
-        """`pipeline/x.py:12 (local)` for each line where src imports dst."""
+        """`vitp/x.py:12 (local)` for each line where src imports dst."""
         mod = self.modules[src]
         hits = [f"{mod.rel}:{i.line}{' (function-local)' if i.local else ''}"
                 for i in mod.imports if i.target == dst]
@@ -164,8 +164,8 @@ class Graph:
 
 
 def build_graph(root: Path) -> Graph:
-    """The import graph of root/pipeline/."""
-    files = sorted(p for p in (root / "pipeline").rglob("*.py") if "__pycache__" not in p.parts)
+    """The import graph of root/vitp/."""
+    files = sorted(p for p in (root / "vitp").rglob("*.py") if "__pycache__" not in p.parts)
     known = {_module_name(p, root) for p in files}
     modules, errors = {}, []
     for path in files:
@@ -191,13 +191,13 @@ def graph() -> Graph:
 
 
 def _parents(name: str, modules: dict) -> list[str]:
-    """Packages whose __init__ runs before `name` does: pipeline, pipeline.train, ..."""
+    """Packages whose __init__ runs before `name` does: vitp, vitp.train, ..."""
     parts = name.split(".")
     return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
 
 
 def _closure_chains(g: Graph, start: str, local: bool, with_parents: bool) -> dict[str, list[str]]:
-    """Every pipeline module that importing `start` runs, each with the chain of steps that
+    """Every vitp module that importing `start` runs, each with the chain of steps that
     reaches it (`start`, then "-> module [file:line]" per step).
 
     local=False follows module-level imports only (what `import start` executes);
@@ -259,12 +259,12 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
     """The graph builder on a small made-up package: relative and absolute, module-level and
     function-local, submodules taken by `from . import x`; TYPE_CHECKING imports skipped."""
     files = {
-        "pipeline/__init__.py": "",
-        "pipeline/a/__init__.py": "from .b import thing\n",
-        "pipeline/a/b.py": "import torch\nfrom .. import c\n\ndef f():\n    from ..a import d  # lazy\n",
-        "pipeline/a/d.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ray\n"
-                            "from pipeline.a.b import thing\n"),
-        "pipeline/c.py": "import pipeline.a.d as d\n",
+        "vitp/__init__.py": "",
+        "vitp/a/__init__.py": "from .b import thing\n",
+        "vitp/a/b.py": "import torch\nfrom .. import c\n\ndef f():\n    from ..a import d  # lazy\n",
+        "vitp/a/d.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ray\n"
+                            "from vitp.a.b import thing\n"),
+        "vitp/c.py": "import vitp.a.d as d\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -272,42 +272,42 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
     g = build_graph(tmp_path)
     edges = {(m.name, i.target, i.local) for m in g.modules.values() for i in m.imports
              if i.target != "typing"}
-    assert edges == {("pipeline.a", "pipeline.a.b", False), ("pipeline.a.b", "torch", False),
-                     ("pipeline.a.b", "pipeline.c", False), ("pipeline.a.b", "pipeline.a.d", True),
-                     ("pipeline.a.d", "pipeline.a.b", False), ("pipeline.c", "pipeline.a.d", False)}
-    assert sorted(map(sorted, _cycles(g))) == [["pipeline.a.b", "pipeline.a.b", "pipeline.a.d"]]
-    chains = _closure_chains(g, "pipeline.c", local=False, with_parents=True)
-    assert set(chains) == {"pipeline.c", "pipeline", "pipeline.a", "pipeline.a.d", "pipeline.a.b"}
-    assert "package __init__" in chains["pipeline.a"][-1]
+    assert edges == {("vitp.a", "vitp.a.b", False), ("vitp.a.b", "torch", False),
+                     ("vitp.a.b", "vitp.c", False), ("vitp.a.b", "vitp.a.d", True),
+                     ("vitp.a.d", "vitp.a.b", False), ("vitp.c", "vitp.a.d", False)}
+    assert sorted(map(sorted, _cycles(g))) == [["vitp.a.b", "vitp.a.b", "vitp.a.d"]]
+    chains = _closure_chains(g, "vitp.c", local=False, with_parents=True)
+    assert set(chains) == {"vitp.c", "vitp", "vitp.a", "vitp.a.d", "vitp.a.b"}
+    assert "package __init__" in chains["vitp.a"][-1]
 
 
 def test_the_rules_fire_on_a_made_up_tree(tmp_path):
     """Each rule flags its own violation (and the allowed exception passes)."""
     files = {
-        "pipeline/__init__.py": "",
-        "pipeline/config/__init__.py": "",
-        "pipeline/config/validate.py": "from ..model import variants\n",  # the allowed upward edge
-        "pipeline/model/__init__.py": "from . import vit\n",  # runs torch for anyone importing model.*
-        "pipeline/model/variants.py": "",
-        "pipeline/model/vit.py": "import torch\n\ndef f():\n    import deepspeed  # lazy\n",
-        "pipeline/data/ingest.py": "def f():\n    from pipeline.train import loop\n",
-        "pipeline/train/__init__.py": "",
-        "pipeline/train/loop.py": "",
-        "pipeline/storage.py": "from pipeline.config import validate\n",
+        "vitp/__init__.py": "",
+        "vitp/config/__init__.py": "",
+        "vitp/config/validate.py": "from ..model import variants\n",  # the allowed upward edge
+        "vitp/model/__init__.py": "from . import vit\n",  # runs torch for anyone importing model.*
+        "vitp/model/variants.py": "",
+        "vitp/model/vit.py": "import torch\n\ndef f():\n    import deepspeed  # lazy\n",
+        "vitp/data/ingest.py": "def f():\n    from vitp.train import loop\n",
+        "vitp/train/__init__.py": "",
+        "vitp/train/loop.py": "",
+        "vitp/storage.py": "from vitp.config import validate\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     g = build_graph(tmp_path)
     layers = _layer_problems(g)
-    assert [p.split(":")[0] for p in layers] == ["pipeline.data.ingest -> pipeline.train.loop",
-                                                 "pipeline.storage -> pipeline.config.validate"], layers
+    assert [p.split(":")[0] for p in layers] == ["vitp.data.ingest -> vitp.train.loop",
+                                                 "vitp.storage -> vitp.config.validate"], layers
     torch_free = _reach_problems(g, TORCH_FREE, TORCH_RAY)
-    assert any(p.startswith("pipeline.config.validate loads torch at import: ") and "package __init__" in p
+    assert any(p.startswith("vitp.config.validate loads torch at import: ") and "package __init__" in p
                for p in torch_free), torch_free
-    assert any(p.startswith("pipeline.storage loads torch") for p in torch_free), torch_free
-    assert _reach_problems(g, ("pipeline.model",), MODEL_FORBIDDEN) == [
-        "pipeline/model/vit.py:4: imports deepspeed (function-local)"]
+    assert any(p.startswith("vitp.storage loads torch") for p in torch_free), torch_free
+    assert _reach_problems(g, ("vitp.model",), MODEL_FORBIDDEN) == [
+        "vitp/model/vit.py:4: imports deepspeed (function-local)"]
 
 
 def test_every_module_parses():
@@ -374,14 +374,14 @@ def test_no_import_cycles():
     g = graph()
     cycles = _cycles(g)
     if cycles:
-        pytest.fail(f"{len(cycles)} import cycle(s) in pipeline/:\n  " + "\n  ".join(
+        pytest.fail(f"{len(cycles)} import cycle(s) in vitp/:\n  " + "\n  ".join(
             " ".join([c[0]] + [f"-> {b} [{g.where(a, b)}]" for a, b in zip(c, c[1:])]) for c in cycles),
             pytrace=False)
 
 
 def _reach_problems(g: Graph, prefixes: tuple[str, ...], forbidden: set[str]) -> list[str]:
     """Modules under `prefixes` that import a `forbidden` library: directly anywhere in the file
-    (function-local too), or through the pipeline modules they import at module level (package
+    (function-local too), or through the vitp modules they import at module level (package
     __init__ files included)."""
     problems = []
     for name, mod in sorted(g.modules.items()):
@@ -407,8 +407,8 @@ def test_torch_free_modules_import_no_torch_or_ray():
 def test_torch_free_modules_at_runtime():
     """The same, as Python sees it: importing them leaves torch, ray and deepspeed unloaded."""
     code = ("import sys\n"
-            "import pipeline.config, pipeline.recipes, pipeline.tracking, pipeline.storage\n"
-            "import pipeline.errors, pipeline.net, pipeline.config.validate\n"
+            "import vitp.config, vitp.recipes, vitp.tracking, vitp.storage\n"
+            "import vitp.errors, vitp.net, vitp.config.validate\n"
             "bad = sorted(m for m in ('torch', 'ray', 'deepspeed') if m in sys.modules)\n"
             "assert not bad, f'importing the torch-free modules loaded {bad}'\n")
     _run_ok(code)
@@ -416,16 +416,16 @@ def test_torch_free_modules_at_runtime():
 
 def test_model_imports_no_ray_or_deepspeed():
     """model/ is plain torch: no ray/deepspeed, in its files or through what it imports."""
-    _none(_reach_problems(graph(), ("pipeline.model",), MODEL_FORBIDDEN), "model/ reaches Ray or DeepSpeed")
+    _none(_reach_problems(graph(), ("vitp.model",), MODEL_FORBIDDEN), "model/ reaches Ray or DeepSpeed")
 
 
 def test_model_at_runtime_loads_no_ray_or_deepspeed():
     code = ("import importlib, pkgutil, sys\n"
-            "import pipeline.model\n"
-            "for m in pkgutil.iter_modules(pipeline.model.__path__):\n"
-            "    importlib.import_module('pipeline.model.' + m.name)\n"
+            "import vitp.model\n"
+            "for m in pkgutil.iter_modules(vitp.model.__path__):\n"
+            "    importlib.import_module('vitp.model.' + m.name)\n"
             "bad = sorted(m for m in ('ray', 'deepspeed') if m in sys.modules)\n"
-            "assert not bad, f'importing pipeline.model.* loaded {bad}'\n")
+            "assert not bad, f'importing vitp.model.* loaded {bad}'\n")
     _run_ok(code)
 
 
@@ -433,8 +433,8 @@ def test_worker_does_not_import_the_driver():
     """train/worker.py (runs in Ray workers) never reaches train/trainer.py (the driver),
     directly or through other modules, function-local imports included."""
     g = graph()
-    worker, driver = "pipeline.train.worker", "pipeline.train.trainer"
-    _none([] if worker in g.modules else ["pipeline/train/worker.py"], "missing (contract: the Ray worker)")
+    worker, driver = "vitp.train.worker", "vitp.train.trainer"
+    _none([] if worker in g.modules else ["vitp/train/worker.py"], "missing (contract: the Ray worker)")
     chain = _closure_chains(g, worker, local=True, with_parents=False).get(driver)
     _none([_fmt_chain(g, chain)] if chain else [], "the worker imports the driver")
 
@@ -443,7 +443,7 @@ def test_every_module_sits_in_a_layer():
     """Each module belongs to a layer of the target tree or is a sink (no loose modules)."""
     g = graph()
     loose = [m.rel for n, m in sorted(g.modules.items())
-             if n != "pipeline" and _layer(n) is None and _sink(n) is None]
+             if n != "vitp" and _layer(n) is None and _sink(n) is None]
     _none(loose, "modules outside the layers (config/recipes, data, model, train, tune, cluster, cli) "
                  "and the sinks (console, errors, net, storage, tracking)")
 
@@ -452,14 +452,14 @@ def _layer_problems(g: Graph) -> list[str]:
     problems = []
     for mod, imp in g.edges(local=True):
         src, dst = mod.name, imp.target
-        if dst == "pipeline" or src == "pipeline":
+        if dst == "vitp" or src == "vitp":
             continue
         loc = f"[{mod.rel}:{imp.line}{' function-local' if imp.local else ''}]"
         sink = _sink(src)
         if sink:
             if not any(_in(dst, ok) for ok in SINK_MAY_IMPORT[sink]) and not _in(dst, sink):
                 problems.append(f"{src} -> {dst}: {sink} is a sink and may import only "
-                                f"{', '.join(SINK_MAY_IMPORT[sink]) or 'nothing from pipeline'} {loc}")
+                                f"{', '.join(SINK_MAY_IMPORT[sink]) or 'nothing from vitp'} {loc}")
             continue
         if _sink(dst):
             continue
@@ -483,7 +483,7 @@ def test_no_file_over_400_lines():
     g = graph()
     counts = sorted(m.lines for m in g.modules.values())
     median = statistics.median(counts)
-    print(f"pipeline/: {len(counts)} files, median {median:g} lines, longest {counts[-1]}")
+    print(f"vitp/: {len(counts)} files, median {median:g} lines, longest {counts[-1]}")
     big = sorted(((m.lines, m.rel) for m in g.modules.values() if m.lines > MAX_LINES), reverse=True)
     _none([f"{rel}: {n}" for n, rel in big],
           f"files over {MAX_LINES} lines (median of {len(counts)} files: {median:g} lines)")
@@ -503,7 +503,7 @@ def test_every_module_opens_with_a_short_docstring():
 
 
 def test_no_private_names_cross_modules():
-    """`from pipeline.x import _helper` means the helper is public: name it so."""
+    """`from vitp.x import _helper` means the helper is public: name it so."""
     g = graph()
     bad = [f"{m.rel}:{i.line}: imports {', '.join(n for n in i.names if n.startswith('_'))} from {i.target}"
            for m in g.modules.values() for i in m.imports
@@ -513,10 +513,10 @@ def test_no_private_names_cross_modules():
 
 
 def test_uri_checks_go_through_storage():
-    """`"://" in path` is decided in one place: pipeline.storage.is_uri."""
+    """`"://" in path` is decided in one place: vitp.storage.is_uri."""
     bad = []
     for m in graph().modules.values():
-        if m.name == "pipeline.storage":
+        if m.name == "vitp.storage":
             continue
         try:
             tree = ast.parse(m.path.read_text())
@@ -526,4 +526,4 @@ def test_uri_checks_go_through_storage():
             if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
                     and node.left.value == "://" and isinstance(node.ops[0], (ast.In, ast.NotIn))):
                 bad.append(f"{m.rel}:{node.lineno}")
-    _none(sorted(bad), '`"://" in ...` outside pipeline/storage.py (use storage.is_uri)')
+    _none(sorted(bad), '`"://" in ...` outside vitp/storage.py (use storage.is_uri)')

@@ -47,7 +47,7 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("path, line", CASES, ids=[f"{p.name}:{line[:60]}" for p, line in CASES])
 def test_every_vitp_line_in_the_docs_parses(path, line):
-    from pipeline.cli import build_parser
+    from vitp.cli import build_parser
 
     words = shlex.split(line, comments=True)[1:]
     words = [w for w in words if w not in (">", "|")][:next((i for i, w in enumerate(words) if w in (">", "|")),

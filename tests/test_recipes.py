@@ -1,8 +1,8 @@
 """Every recipe builds, validates, round-trips and follows docs/paper.md's recipes."""
 import pytest
 
-from pipeline.config import ExperimentConfig, validate
-from pipeline.recipes import RECIPES, get_recipe, resolve, with_overrides
+from vitp.config import ExperimentConfig, validate
+from vitp.recipes import RECIPES, get_recipe, resolve, with_overrides
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

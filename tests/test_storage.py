@@ -1,10 +1,10 @@
-"""pipeline.storage: local paths and URIs through one set of helpers (no network)."""
+"""vitp.storage: local paths and URIs through one set of helpers (no network)."""
 import json
 import os
 import subprocess
 import sys
 
-from pipeline import storage
+from vitp import storage
 
 
 def test_is_uri():
@@ -53,7 +53,7 @@ def test_exists_filesystem_and_open_input(tmp_path):
 
 
 def test_imports_no_pyarrow_torch_or_ray():
-    code = ("import sys, pipeline.storage, pipeline.net; "
+    code = ("import sys, vitp.storage, vitp.net; "
             "bad = [m for m in ('pyarrow', 'torch', 'ray') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

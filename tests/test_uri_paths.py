@@ -14,14 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline import storage
-from pipeline.cli import main
-from pipeline.config import ExperimentConfig
-from pipeline.model.attention import VIEW_SIZE
-from pipeline.model.convert import export_timm, import_weights
-from pipeline.model.vit import ViT
-from pipeline.model.weights import CONFIG, WEIGHTS, read_config, read_weights, source_info, write_export
-from pipeline.train.export import load_model
+from vitp import storage
+from vitp.cli import main
+from vitp.config import ExperimentConfig
+from vitp.model.attention import VIEW_SIZE
+from vitp.model.convert import export_timm, import_weights
+from vitp.model.vit import ViT
+from vitp.model.weights import CONFIG, WEIGHTS, read_config, read_weights, source_info, write_export
+from vitp.train.export import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "model"))
@@ -125,7 +125,7 @@ def test_compare_plot_written_to_a_uri_is_logged_to_mlflow(s3, tmp_path):
     """S3 only: file:// takes the same path, and each MLflow store costs seconds to create."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking.plots import log_plot_to_parent, plot_compare
+    from vitp.tracking.plots import log_plot_to_parent, plot_compare
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking)
@@ -146,7 +146,7 @@ def test_compare_plot_written_to_a_uri_is_logged_to_mlflow(s3, tmp_path):
 def trained(tmp_path_factory):
     """A real ZeRO-2 DeepSpeed checkpoint of the debug model (1 gloo process, 2 steps) and the
     export the training process wrote from it locally."""
-    from pipeline.train.local import launch
+    from vitp.train.local import launch
 
     d = tmp_path_factory.mktemp("trained")
     ck, ex = str(d / "checkpoint_00000002"), str(d / "export")
@@ -182,9 +182,9 @@ def test_vitp_export_of_a_uri_checkpoint_to_a_uri(store, trained, capsys):
 def test_synth_and_preprocess_into_uri_shards(ray_session, store):
     import pyarrow.parquet as pq
 
-    from pipeline.data.commands import run_preprocess, run_synth
-    from pipeline.data.shards import read_manifest, shard_paths, verify_checksums
-    from pipeline.recipes import debug
+    from vitp.data.commands import run_preprocess, run_synth
+    from vitp.data.shards import read_manifest, shard_paths, verify_checksums
+    from vitp.recipes import debug
 
     cfg = debug()
     cfg = dataclasses.replace(cfg, work_dir=store, data=dataclasses.replace(
@@ -219,8 +219,8 @@ def test_synth_and_preprocess_into_uri_shards(ray_session, store):
 
     # the driver's check before training: the shards as written pass; a foreign first shard and
     # a deleted one are named, in one line, before any Train worker would read them
-    from pipeline.data.shards import check_shard_files
-    from pipeline.errors import InputError
+    from vitp.data.shards import check_shard_files
+    from vitp.errors import InputError
 
     check_shard_files(shards, m)
     first, last = m["shards"]["train"][0]["file"], m["shards"]["val"][-1]["file"]
@@ -272,8 +272,8 @@ def test_fewshot_and_finetune_from_a_uri_export(store, trained, tmp_path):
     assert "val/top1" in r.stdout, r.stdout
     from mlflow.tracking import MlflowClient
 
-    from pipeline.recipes import with_overrides
-    from pipeline.tracking.store import resolve_tracking_uri
+    from vitp.recipes import with_overrides
+    from vitp.tracking.store import resolve_tracking_uri
 
     run_id = next(line.split()[-1] for line in r.stdout.splitlines() if "MLflow run:" in line)
     client = MlflowClient(resolve_tracking_uri(with_overrides("debug", [f"work_dir={tmp_path / 'work'}"])))

@@ -43,7 +43,7 @@ def cluster_entrypoint(entrypoint: str) -> str:
 
 def rayjob(stage: str, name: str, cluster: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from pipeline.cluster.jobspec import parse_entrypoint
+    from vitp.cluster.jobspec import parse_entrypoint
 
     spec = yaml.safe_load((ROOT / "jobs" / f"{stage}.yaml").read_text())
     calls = [c for c in parse_entrypoint(spec["entrypoint"]) if c.recipe]

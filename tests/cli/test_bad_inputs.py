@@ -2,7 +2,7 @@
 line that names the input and the fix, no traceback, and leaves no file behind. docs/bad-inputs.md
 is this table: regenerate it with `VITP_WRITE_BAD_INPUTS=1 pytest tests/cli/test_bad_inputs.py`.
 
-In process (pipeline.cli.main) and before any Ray cluster or model starts: what each case shows
+In process (vitp.cli.main) and before any Ray cluster or model starts: what each case shows
 is that the input is refused at the edge, not what a run would do with it."""
 import os
 import shlex
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from vitp.cli import main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
 
@@ -76,7 +76,7 @@ CASES = [
 def inputs(tmp_path_factory):
     """The files the cases name: an empty directory, an 'export' whose weights are noise, a
     corrupt .npz, broken and foreign job specs, and an MLflow store with one experiment."""
-    from pipeline.tracking.store import get_client
+    from vitp.tracking.store import get_client
 
     d = tmp_path_factory.mktemp("bad-inputs")
     (d / "emptydir").mkdir()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-VITP = [shutil.which("vitp") or "", ] if shutil.which("vitp") else [sys.executable, "-m", "pipeline.cli"]
+VITP = [shutil.which("vitp") or "", ] if shutil.which("vitp") else [sys.executable, "-m", "vitp.cli"]
 
 
 def run(*args):
@@ -26,9 +26,9 @@ def test_config_prints_resolved_json():
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_and_verbose_are_taken_before_or_after_the_command(where, monkeypatch):
     """--debug (the traceback instead of one line) and --verbose (Ray's INFO output) anywhere."""
-    from pipeline.cli import main
-    from pipeline.config import ConfigError
-    from pipeline.console import VERBOSE_ENV
+    from vitp.cli import main
+    from vitp.config import ConfigError
+    from vitp.console import VERBOSE_ENV
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
     command = ["config", "debug", "--set", "optim.lrr=1"]
@@ -52,7 +52,7 @@ def test_config_errors_exit_2_with_message():
 
 
 def test_config_list_names_every_recipe():
-    from pipeline.recipes import RECIPES
+    from vitp.recipes import RECIPES
 
     r = run("config", "--list")
     assert r.returncode == 0
@@ -74,7 +74,7 @@ def test_model_prints_params_and_flops():
 
 def test_every_commands_help_names_its_defaults():
     """`vitp CMD --help`: each option with a default worth saying shows it (argparse's text)."""
-    from pipeline.cli import build_parser
+    from vitp.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     shown = 0
@@ -93,9 +93,9 @@ def test_every_commands_help_names_its_defaults():
 def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch):
     """`vitp CMD runs:/RUN_ID`: the run's logged config.json, under a run name of its own (the same
     command again continues that one, never the original); a missing run or store is one line."""
-    from pipeline.config import ExperimentConfig
-    from pipeline.recipes import resolve
-    from pipeline.tracking.runs import RunLogger
+    from vitp.config import ExperimentConfig
+    from vitp.recipes import resolve
+    from vitp.tracking.runs import RunLogger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = resolve("debug", ["optim.lr=0.02", "train.steps=33", f"work_dir={tmp_path}"], check_paths=False)
@@ -130,11 +130,11 @@ def test_predict_gives_each_image_the_models_top_classes(tmp_path):
     import torch
     from PIL import Image
 
-    from pipeline.data.decode import decode_image, resize_center_crop
-    from pipeline.data.ingest import normalize
-    from pipeline.model.vit import build_vit
-    from pipeline.model.weights import write_export
-    from pipeline.recipes import resolve
+    from vitp.data.decode import decode_image, resize_center_crop
+    from vitp.data.ingest import normalize
+    from vitp.model.vit import build_vit
+    from vitp.model.weights import write_export
+    from vitp.recipes import resolve
 
     cfg = resolve("debug_finetune", check_paths=False)
     torch.manual_seed(0)

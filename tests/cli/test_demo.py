@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from pipeline.cli.demo import Stages, _points, SEEDS, MAIN
-from pipeline.cli.demo_report import print_summary, verdict
+from vitp.cli.demo import Stages, _points, SEEDS, MAIN
+from vitp.cli.demo_report import print_summary, verdict
 
 
 def test_a_failed_stage_is_recorded_and_the_rest_go_on():

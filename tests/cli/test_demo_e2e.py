@@ -69,7 +69,7 @@ def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(demo, tmp_path):
-    from pipeline.tracking import start_server
+    from vitp.tracking import start_server
 
     work, r = demo
     printed = re.search(r"then open (http://127\.0\.0\.1:5000(/\S*))", r.out)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli
-from pipeline.cli import experiment
-from pipeline.errors import ClusterError, ConfigError, InputError
-from pipeline.tracking.store import TrackingError
+from vitp import cli
+from vitp.cli import experiment
+from vitp.errors import ClusterError, ConfigError, InputError
+from vitp.tracking.store import TrackingError
 
 ROOT = Path(__file__).resolve().parents[2]
-VITP = [shutil.which("vitp")] if shutil.which("vitp") else [sys.executable, "-m", "pipeline.cli"]
+VITP = [shutil.which("vitp")] if shutil.which("vitp") else [sys.executable, "-m", "vitp.cli"]
 
 
 def run(*args, **kw):
@@ -87,7 +87,7 @@ def test_every_command_has_exactly_one_handler():
 
 
 def test_import_formats_are_the_importers(capsys):
-    from pipeline.model.convert import IMPORT_FORMATS
+    from vitp.model.convert import IMPORT_FORMATS
 
     parser = cli.build_parser()
     for fmt in IMPORT_FORMATS:
@@ -140,7 +140,7 @@ def test_help_documents_the_exit_codes():
 
 
 def test_help_imports_nothing_heavy():
-    code = ("import sys, pipeline.cli; pipeline.cli.build_parser(); "
+    code = ("import sys, vitp.cli; vitp.cli.build_parser(); "
             "bad = [m for m in ('torch', 'ray', 'mlflow', 'pyarrow', 'deepspeed') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -113,7 +113,7 @@ def test_help_lists_every_command_and_the_exit_codes():
 
 
 def test_config_list_keys_and_resolved_json(tmp_path):
-    from pipeline.recipes import RECIPES
+    from vitp.recipes import RECIPES
 
     r = ok(vitp("config", "--list"))
     names = [line.split()[0] for line in r.out.splitlines() if line.strip()]
@@ -150,7 +150,7 @@ def test_model_and_plan_print_the_memory_model():
     one_line_error(vitp("plan", "H/14", "--gpus", "1", "--gpu-mem", "0.1"), "plan", 2, "does not fit")
     one_line_error(vitp("plan", "H/14", "--gpus", "3"), "plan", 2, "--global-batch 4096 does not split over --gpus 3")
     # the printed line pastes onto a recipe as it is: the batch triangle holds on the planned GPUs
-    from pipeline.recipes import resolve
+    from vitp.recipes import resolve
 
     for gpus, mem in ((1, "16"), (32, "80")):
         text = ok(vitp("plan", "H/14", "--gpus", str(gpus), "--gpu-mem", mem)).out
@@ -630,7 +630,7 @@ class TestChain:
         import transformers
         from safetensors.numpy import load_file
 
-        from pipeline.train.export import load_model
+        from vitp.train.export import load_model
 
         scenario.need("export")
         ckpt = re.search(r"^\s*checkpoint:\s+(\S+)", scenario.need("finetune").out, re.M).group(1)

@@ -37,7 +37,7 @@ def vitp_env(env=None) -> dict[str, str]:
 
 def vitp(*args, env=None, timeout=600):
     """Run `vitp ...` with this interpreter (the venv), returning the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=vitp_env(env),
+    return subprocess.run([sys.executable, "-m", "vitp.cli", *args], cwd=ROOT, env=vitp_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -105,7 +105,7 @@ class Rehearsal:
 
     cluster: LocalCluster
     bucket: str  # s3://name
-    mlflow: object  # pipeline.tracking.server.ServerHandle
+    mlflow: object  # vitp.tracking.server.ServerHandle
     env: dict[str, str] = field(default_factory=dict)  # what the user's shell exports
 
     @property
@@ -130,7 +130,7 @@ def rehearsal(s3, tmp_path_factory):
     temp, working and TMPDIR directories; VITP_STORE=s3://<bucket>/vit and MLFLOW_TRACKING_URI (a
     real `mlflow server`: SQLite here, artifacts in s3://<bucket>/mlflow) in every node's
     environment and in the submitting shell's."""
-    from pipeline.tracking.server import start_server
+    from vitp.tracking.server import start_server
 
     bucket = s3.bucket("rehearsal")
     tmp = tmp_path_factory.mktemp("rehearsal-mlflow")

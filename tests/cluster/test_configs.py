@@ -13,9 +13,9 @@ import pytest
 import ray
 import yaml
 
-from pipeline.cluster.jobspec import add_overrides, load_spec, parse_entrypoint, resolve_recipes
-from pipeline.cluster.upload import check_upload_size
-from pipeline.errors import ConfigError
+from vitp.cluster.jobspec import add_overrides, load_spec, parse_entrypoint, resolve_recipes
+from vitp.cluster.upload import check_upload_size
+from vitp.errors import ConfigError
 
 from .conftest import ROOT, vitp
 
@@ -44,7 +44,7 @@ def test_every_job_spec_resolves_its_recipe(path):
 
 def test_h14_spec_is_the_h14_recipe_on_object_storage():
     spec = load_spec(str(ROOT / "jobs" / "pretrain_h14_i21k.yaml"), environ=ENV)
-    from pipeline import recipes
+    from vitp import recipes
 
     call = spec.calls[0]
     cfg = recipes.resolve(call.recipe, call.overrides, check_paths=False)
@@ -164,7 +164,7 @@ def test_set_overrides_go_into_every_recipe_command():
     assert call.recipe == "debug" and call.overrides == ["a.b=1", "work_dir=/tmp/x y"]
     calls = parse_entrypoint(add_overrides("vitp pretrain debug && vitp compare --recipe debug", ["x=1"]))
     assert [c.overrides for c in calls] == [["x=1"], []]  # compare takes no --set
-    calls = parse_entrypoint("python -m pipeline.cli sweep debug_finetune --from s3://b/x --space optim.lr=1,2")
+    calls = parse_entrypoint("python -m vitp.cli sweep debug_finetune --from s3://b/x --space optim.lr=1,2")
     assert [(c.subcommand, c.recipe) for c in calls] == [("sweep", "debug_finetune")]
 
 
@@ -217,7 +217,7 @@ class _AgentStartingCluster:
 
 
 def test_submit_retries_only_while_the_job_agent_is_starting():
-    from pipeline.cluster.jobs import submit_when_agent_ready
+    from vitp.cluster.jobs import submit_when_agent_ready
 
     lines = []
     cluster = _AgentStartingCluster(refusals=2)
@@ -251,7 +251,7 @@ def test_spec_masks_every_credential_name_the_readme_promises(tmp_path):
 def test_vitp_debug_before_the_command_still_names_the_recipe():
     (call,) = parse_entrypoint("vitp --debug pretrain debug --set optim.lr=0.01")
     assert (call.subcommand, call.recipe, call.overrides) == ("pretrain", "debug", ["optim.lr=0.01"])
-    ep = add_overrides("python -m pipeline.cli --debug finetune debug_finetune --from scratch", ["x.y=1"])
+    ep = add_overrides("python -m vitp.cli --debug finetune debug_finetune --from scratch", ["x.y=1"])
     assert ep.endswith("--set x.y=1")
 
 
@@ -363,10 +363,10 @@ def _dockerignored(patterns: list[str], path: str) -> bool:
 def test_dockerfile_context_and_layer_order():
     ignore = ROOT / "cluster" / "Dockerfile.dockerignore"  # BuildKit: <Dockerfile>.dockerignore
     patterns = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    for path in (".git/HEAD", ".venv/bin/python", "work/debug/mlflow.db", "pipeline/__pycache__/x.pyc",
+    for path in (".git/HEAD", ".venv/bin/python", "work/debug/mlflow.db", "vitp/__pycache__/x.pyc",
                  ".pytest_cache/v", "vit_pipeline.egg-info/PKG-INFO"):
         assert _dockerignored(patterns, path), path
-    for path in ("pipeline/cli/__init__.py", "pyproject.toml", "README.md", "jobs/fewshot.yaml"):
+    for path in ("vitp/cli/__init__.py", "pyproject.toml", "README.md", "jobs/fewshot.yaml"):
         assert not _dockerignored(patterns, path), path
     lines = [line for line in (ROOT / "cluster" / "Dockerfile").read_text().splitlines() if not line.startswith("#")]
     text = "\n".join(lines)
@@ -412,7 +412,7 @@ def test_gcp_scheduling_is_an_object_and_gpu_vms_terminate_on_maintenance():
 
 
 def test_sweep_and_fewshot_read_the_shards_the_downstream_spec_writes():
-    from pipeline.data.ingest import shards_dir
+    from vitp.data.ingest import shards_dir
 
     def prepared(stem):
         spec = load_spec(str(ROOT / "jobs" / f"{stem}.yaml"), environ=ENV)

@@ -10,8 +10,8 @@ from .conftest import ROOT
 
 PROBE = """
 import json, os, ray
-from pipeline.cluster.connect import connect_ray
-from pipeline.recipes import resolve
+from vitp.cluster.connect import connect_ray
+from vitp.recipes import resolve
 
 connect_ray(resolve("debug", check_paths=False))
 

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from pipeline.cluster.doctor import EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, storage_fix, timed
-from pipeline.tracking.server import AuthSettings, start_server
+from vitp.cluster.doctor import EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, storage_fix, timed
+from vitp.tracking.server import AuthSettings, start_server
 
 from .conftest import LocalCluster, free_ports, vitp
 
@@ -62,9 +62,9 @@ def test_the_mlflow_check_leaves_no_run_artifact_or_experiment(tmp_path, existin
     one deleted afterwards; either way no active run or new experiment is left, and no artifact file."""
     from mlflow.entities import ViewType
 
-    from pipeline.cluster.doctor_mlflow import check_mlflow
-    from pipeline.recipes import resolve
-    from pipeline.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
+    from vitp.cluster.doctor_mlflow import check_mlflow
+    from vitp.recipes import resolve
+    from vitp.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
 
     cfg = resolve("debug", [f"work_dir={tmp_path}", "tracking.experiment=mine"])
     client = get_client(resolve_tracking_uri(cfg))

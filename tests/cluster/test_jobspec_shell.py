@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.cluster.jobspec import add_overrides, load_spec, parse_entrypoint
-from pipeline.errors import ConfigError
+from vitp.cluster.jobspec import add_overrides, load_spec, parse_entrypoint
+from vitp.errors import ConfigError
 
 from .conftest import ROOT
 

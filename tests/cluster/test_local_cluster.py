@@ -6,8 +6,8 @@ Train run whose rank 0 runs on the worker node and is killed before its last sen
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import recipes
-from pipeline.tracking import resolve_tracking_uri
+from vitp import recipes
+from vitp.tracking import resolve_tracking_uri
 
 from .conftest import vitp
 
@@ -112,8 +112,8 @@ def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, 
 SPOOL_JOB = r'''
 import json, os, subprocess, sys
 import ray
-from pipeline.tracking.runs import RunLogger
-from pipeline.train.spools import gather_spools
+from vitp.tracking.runs import RunLogger
+from vitp.train.spools import gather_spools
 
 uri, = sys.argv[1:]
 ray.init()
@@ -124,7 +124,7 @@ other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != h
 # rank 0 on the other node: spools steps 1-5 and dies before sending any (MLflow is not asked)
 RANK0 = """
 import os, sys
-from pipeline.tracking.spoolfile import MetricSpool, spool_dir_for
+from vitp.tracking.spoolfile import MetricSpool, spool_dir_for
 spool = MetricSpool(spool_dir_for(sys.argv[1]))
 for step in range(1, 6):
     spool.append(step, 1000 + step, {"train/loss": 1.0 / step})
@@ -163,9 +163,9 @@ def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_nod
 RANK0_JOB = r'''
 import functools, json, sys
 import ray, ray.train
-from pipeline import recipes
-from pipeline.data.commands import ensure_shards
-from pipeline.train.trainer import run_training
+from vitp import recipes
+from vitp.data.commands import ensure_shards
+from vitp.train.trainer import run_training
 
 uri, work, steps = sys.argv[1:]
 ray.init()
@@ -213,8 +213,8 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
     from ray.job_submission import JobSubmissionClient
     from ray.util.state import list_actors
 
-    from pipeline.net import free_port
-    from pipeline.tracking.server import start_server
+    from vitp.net import free_port
+    from vitp.tracking.server import start_server
 
     steps = 800  # margin: the outage and the kill must come before the run ends, on a fast machine too
     store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from pipeline.tracking.store import TrackingError
-from pipeline.tracking.server import AuthSettings, _artifact_store_env, start_server
+from vitp.tracking.store import TrackingError
+from vitp.tracking.server import AuthSettings, _artifact_store_env, start_server
 
 from .conftest import vitp
 

@@ -1,8 +1,8 @@
 """The filter in front of Ray's printer of worker output: chatter dropped, each warning shown once
 with its source line, library deprecations dropped, everything else kept in order."""
-from pipeline.cluster.output import OutputFilter
+from vitp.cluster.output import OutputFilter
 
-WARN = ("/srv/pipeline/train/loop.py:88: UserWarning: grad norm is not finite at step 3",
+WARN = ("/srv/vitp/train/loop.py:88: UserWarning: grad norm is not finite at step 3",
         "  warnings.warn(msg)")
 DEPRECATION = ("/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: "
                "`torch.distributed.all_gather_into_tensor` is deprecated.", "  return func(*args, **kwargs)")
@@ -36,7 +36,7 @@ def test_a_record_left_empty_is_not_printed():
 def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
     import io
 
-    from pipeline.console import LiveLine
+    from vitp.console import LiveLine
 
     term = io.StringIO()
     live = LiveLine(term)
@@ -55,7 +55,7 @@ def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
 def test_driver_progress_is_a_line_in_logs_and_the_bar_on_a_terminal(monkeypatch):
     import io
 
-    from pipeline import console
+    from vitp import console
 
     lines = []
     monkeypatch.setattr(console, "_live", None)  # not a terminal: the line, through log

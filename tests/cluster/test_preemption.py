@@ -45,7 +45,7 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
     from mlflow.tracking import MlflowClient
     from ray.util.state import list_nodes
 
-    from pipeline import storage
+    from vitp import storage
 
     env, cluster = rehearsal.env, rehearsal.cluster
     gcs = f"127.0.0.1:{cluster.port}"
@@ -58,7 +58,7 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
     log = tmp_path / "pretrain.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "pretrain", "debug", "--address", gcs,
+            [sys.executable, "-m", "vitp.cli", "pretrain", "debug", "--address", gcs,
              "--tracking-uri", rehearsal.mlflow.uri, *sets(common + SETTINGS)],
             cwd=ROOT, env=vitp_env(env), stdout=out, stderr=subprocess.STDOUT, text=True)
     try:

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import recipes, storage
-from pipeline.cluster.jobspec import load_spec
-from pipeline.data.synth import render
+from vitp import recipes, storage
+from vitp.cluster.jobspec import load_spec
+from vitp.data.synth import render
 
 from .conftest import ROOT, vitp, vitp_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 # Debug scale, as the `debug` / `debug_finetune` recipes shrink b16_i21k / finetune_cifar10 (see
-# pipeline/recipes.py), given at submit time: the specs themselves stay the production ones.
+# vitp/recipes.py), given at submit time: the specs themselves stay the production ones.
 DATA = ["data.image_size=32", "data.storage_size=40", "data.shard_mb=4", "data.val_fraction=0.1",
         "data.crop_scale_min=0.35"]
 PRETRAIN = DATA + [
@@ -258,7 +258,7 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls[0]
     pre_cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
     log = open(tmp_path / "pretrain.log", "w+")
-    job = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
+    job = subprocess.Popen([sys.executable, "-m", "vitp.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
                             "--address", address, "--follow", *sets(PRETRAIN)],
                            cwd=ROOT, env=vitp_env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
     try:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError
-from pipeline.errors import InputError
-from pipeline.recipes import resolve
+from vitp.config import ConfigError
+from vitp.errors import InputError
+from vitp.recipes import resolve
 
 
 def test_sections_and_set_keys_apply_over_the_base_recipe_and_then_set_wins(tmp_path):

@@ -1,8 +1,8 @@
 """Config overrides: typed, unknown keys rejected; set_values checks typed values from code."""
 import pytest
 
-from pipeline.config import ConfigError, ExperimentConfig, apply_overrides, parse_value, set_values
-from pipeline.recipes import debug
+from vitp.config import ConfigError, ExperimentConfig, apply_overrides, parse_value, set_values
+from vitp.recipes import debug
 
 
 def test_overrides_are_typed():
@@ -100,7 +100,7 @@ def test_set_values_rejects_wrong_types_and_unknown_keys(values, needle):
     ("nosuch.key", "`vitp config --keys` lists them all"),
 ])
 def test_an_unknown_key_names_the_closest_keys_not_all_of_them(key, says):
-    from pipeline.config.overrides import field_type
+    from vitp.config.overrides import field_type
 
     with pytest.raises(ConfigError) as e:
         field_type(key)
@@ -115,10 +115,10 @@ def test_every_key_is_described_with_its_type_value_default_and_schema_comment()
     import re
     from pathlib import Path
 
-    from pipeline.config import ExperimentConfig, valid_keys
-    from pipeline.config import schema
-    from pipeline.config.keydoc import key_docs, key_table
-    from pipeline.recipes import resolve
+    from vitp.config import ExperimentConfig, valid_keys
+    from vitp.config import schema
+    from vitp.config.keydoc import key_docs, key_table
+    from vitp.recipes import resolve
 
     cfg = resolve("debug", ["optim.lr=0.02", "data.path=/corpus"], check_paths=False)
     docs = key_docs(cfg)

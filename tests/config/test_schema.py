@@ -1,6 +1,6 @@
 """Config schema: to_dict/from_dict round-trip exactly; flatten is the MLflow params view."""
-from pipeline.config import ExperimentConfig, apply_overrides, flatten, valid_keys
-from pipeline.recipes import debug
+from vitp.config import ExperimentConfig, apply_overrides, flatten, valid_keys
+from vitp.recipes import debug
 
 
 def test_round_trip_exact():

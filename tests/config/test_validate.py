@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from pipeline.config import ConfigError, apply_overrides, validate
-from pipeline.model.variants import VARIANTS
-from pipeline.recipes import debug
+from vitp.config import ConfigError, apply_overrides, validate
+from vitp.model.variants import VARIANTS
+from vitp.recipes import debug
 
 
 def _invalid(**overrides):
@@ -35,9 +35,9 @@ def test_validation_names_field_and_fix(overrides, needles):
 def test_the_corpus_path_is_asked_for_by_preprocess_only(tmp_path):
     """Training from shards needs no data.path (the documented `vitp pretrain h14_i21k --set
     data.shards=s3://...`); preprocessing without one says which key to set."""
-    from pipeline.data.commands import run_preprocess
-    from pipeline.errors import InputError
-    from pipeline.recipes import resolve
+    from vitp.data.commands import run_preprocess
+    from vitp.errors import InputError
+    from vitp.recipes import resolve
 
     cfg = resolve("h14_i21k", ["data.shards=s3://bucket/imagenet21k-shards"])
     assert cfg.data.path == "" and cfg.data.source == "parquet"
@@ -76,7 +76,7 @@ def test_a_worker_count_or_micro_batch_set_alone_keeps_the_global_batch():
     """`--set parallel.num_workers=N` (or micro_batch, global_batch) without grad_accum: the
     accumulation is derived so that micro x accum x workers is the global batch; a grad_accum the
     user set, or a count the batch does not divide, is reported as before."""
-    from pipeline.recipes import get_recipe, resolve
+    from vitp.recipes import get_recipe, resolve
 
     recipe = get_recipe("h14_i21k").parallel
     for sets in (["parallel.num_workers=16"], ["parallel.micro_batch=32"],

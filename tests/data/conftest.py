@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.recipes import debug
+from vitp.recipes import debug
 
 
 def make_cfg(work_dir, **data):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.data.decode import (DecodeError, crop_resize, decode_image, inception_crop_box,
+from vitp.data.decode import (DecodeError, crop_resize, decode_image, inception_crop_box,
                                   random_crop_box, resize_center_crop)
 
 
@@ -168,7 +168,7 @@ def test_alpha_and_16_bit_conversions_equal_the_float64_formula_in_blocks_of_row
     """to_rgb converts a block of rows at a time in integers (bounded memory,
     benchmarks/decode_memory.py): the same bytes as the float64 formula for every (colour, alpha)
     and every 16-bit value, across block boundaries (600 rows > decode._ROWS)."""
-    from pipeline.data import decode
+    from vitp.data import decode
 
     c, a = np.meshgrid(np.arange(256), np.arange(256), indexing="ij")  # every pair
     rgba = np.stack([c, 255 - c, c, a], axis=-1).astype(np.uint8)

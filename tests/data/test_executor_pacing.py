@@ -1,4 +1,4 @@
-"""pipeline/data/executor.py: the training stream, backpressured (a consumer that takes nothing, the
+"""vitp/data/executor.py: the training stream, backpressured (a consumer that takes nothing, the
 object-store budget a Train worker's data has), makes Ray Data's scheduling loop spin (the Ray
 behaviour the pacing works around; if an upgrade stops it, this test says the pacing can go)
 and, paced, run at most one round per ROUND_S. Rounds are counted, not timed: unpaced they run
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.recipes import resolve
+from vitp.recipes import resolve
 
 pytestmark = pytest.mark.ray
 
@@ -23,7 +23,7 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
     from ray.data import DataContext, ExecutionResources
     from ray.data._internal.execution.streaming_executor import StreamingExecutor
 
-    from pipeline.data.ingest import build_train_dataset
+    from vitp.data.ingest import build_train_dataset
 
     ctx = DataContext.get_current()
     step, limits = StreamingExecutor._scheduling_loop_step, ctx.execution_options.resource_limits
@@ -73,7 +73,7 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
 def test_backpressured_training_stream_spins_unless_paced(ray_session, debug_shards):
     from ray.data._internal.execution.streaming_executor import StreamingExecutor
 
-    from pipeline.data.executor import ROUND_S, pace_streaming_executor
+    from vitp.data.executor import ROUND_S, pace_streaming_executor
 
     cfg = resolve("debug", [f"data.shards={debug_shards}", "parallel.num_workers=2", "train.steps=2000"])
     original = StreamingExecutor._scheduling_loop_step
@@ -87,4 +87,4 @@ def test_backpressured_training_stream_spins_unless_paced(ray_session, debug_sha
     assert paced <= paced_s / ROUND_S + 2, (paced, paced_s)
     assert spun > 5 * spun_s / ROUND_S, (
         f"unpaced, Ray Data ran only {spun} scheduling rounds in {spun_s:.1f} s while "
-        "backpressured: if it no longer spins, pipeline/data/executor.py's pacing can go")
+        "backpressured: if it no longer spins, vitp/data/executor.py's pacing can go")

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.commands import run_preprocess
-from pipeline.data.ingest import (_read_unit, augment_rows, build_eval_dataset,
+from vitp.data.commands import run_preprocess
+from vitp.data.ingest import (_read_unit, augment_rows, build_eval_dataset,
                                   build_train_dataset, iter_device_batches, normalize, plan_units)
-from pipeline.data.shards import read_manifest
+from vitp.data.shards import read_manifest
 
 from .conftest import make_cfg
 
@@ -125,7 +125,7 @@ def test_unit_read_is_a_view_of_the_pages_and_matches_row_decode(shards):
     the bytes preprocess wrote; JPEG-like cells (objects) take the per-row path, same output."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.ingest import shards_dir
+    from vitp.data.ingest import shards_dir
 
     cfg, _ = shards
     root = shards_dir(cfg)
@@ -151,7 +151,7 @@ def test_read_tasks_sized_for_cpus_and_rows(ray_session):
     them, never more tasks than units."""
     import ray
 
-    from pipeline.data.ingest import TASK_ROWS, num_read_tasks
+    from vitp.data.ingest import TASK_ROWS, num_read_tasks
 
     cpus = int(ray.cluster_resources()["CPU"])
     assert num_read_tasks(10_000, 256) == -(-10_000 // (TASK_ROWS // 256))
@@ -164,7 +164,7 @@ def _record_keys_per_worker(config):
     """Train worker: read this worker's shard, write the keys of every batch to a file."""
     import ray.train
 
-    from pipeline.data.ingest import iter_device_batches
+    from vitp.data.ingest import iter_device_batches
 
     rank = ray.train.get_context().get_world_rank()
     it = ray.train.get_dataset_shard("train")
@@ -211,8 +211,8 @@ def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
     """A stream resumed at (epoch, offset) is the uninterrupted stream from that position on:
     same keys in the same order, same pixels, and nothing before it is read (the first unit
     read is the one holding the position, not the epoch's first)."""
-    from pipeline.data.ingest import UnitReader, resume_point, shards_dir, unit_sizes
-    from pipeline.data.position import RankStream, Segment
+    from vitp.data.ingest import UnitReader, resume_point, shards_dir, unit_sizes
+    from vitp.data.position import RankStream, Segment
 
     cfg, res = shards
     n = res["train"]

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from pipeline.data.position import RankStream, Segment, current_segment, next_segment, with_world
+from vitp.data.position import RankStream, Segment, current_segment, next_segment, with_world
 
 
 def taken(stream: RankStream, rows: int):

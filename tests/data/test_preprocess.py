@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.data.commands import run_preprocess
-from pipeline.data.preprocess import preprocess
-from pipeline.data.shards import read_manifest, verify_checksums
-from pipeline.data.catalog import plan_source
+from vitp.data.commands import run_preprocess
+from vitp.data.preprocess import preprocess
+from vitp.data.shards import read_manifest, verify_checksums
+from vitp.data.catalog import plan_source
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -84,7 +84,7 @@ def test_round_trip_uint8_exact_and_jpeg_psnr(ray_session, tmp_path, corpus):
         assert psnr > 30.0, (key, psnr)
 
     # ingest's eval path reads the same pixels back (image_size == storage_size: no resampling)
-    from pipeline.data.ingest import build_eval_dataset
+    from vitp.data.ingest import build_eval_dataset
     rows = {}
     for split in ("train", "val"):
         for b in build_eval_dataset(cfg, split).iter_batches(batch_size=None):
@@ -200,7 +200,7 @@ def test_same_seed_same_shards_overwrite_and_unfinished(ray_session, tmp_path):
     # a killed run: shards written, no manifest -> readers refuse; temp files never match *.parquet
     os.remove(tmp_path / "a" / "manifest.json")
     (tmp_path / "a" / "train" / "part-00099.parquet.tmp").write_bytes(b"partial")
-    from pipeline.data.ingest import build_train_dataset
+    from vitp.data.ingest import build_train_dataset
     cfg = make_cfg(tmp_path, shards=str(tmp_path / "a"))
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         build_train_dataset(cfg)

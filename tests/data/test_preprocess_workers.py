@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.data.commands import run_preprocess
-from pipeline.data.shards import read_manifest, verify_checksums
+from vitp.data.commands import run_preprocess
+from vitp.data.shards import read_manifest, verify_checksums
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -126,7 +126,7 @@ def test_killed_preprocess_resumes_to_the_same_shards(ray_session, tmp_path):
     sets = [f"--set=data.{k}={v}" for k, v in data.items()] + [f"--set=work_dir={tmp_path}",
                                                               f"--set=data.shards={out}"]
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "preprocess", "debug", *sets],
+    proc = subprocess.Popen([sys.executable, "-m", "vitp.cli", "preprocess", "debug", *sets],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     committed = lambda: len(list((out / "_records").glob("*.json"))) if (out / "_records").is_dir() else 0  # noqa: E731

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.data import catalog, sources
-from pipeline.data.commands import run_preprocess, run_synth
+from vitp.data import catalog, sources
+from vitp.data.commands import run_preprocess, run_synth
 
 from .conftest import make_cfg, read_shards, save
 
@@ -133,7 +133,7 @@ def test_synth_corpus_files_then_preprocess(ray_session, tmp_path):
     assert res["images"] == 15
     files = sorted((tmp_path / "synth").rglob("*.png"))
     assert len(files) == 15 and not list((tmp_path / "synth").rglob("*.tmp*"))
-    from pipeline.data.synth import render
+    from vitp.data.synth import render
     assert np.array_equal(np.asarray(Image.open(files[0])), render(0, 0, 0, 24))
     with pytest.raises(FileExistsError, match="--overwrite"):
         run_synth(cfg, out_dir=str(tmp_path / "synth"))

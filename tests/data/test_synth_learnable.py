@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.data.decode import resize_center_crop
-from pipeline.data.ingest import normalize
-from pipeline.data.synth import class_system, render
+from vitp.config import ModelConfig
+from vitp.data.decode import resize_center_crop
+from vitp.data.ingest import normalize
+from vitp.data.synth import class_system, render
 
 
 @pytest.mark.slow
 def test_fractal_corpus_is_learnable_by_pico_vit():
-    from pipeline.model.vit import build_vit
+    from vitp.model.vit import build_vit
 
     torch.manual_seed(0)
     imgs, labels = [], []

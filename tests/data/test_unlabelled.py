@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import cli, storage
-from pipeline.config import ConfigError, apply_overrides, validate
-from pipeline.data.catalog import list_source, plan_source
-from pipeline.data.commands import ensure_shards, run_preprocess
-from pipeline.data.preprocess import assign_split
-from pipeline.data.shards import read_manifest, verify_checksums
-from pipeline.errors import InputError
-from pipeline.recipes import debug
+from vitp import cli, storage
+from vitp.config import ConfigError, apply_overrides, validate
+from vitp.data.catalog import list_source, plan_source
+from vitp.data.commands import ensure_shards, run_preprocess
+from vitp.data.preprocess import assign_split
+from vitp.data.shards import read_manifest, verify_checksums
+from vitp.errors import InputError
+from vitp.recipes import debug
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -123,7 +123,7 @@ def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("vitp pretrain: ") and "--set train.objective=mpp" in err[0]
     # and from Python (a Tune trainable, a notebook): run_training checks before anything starts
-    from pipeline.train.trainer import run_training
+    from vitp.train.trainer import run_training
 
     with pytest.raises(InputError, match=r"unlabelled shards .*train\.objective=mpp"):
         run_training(cfg, tracking=False)

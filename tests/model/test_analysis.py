@@ -7,14 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline import cli
-from pipeline.model.analysis import (COMPONENTS, filter_components, pos_embed_similarity,
+from vitp import cli
+from vitp.model.analysis import (COMPONENTS, filter_components, pos_embed_similarity,
                                      save_filter_grid, save_similarity_grid, similarity_mosaic,
                                      similarity_vs_distance, summary_lines, write_report)
-from pipeline.model.attention import mean_attention_distance
-from pipeline.model.vit import ViT
-from pipeline.model.weights import write_export
-from pipeline.recipes import resolve
+from vitp.model.attention import mean_attention_distance
+from vitp.model.vit import ViT
+from vitp.model.weights import write_export
+from vitp.recipes import resolve
 
 
 def rbf_pos_embed(g: int, anchors: int = 12, sigma: float = 1.5) -> torch.Tensor:

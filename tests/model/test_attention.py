@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.model.vit import ViT
-from pipeline.model.attention import (attention_distance_from_maps, attention_rollout,
+from vitp.model.vit import ViT
+from vitp.model.attention import (attention_distance_from_maps, attention_rollout,
                                       mean_attention_distance, plot_attention_distance,
                                       rollout_from_maps, save_rollout_png, write_rollout_pngs, VIEW_SIZE)
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from scipy.special import erf
 
-from pipeline.model.convert import (IMPORT_FORMATS, detect_format, export_timm, from_hf,
+from vitp.model.convert import (IMPORT_FORMATS, detect_format, export_timm, from_hf,
                                     from_official_npz, from_timm, import_weights, to_timm)
-from pipeline.model.vit import ViT
-from pipeline.model.weights import read_config
-from pipeline.train.export import load_model
+from vitp.model.vit import ViT
+from vitp.model.weights import read_config
+from vitp.train.export import load_model
 
 # float32 against a float64 reference or another implementation, on the depth-2 pico models used here:
 # tests/numerics.py's derived tolerance, 2 * eps32 * sqrt(fan-in 192 * 14 layers) * |y| ~2 = 9e-6,
@@ -92,7 +92,7 @@ def reference_forward(w, img):
         x = x + np.einsum("bqhk,hkd->bqd", o, w[m + "out/kernel"]) + w[m + "out/bias"]
         y = ln(x, b + "LayerNorm_2")
         h = y @ w[b + "MlpBlock_3/Dense_0/kernel"] + w[b + "MlpBlock_3/Dense_0/bias"]
-        h = 0.5 * h * (1 + erf(h / np.sqrt(2)))  # exact GELU, as pipeline.model.ViT
+        h = 0.5 * h * (1 + erf(h / np.sqrt(2)))  # exact GELU, as vitp.model.ViT
         x = x + h @ w[b + "MlpBlock_3/Dense_1/kernel"] + w[b + "MlpBlock_3/Dense_1/bias"]
         i += 1
     x = ln(x, "Transformer/encoder_norm")[:, 0]
@@ -236,11 +236,11 @@ def test_our_export_as_a_hugging_face_dir_gives_transformers_the_same_logits(tmp
     """`vitp export --format hf`: a fine-tuned ViT as ViTForImageClassification (from_pretrained
     reads it) computes our function: float64 to roundoff, float32 within ATOL; the naming round-trips
     through from_hf exactly; heads HF's ViT lacks are refused in one line."""
-    from pipeline.model.convert import export_hf
-    from pipeline.model.convert_hf import to_hf
-    from pipeline.model.vit import build_vit
-    from pipeline.model.weights import write_export
-    from pipeline.recipes import resolve
+    from vitp.model.convert import export_hf
+    from vitp.model.convert_hf import to_hf
+    from vitp.model.vit import build_vit
+    from vitp.model.weights import write_export
+    from vitp.recipes import resolve
 
     cfg = resolve("debug_finetune", check_paths=False)  # pico/8 at 48 px, fine-tuning head, 10 classes
     torch.manual_seed(3)
@@ -334,8 +334,8 @@ def _source_in(fmt, tmp_path):
 
         save_file(to_timm(m.state_dict()), str(tmp_path / "timm.safetensors"))
         return str(tmp_path / "timm.safetensors"), ours(x), ref
-    from pipeline.config import ExperimentConfig
-    from pipeline.model.weights import write_export
+    from vitp.config import ExperimentConfig
+    from vitp.model.weights import write_export
 
     out = write_export(str(tmp_path / "ours"), m.state_dict(), ExperimentConfig().to_dict(), {"step": 1})
     return out, ours(x), ref

@@ -13,14 +13,14 @@ from test_convert import ATOL, images, official_npz, ours, reference_forward  # 
 from numerics import f32_tolerance  # noqa: E402
 from timm_compat import import_timm  # noqa: E402
 
-from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.model.convert import from_official_npz, from_timm, import_weights, infer_info, to_timm  # noqa: E402
-from pipeline.model.flops import forward_flops, param_count  # noqa: E402
-from pipeline.model.resnet import StdConv2d, pad_same  # noqa: E402
-from pipeline.model.variants import HYBRIDS, decode_variant  # noqa: E402
-from pipeline.model.vit import ViT, build_vit  # noqa: E402
-from pipeline.model.weights import read_config  # noqa: E402
-from pipeline.train.export import load_model  # noqa: E402
+from vitp.config import ModelConfig  # noqa: E402
+from vitp.model.convert import from_official_npz, from_timm, import_weights, infer_info, to_timm  # noqa: E402
+from vitp.model.flops import forward_flops, param_count  # noqa: E402
+from vitp.model.resnet import StdConv2d, pad_same  # noqa: E402
+from vitp.model.variants import HYBRIDS, decode_variant  # noqa: E402
+from vitp.model.vit import ViT, build_vit  # noqa: E402
+from vitp.model.weights import read_config  # noqa: E402
+from vitp.train.export import load_model  # noqa: E402
 
 # our name -> timm's model of the same shape (docs/hybrid_and_mpp.md, section 2)
 TIMM = {"R50+B/16": "vit_base_r50_s16_224", "R50+L/32": "vit_large_r50_s32_224",

@@ -1,11 +1,11 @@
-"""The memory model (pipeline/model/memory.py) against the ZeRO paper's figures, DeepSpeed's own
+"""The memory model (vitp/model/memory.py) against the ZeRO paper's figures, DeepSpeed's own
 estimators, the parameter bytes a real ZeRO-3 engine holds, and the recipes it must admit."""
 import pytest
 
-from pipeline import recipes
-from pipeline.model import memory
-from pipeline.model.flops import param_count
-from pipeline.model.variants import decode_variant
+from vitp import recipes
+from vitp.model import memory
+from vitp.model.flops import param_count
+from vitp.model.variants import decode_variant
 
 H14 = param_count("H/14")
 
@@ -35,8 +35,8 @@ def test_model_states_agree_with_deepspeeds_estimators(variant, gpus):
 
 
 def test_largest_layer_is_the_largest_module_of_the_real_model():
-    from pipeline.config import ModelConfig
-    from pipeline.model.vit import build_vit
+    from vitp.config import ModelConfig
+    from vitp.model.vit import build_vit
 
     for variant in ("B/16", "H/14"):
         model = build_vit(ModelConfig(variant=variant, num_classes=1000), 224, device="meta")

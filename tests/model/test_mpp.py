@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from pipeline.model.loading import adapt_state_dict
-from pipeline.model.mpp import NUM_COLOURS, colour_targets, corrupt
-from pipeline.model.vit import ViT
-from pipeline.train.objective import MaskedPatchPrediction
+from vitp.model.loading import adapt_state_dict
+from vitp.model.mpp import NUM_COLOURS, colour_targets, corrupt
+from vitp.model.vit import ViT
+from vitp.train.objective import MaskedPatchPrediction
 
 HALF = (0.5, 0.5, 0.5)
 

@@ -1,5 +1,5 @@
 """The variant table: "H/14" decodes to paper Table 1's shape plus the patch size."""
-from pipeline.model.variants import decode_variant
+from vitp.model.variants import decode_variant
 
 
 def test_decode_variant():

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ModelConfig
-from pipeline.model.flops import forward_flops, param_count, training_flops
-from pipeline.model.variants import PAPER_VARIANTS
-from pipeline.model.loading import adapt_state_dict, resample_pos_embed
-from pipeline.model.vit import ViT, build_vit
+from vitp.config import ModelConfig
+from vitp.model.flops import forward_flops, param_count, training_flops
+from vitp.model.variants import PAPER_VARIANTS
+from vitp.model.loading import adapt_state_dict, resample_pos_embed
+from vitp.model.vit import ViT, build_vit
 
 # docs/paper.md: params with a 1000-class linear head at 224 (timm's vit_*_224), in millions,
 # and the precision the table states them to.

@@ -1,4 +1,4 @@
-"""Our export format (pipeline.model.weights): write_export -> read_weights / read_config round
+"""Our export format (vitp.model.weights): write_export -> read_weights / read_config round
 trips, local and file:// URIs; what source_info reads from exports, weights files, checkpoint dirs
 and "scratch"; missing or wrong inputs raise InputError naming the path."""
 import dataclasses
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from pipeline.config import ExperimentConfig
-from pipeline.errors import InputError
-from pipeline.model.vit import ViT
-from pipeline.model.weights import (CONFIG, WEIGHTS, SourceInfo, read_config, read_weights,
+from vitp.config import ExperimentConfig
+from vitp.errors import InputError
+from vitp.model.vit import ViT
+from vitp.model.weights import (CONFIG, WEIGHTS, SourceInfo, read_config, read_weights,
                                     source_info, write_export)
 
 
@@ -93,7 +93,7 @@ def test_missing_and_wrong_inputs_name_the_path(tmp_path):
 
 def test_export_of_a_missing_checkpoint_is_an_input_error(tmp_path):
     """`vitp export BAD_PATH` ends in one line naming the path, not a traceback."""
-    from pipeline.train.export import export, load_model
+    from vitp.train.export import export, load_model
 
     with pytest.raises(InputError, match="nope: no such checkpoint directory"):
         export(str(tmp_path / "nope"), str(tmp_path / "out"))

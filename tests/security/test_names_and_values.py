@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from pipeline import storage
-from pipeline.cli import main
-from pipeline.errors import ConfigError
-from pipeline.names import MAX_LEN, check_name, name_problem
-from pipeline.recipes import resolve
+from vitp import storage
+from vitp.cli import main
+from vitp.errors import ConfigError
+from vitp.names import MAX_LEN, check_name, name_problem
+from vitp.recipes import resolve
 
 HOSTILE = ["/root", "..", ".", "a/../../..", "..\\x", "-rf", ".hidden", "a\x00b", "x\ny", "",
            "n" * (MAX_LEN + 1)]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.errors import InputError
-from pipeline.safe_load import load_data_pickle, torch_load, weights_only
+from vitp.errors import InputError
+from vitp.safe_load import load_data_pickle, torch_load, weights_only
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "train"))
@@ -56,7 +56,7 @@ def _retamper(ckpt: Path, rel: str, obj) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A real 1-rank ZeRO-2 checkpoint of the debug model (2 steps) and its export."""
-    from pipeline.train.local import launch
+    from vitp.train.local import launch
 
     root = tmp_path_factory.mktemp("untrusted")
     ck, ex = root / "ck", root / "export"
@@ -91,7 +91,7 @@ def test_logged_dict_artifacts_are_redacted(tmp_path):
     """sweep.json, the data manifest, config.json: every dict a run logs goes through redact."""
     import json
 
-    from pipeline.tracking.runs import RunLogger
+    from vitp.tracking.runs import RunLogger
 
     with RunLogger.start(f"sqlite:///{tmp_path}/m.db", "e", "r") as run:
         run.log_dict({"trials": [{"tracking": {"uri": SECRET_URI}}], "db_password": "x"}, "sweep.json")
@@ -122,7 +122,7 @@ def test_export_of_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, 
     bad = _tampered(checkpoint, tmp_path, MODEL_STATES, canary)
     _shows_the_attack(lambda: torch.load(bad / MODEL_STATES, weights_only=False), canary)
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", str(bad), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "vitp.cli", "export", str(bad), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
@@ -130,7 +130,7 @@ def test_export_of_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, 
     assert str(bad) in lines[0] and "refusing to load" in lines[0] and "open)" in lines[0], lines[0]
     assert not canary.exists() and not (out / "model.safetensors").exists()
     # the untampered checkpoint still exports (the allow-list covers what DeepSpeed writes)
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", str(checkpoint), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "vitp.cli", "export", str(checkpoint), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and (out / "model.safetensors").exists(), r.stdout + r.stderr
 
@@ -138,7 +138,7 @@ def test_export_of_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, 
 @pytest.mark.slow
 def test_resume_from_a_planted_checkpoint_is_refused_and_runs_nothing(checkpoint, tmp_path):
     """DeepSpeed's load of the model states, and ours of the RNG states."""
-    from pipeline.train.local import launch
+    from vitp.train.local import launch
 
     bad = []
     for i, rel in enumerate([MODEL_STATES, "rng/rank_00000.pt"]):
@@ -165,7 +165,7 @@ def _cifar10(root: Path, meta) -> Path:
 
 
 def test_cifar_batches_load_as_data_and_a_planted_one_is_refused(tmp_path):
-    from pipeline.data.datasets import cifar
+    from vitp.data.datasets import cifar
 
     names = [b"airplane", b"automobile"] + [b"c%d" % i for i in range(8)]
     good = cifar(str(_cifar10(tmp_path / "good", {b"label_names": names})), "cifar10")
@@ -217,7 +217,7 @@ def test_weights_only_blocks_a_loader_that_asks_for_code_and_restores_the_enviro
     (b"PK\x03\x04cut short", "not a readable .npz"),
     ("object-array", "holds pickled Python objects, which are never loaded")])
 def test_import_of_a_bad_npz_names_it_and_never_unpickles(tmp_path, capsys, content, says):
-    from pipeline.cli import main
+    from vitp.cli import main
 
     src, out = tmp_path / "weights.npz", tmp_path / "imported"
     if content == "object-array":
@@ -240,7 +240,7 @@ def test_a_source_that_cannot_hold_weights_fails_once_on_the_driver(tmp_path, co
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "config.json").write_text('{"model": {"variant": "pico/8"}}')
     source = tmp_path / "export" / "config.json" if what == "config.json" else tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", command, "debug_finetune", "--from", str(source),
+    r = subprocess.run([sys.executable, "-m", "vitp.cli", command, "debug_finetune", "--from", str(source),
                         "--no-tracking", "--address", "127.0.0.1:9", "--set", f"work_dir={tmp_path / 'work'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=90)
     err = r.stderr.strip()

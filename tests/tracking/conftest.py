@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from pipeline.tracking import start_server
+from vitp.tracking import start_server
 
 
 @pytest.fixture(scope="session")

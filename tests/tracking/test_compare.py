@@ -7,16 +7,16 @@ import uuid
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.tracking import PARENT_TAG, RunLogger, TrackingError
-from pipeline.tracking.compare import (
+from vitp.tracking import PARENT_TAG, RunLogger, TrackingError
+from vitp.tracking.compare import (
     COLUMNS,
     best_per_dataset,
     compare_rows,
     format_table,
     sweep_parents,
 )
-from pipeline.tracking.plots import log_plot_to_parent, plot_compare
-from pipeline.tune.sweep import best_trials
+from vitp.tracking.plots import log_plot_to_parent, plot_compare
+from vitp.tune.sweep import best_trials
 
 CKPT = "/work/ckpt/pretrain-pico8-synthetic/checkpoint_000003"
 
@@ -231,7 +231,7 @@ def test_seeds_aggregate_to_one_row_per_configuration(sqlite_uri, experiment):
     in seed order, mean and sample std of the best top-1s; the KILLED run is not counted."""
     import statistics
 
-    from pipeline.tracking.compare import aggregate_rows, format_aggregate
+    from vitp.tracking.compare import aggregate_rows, format_aggregate
 
     peaks = {("scratch", 0): 0.31, ("scratch", 1): 0.27, ("scratch", 2): 0.35,
              (CKPT, 0): 0.52, (CKPT, 1): 0.61, (CKPT, 2): 0.49}

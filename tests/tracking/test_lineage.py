@@ -2,9 +2,9 @@
 model training, the shards as a dataset input, a registered model as a fine-tune's model input."""
 from mlflow.tracking import MlflowClient
 
-from pipeline.tracking import RunLogger
-from pipeline.tracking.lineage import log_dataset, log_model_input
-from pipeline.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, get_or_create_experiment
+from vitp.tracking import RunLogger
+from vitp.tracking.lineage import log_dataset, log_model_input
+from vitp.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, get_or_create_experiment
 
 
 def test_experiments_are_marked_model_training_even_when_made_elsewhere(tracking_uri, experiment):

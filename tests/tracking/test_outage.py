@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.net import free_port
-from pipeline.tracking import RunLogger, TrackingError, start_server
-from pipeline.tracking.spool import HEARTBEAT_TAG
-from pipeline.tracking.spoolfile import MetricSpool, spool_dir_for
-from pipeline.tracking.stale import STALE_TAG, mark_stale_runs
+from vitp.net import free_port
+from vitp.tracking import RunLogger, TrackingError, start_server
+from vitp.tracking.spool import HEARTBEAT_TAG
+from vitp.tracking.spoolfile import MetricSpool, spool_dir_for
+from vitp.tracking.stale import STALE_TAG, mark_stale_runs
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("train/loss", "train/lr", "perf/images_per_sec")
@@ -233,7 +233,7 @@ def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experimen
     own_server.handle.stop()
     for step in range(6, 11):
         run.log_metrics(metrics(step), step=step)
-    with caplog.at_level(logging.WARNING, logger="pipeline.tracking.runs"):
+    with caplog.at_level(logging.WARNING, logger="vitp.tracking.runs"):
         run.end("FINISHED", timeout_s=1.0)  # must not raise
     assert "left RUNNING" in caplog.text and str(spool) in caplog.text
     assert spooled_bytes(spool, run.run_id) > 0
@@ -255,7 +255,7 @@ def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experimen
 # Starts a background-logged run, says READY, then waits to be killed.
 CHILD = textwrap.dedent("""
     import sys, time
-    from pipeline.tracking import RunLogger
+    from vitp.tracking import RunLogger
     uri, experiment, spool = sys.argv[1:4]
     run = RunLogger.start(uri, experiment, "dead", background=True, heartbeat_s=0.5, spool_dir=spool)
     run.log_metrics({"train/loss": 1.0}, step=1)
@@ -309,7 +309,7 @@ def test_vitp_compare_shows_a_sigkilled_run_killed(mlflow_server, experiment, tm
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
     time.sleep(3.0)
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "compare", "--tracking-uri", uri,
+    out = subprocess.run([sys.executable, "-m", "vitp.cli", "compare", "--tracking-uri", uri,
                           "--experiment", experiment, "--stale-after", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.config import ConfigError, ExperimentConfig
-from pipeline.tracking import RunLogger, find_runs, resolve_tracking_uri
+from vitp.config import ConfigError, ExperimentConfig
+from vitp.tracking import RunLogger, find_runs, resolve_tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Starts a run, logs steps 0..4, says READY, then waits to be killed.
 CHILD = textwrap.dedent("""
     import sys, time
-    from pipeline.tracking import RunLogger
+    from vitp.tracking import RunLogger
     uri, experiment, name = sys.argv[1:4]
     run = RunLogger.start(uri, experiment, name)
     run.log_config({"optim": {"lr": 0.001}})
@@ -67,8 +67,8 @@ def test_fresh_sqlite_default_store_opened_by_two_processes_at_once(tmp_path):
     work = tmp_path / "work"
     script = textwrap.dedent("""
         import sys
-        from pipeline.config import ExperimentConfig
-        from pipeline.tracking import RunLogger, resolve_tracking_uri
+        from vitp.config import ExperimentConfig
+        from vitp.tracking import RunLogger, resolve_tracking_uri
         cfg = ExperimentConfig(work_dir=sys.argv[1])
         with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, sys.argv[2]) as run:
             run.log_config(cfg.to_dict())
@@ -107,7 +107,7 @@ def test_resolve_tracking_uri_forms(tmp_path, monkeypatch):
 
 
 def test_tracking_imports_neither_torch_nor_ray():
-    code = ("import sys, pipeline.tracking, pipeline.tracking.server, pipeline.tracking.compare; "
+    code = ("import sys, vitp.tracking, vitp.tracking.server, vitp.tracking.compare; "
             "bad = [m for m in ('torch', 'ray', 'deepspeed') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

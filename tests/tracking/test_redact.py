@@ -1,5 +1,5 @@
 """Credential redaction: what is masked, and what must stay readable."""
-from pipeline.tracking.redact import REDACTED, is_secret_key, redact, redact_text
+from vitp.tracking.redact import REDACTED, is_secret_key, redact, redact_text
 
 
 def test_secret_keys_are_whole_words():
@@ -51,7 +51,7 @@ def test_key_pairs_inside_text_are_masked():
 
 def test_uri_passwords_with_slashes_and_pluses_are_masked_whole():
     """Cloud secret keys hold "/" and "+" and are often pasted into a URI unencoded."""
-    from pipeline.tracking.redact import redact_text
+    from vitp.tracking.redact import redact_text
 
     secret = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/EXAMPLEKEY"
     out = redact_text(f"postgresql://mlflow:{secret}@db.internal:5432/mlflow and s3://bucket/a/b.db")

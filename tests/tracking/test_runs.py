@@ -4,8 +4,8 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.config import ExperimentConfig, flatten
-from pipeline.tracking import (
+from vitp.config import ExperimentConfig, flatten
+from vitp.tracking import (
     PARENT_TAG,
     REDACTED,
     ParamConflictError,
@@ -13,7 +13,7 @@ from pipeline.tracking import (
     TrackingError,
     find_runs,
 )
-from pipeline.tracking.runs import MAX_PARAM_VALUE, TRUNCATION_NOTE
+from vitp.tracking.runs import MAX_PARAM_VALUE, TRUNCATION_NOTE
 
 
 def steps(client, run_id, key):

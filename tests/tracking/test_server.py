@@ -4,7 +4,7 @@ import urllib.request
 
 import pytest
 
-from pipeline.tracking import TrackingError, start_server
+from vitp.tracking import TrackingError, start_server
 
 
 def get(url, host=None):

@@ -1,4 +1,4 @@
-"""pipeline/tracking/spoolfile.py, alone (no server): it appears only once locked, a line is in
+"""vitp/tracking/spoolfile.py, alone (no server): it appears only once locked, a line is in
 it whole or not at all, its backlog is bounded, and a temp file left by a dead process goes."""
 import errno
 import json
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pipeline.tracking import spoolfile as spool_mod
-from pipeline.tracking.spoolfile import MetricSpool
+from vitp.tracking import spoolfile as spool_mod
+from vitp.tracking.spoolfile import MetricSpool
 
 
 def _lines(spool: MetricSpool) -> list[dict]:

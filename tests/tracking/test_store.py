@@ -1,8 +1,8 @@
 """The store's public helpers: filter quoting, tag filters, and what a TrackingError is to `vitp`."""
 import pytest
 
-from pipeline.errors import UserError
-from pipeline.tracking.store import TrackingError, quote, tag_filters
+from vitp.errors import UserError
+from vitp.tracking.store import TrackingError, quote, tag_filters
 
 
 def test_quote_picks_the_quote_the_value_lacks():

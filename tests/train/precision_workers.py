@@ -57,8 +57,8 @@ def held_bytes(engine) -> int:
 def train_and_inspect(rank, world, stage, steps, extra=(), snap_at=()):
     """run_loop with `extra` overrides. Returns the history, the LR scheduler's step count at each
     step, what changed from step s-1 to s for s in `snap_at`, and where/how the state is kept."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(stage, world, steps, extra)
     engine, _, scheduler = build_model_and_engine(cfg, world)
@@ -90,8 +90,8 @@ def train_and_inspect(rank, world, stage, steps, extra=(), snap_at=()):
 def persistent_nan(rank, world, stage, precision, ckpt_dir):
     """nan_drill from step 4, a checkpoint at step 2, patience 3: one rollback, then a stop. And
     the same with nothing to restore. Returns what each run saw and the error it stopped with."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     out = {}
     for name in ("with_checkpoint", "nothing_to_restore"):
@@ -133,8 +133,8 @@ def inf_loss_on_one_rank(rank, world, combos):
     only our all-reduced flag can skip the step. Returns per combo what changed and a checksum."""
     import torch.nn.functional as F
 
-    from pipeline.train.loop import build_model_and_engine
-    from pipeline.train.step import group, train_step
+    from vitp.train.loop import build_model_and_engine
+    from vitp.train.step import group, train_step
 
     out = {}
     for stage, precision, extra in combos:
@@ -170,8 +170,8 @@ def inf_loss_on_one_rank(rank, world, combos):
 def resume_with(rank, world, stage, steps, split_at, ckpt_dir, extra):
     """resume_run for any overrides (offload): one run saves at split_at and goes on; a fresh
     engine loads that checkpoint and continues on the same data. Both loss curves come back."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(stage, world, steps, extra)
     engine, _, _ = build_model_and_engine(cfg, world)

@@ -3,7 +3,7 @@ import dataclasses
 
 import torch
 
-from pipeline.config import ExperimentConfig
+from vitp.config import ExperimentConfig
 from workers import cfg_for
 
 # --------------------------------------------------------------------------- resize (another world)
@@ -72,11 +72,11 @@ def resize_leg(rank, world, stage, steps, until, load_dir=None, save_dir=None, u
     steps) re-derived for `world` (for_world), restored from `load_dir`, trained on
     global_batches to step `until`, saved into `save_dir`. `with_full`: first an uninterrupted
     run to `steps` on the same batches. Rank 0 returns curves, LRs and full optimizer states."""
-    from pipeline.config.validate import for_world
-    from pipeline.model.vit import build_vit
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.engine import build_engine
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop, seed_everything
+    from vitp.config.validate import for_world
+    from vitp.model.vit import build_vit
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.engine import build_engine
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop, seed_everything
 
     cfg = for_world(cfg_for(stage, 2, steps, extra), world)
     out = {"micro_batch": cfg.parallel.micro_batch, "grad_accum": cfg.parallel.grad_accum}

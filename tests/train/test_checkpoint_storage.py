@@ -2,9 +2,9 @@
 disk alike: markers list objects with sizes; the newest complete checkpoint is found by listing."""
 import pytest
 
-from pipeline import storage
-from pipeline.recipes import resolve
-from pipeline.train import checkpoint as ckpt
+from vitp import storage
+from vitp.recipes import resolve
+from vitp.train import checkpoint as ckpt
 
 
 def _write_checkpoint(root: str, step: int, world: int = 2, *, markers=None, truncate=None,

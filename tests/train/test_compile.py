@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import workers  # noqa: E402
 
-from pipeline.train.local import launch  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
 
 STEPS = 10
 # Measured on this CPU (pico/8, ZeRO-2, fp32): max |diff| 2.4e-7 over 10 steps; inductor fuses

@@ -1,6 +1,6 @@
 """The DeepSpeed engine without Ray: config generation, ZeRO equivalence, resume, export.
 
-Multi-rank tests spawn 2 local processes joined by gloo (pipeline.train.local.launch).
+Multi-rank tests spawn 2 local processes joined by gloo (vitp.train.local.launch).
 """
 import math
 import os
@@ -12,13 +12,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import workers  # noqa: E402
 
-from pipeline import storage  # noqa: E402
-from pipeline.config import apply_overrides  # noqa: E402
-from pipeline.model.vit import ViT  # noqa: E402
-from pipeline.recipes import debug, get_recipe  # noqa: E402
-from pipeline.train import checkpoint as ckpt  # noqa: E402
-from pipeline.train.engine import build_ds_config, lr_multiplier, param_groups  # noqa: E402
-from pipeline.train.local import launch  # noqa: E402
+from vitp import storage  # noqa: E402
+from vitp.config import apply_overrides  # noqa: E402
+from vitp.model.vit import ViT  # noqa: E402
+from vitp.recipes import debug, get_recipe  # noqa: E402
+from vitp.train import checkpoint as ckpt  # noqa: E402
+from vitp.train.engine import build_ds_config, lr_multiplier, param_groups  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
 
 
 def test_ds_config_from_config():
@@ -96,11 +96,11 @@ def test_checkpoint_resume_continues_exactly(tmp_path, world, stage):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_export_gives_engine_logits(tmp_path, stage):
-    from pipeline.train.export import load_model
+    from vitp.train.export import load_model
 
     ck, ex = str(tmp_path / "ck"), str(tmp_path / "export")
     logits = torch.from_numpy(launch(workers.train_save_export, 2, stage, 4, ck, ex)[0])
-    model = load_model(ex)  # plain pipeline.model, no DeepSpeed
+    model = load_model(ex)  # plain vitp.model, no DeepSpeed
     probe = torch.Generator().manual_seed(123)
     x = torch.randn(4, 3, 32, 32, generator=probe)
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
 
 
 def test_the_newest_complete_checkpoint_is_picked_and_each_newer_one_passed_over_is_named(tmp_path):
-    from pipeline.recipes import resolve
+    from vitp.recipes import resolve
 
     cfg = resolve("debug", [f"work_dir={tmp_path}", "tracking.run_name=r"])
     for step, complete in [(2, True), (4, False), (6, False)]:

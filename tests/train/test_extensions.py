@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-PROBE = "import shutil, os, pipeline.train.engine; print(shutil.which('ninja')); print(os.environ['TORCH_EXTENSIONS_DIR'])"
+PROBE = "import shutil, os, vitp.train.engine; print(shutil.which('ninja')); print(os.environ['TORCH_EXTENSIONS_DIR'])"
 
 
 def test_every_process_builds_ops_where_and_with_what_make_install_did():

@@ -6,8 +6,8 @@ the gathered snapshot is the real model); a dataset that cannot be read is a war
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.recipes import resolve
+from vitp.errors import ConfigError
+from vitp.recipes import resolve
 
 SHOTS = (1, 5, 10, 25)
 
@@ -23,7 +23,7 @@ def test_fewshot_every_is_validated():
 
 
 def test_dataset_names_and_paths():
-    from pipeline.train.fewshot_probe import dataset_roots
+    from vitp.train.fewshot_probe import dataset_roots
 
     cfg = resolve("debug", ["work_dir=/w", "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets"])
     assert dataset_roots(cfg) == {"digits": "/w/shards/digits", "cifar10": "s3://b/shards/cifar10/",
@@ -42,7 +42,7 @@ def corpora(debug_shards, digits_shards, tmp_path_factory):
 
 
 def _history(cfg, run_id, key):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client, resolve_tracking_uri
 
     client = get_client(resolve_tracking_uri(cfg))
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
@@ -55,10 +55,10 @@ def _history(cfg, run_id, key):
 # ZeRO-3 (the gathered snapshot) in `make test`; ZeRO-2 in the e2e run (suite time)
 @pytest.mark.parametrize("stage,variant", [pytest.param(2, "pico/8", marks=pytest.mark.e2e), (3, "Ti/16")])
 def test_pretraining_logs_fewshot_at_every_multiple(tmp_path, corpora, stage, variant):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.export import load_model
-    from pipeline.train.fewshot_lsr import FeatureExtractor, fewshot_accuracy, read_split
-    from pipeline.train.trainer import run_training
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.export import load_model
+    from vitp.train.fewshot_lsr import FeatureExtractor, fewshot_accuracy, read_split
+    from vitp.train.trainer import run_training
 
     work, fractals, digits = corpora
     missing = str(tmp_path / "no-such-shards")

@@ -4,20 +4,20 @@ the zero-initialised head recorded, export, few-shot. (A plain ViT takes the sam
 export in tests/cli/test_every_command.py's chain and tests/test_uri_paths.py.)"""
 import pytest
 
-from pipeline.config import validate
-from pipeline.recipes import resolve, with_overrides
+from vitp.config import validate
+from vitp.recipes import resolve, with_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards, digits_shards):
-    from pipeline.model.attention import mean_attention_distance
-    from pipeline.model.weights import read_config
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.export import export, load_model
-    from pipeline.train.trainer import run_training
-    from pipeline.train.transfer import finetune_config
-    from pipeline.tune.fewshot import run_fewshot
+    from vitp.model.attention import mean_attention_distance
+    from vitp.model.weights import read_config
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.export import export, load_model
+    from vitp.train.trainer import run_training
+    from vitp.train.transfer import finetune_config
+    from vitp.tune.fewshot import run_fewshot
 
     import torch
 

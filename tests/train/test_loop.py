@@ -4,9 +4,9 @@ import dataclasses
 
 import torch
 
-from pipeline.recipes import get_recipe
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.loop import LoopHooks, run_loop
+from vitp.recipes import get_recipe
+from vitp.train import checkpoint as ckpt
+from vitp.train.loop import LoopHooks, run_loop
 
 
 class FakeEngine:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pipeline.recipes import resolve
+from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -29,9 +29,9 @@ def _step_times(client, run_id):
 def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.net import free_port
-    from pipeline.tracking.server import start_server
-    from pipeline.train.trainer import run_training
+    from vitp.net import free_port
+    from vitp.tracking.server import start_server
+    from vitp.train.trainer import run_training
 
     store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()
     server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-1.log")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.config import validate
-from pipeline.recipes import resolve, with_overrides
+from vitp.config import validate
+from vitp.recipes import resolve, with_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -18,13 +18,13 @@ STEPS = 100  # the loss must be below half of ln 512 by then (measured 2.42, doc
 def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, ray_session):
     import torch
 
-    from pipeline.data.commands import ensure_shards, run_preprocess
-    from pipeline.data.ingest import normalize, peek_rows
-    from pipeline.model.mpp import colour_targets
-    from pipeline.data.synth import render
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
-    from pipeline.train.transfer import finetune_config
+    from vitp.data.commands import ensure_shards, run_preprocess
+    from vitp.data.ingest import normalize, peek_rows
+    from vitp.model.mpp import colour_targets
+    from vitp.data.synth import render
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
+    from vitp.train.transfer import finetune_config
 
     folder = tmp_path / "photos"  # no class structure: files at two depths, names say nothing
     for i in range(600):

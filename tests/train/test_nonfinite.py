@@ -9,11 +9,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import precision_workers as workers  # noqa: E402
 
-from pipeline.config import apply_overrides  # noqa: E402
-from pipeline.recipes import debug  # noqa: E402
-from pipeline.train.local import launch  # noqa: E402
-from pipeline.train.loop import NonFiniteGuard  # noqa: E402
-from pipeline.train.step import StepResult  # noqa: E402
+from vitp.config import apply_overrides  # noqa: E402
+from vitp.recipes import debug  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
+from vitp.train.loop import NonFiniteGuard  # noqa: E402
+from vitp.train.step import StepResult  # noqa: E402
 
 DRILL_AT, STEPS = 5, 12
 

@@ -2,7 +2,7 @@
 at one step is skipped and logged; a NaN that persists rolls back once, then stops the run."""
 import pytest
 
-from pipeline.recipes import resolve
+from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -14,13 +14,13 @@ def _cfg(tmp_path, shards, *extra):
 
 
 def _history(cfg, run_id, key):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client, resolve_tracking_uri
 
     return sorted((m.step, m.value) for m in get_client(resolve_tracking_uri(cfg)).get_metric_history(run_id, key))
 
 
 def test_one_nan_step_is_skipped_and_logged(tmp_path, shards):
-    from pipeline.train.trainer import run_training
+    from vitp.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "train.nan_drill=7", "tracking.run_name=one-nan")
     summary = run_training(cfg, with_val=False)
@@ -32,8 +32,8 @@ def test_one_nan_step_is_skipped_and_logged(tmp_path, shards):
 
 
 def test_persistent_nan_rolls_back_once_then_stops(tmp_path, shards, capfd):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "train.nan_drill=6-16", "train.nonfinite_patience=3",
                "tracking.run_name=nan-forever")

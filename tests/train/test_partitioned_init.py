@@ -1,7 +1,7 @@
 """ZeRO-3 builds the ViT partitioned (deepspeed.zero.Init): each rank holds its share from the
 start, the initialisation is the official scheme, and `train.init_from` weights load into it.
 
-Real DeepSpeed on two spawned gloo ranks (pipeline.train.local.launch), compared with the plain
+Real DeepSpeed on two spawned gloo ranks (vitp.train.local.launch), compared with the plain
 full build (`build_vit` after the same seed).
 """
 import os
@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import zero_init_workers as workers  # noqa: E402
 
-from pipeline.model.vit import build_vit  # noqa: E402
-from pipeline.train.local import launch  # noqa: E402
-from pipeline.train.loop import seed_everything  # noqa: E402
+from vitp.model.vit import build_vit  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
+from vitp.train.loop import seed_everything  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VARIANT = "S/8"  # 12 blocks of width 384 at 32 px: 21.3M parameters, big enough for statistics

@@ -12,9 +12,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import precision_workers as workers  # noqa: E402
 
-from pipeline.model import memory  # noqa: E402
-from pipeline.train import checkpoint as ckpt  # noqa: E402
-from pipeline.train.local import launch  # noqa: E402
+from vitp.model import memory  # noqa: E402
+from vitp.train import checkpoint as ckpt  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
 
 STEPS = 20
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pipeline.recipes import resolve
+from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ def _cfg(tmp_path, shards, *extra):
 
 
 def _history(cfg, run_id, key):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client, resolve_tracking_uri
 
     client = get_client(resolve_tracking_uri(cfg))
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
@@ -33,12 +33,12 @@ def _history(cfg, run_id, key):
 def _check_run_contract(cfg, summary, tmp_path):
     """The Ray contract of a finished run with validation: every logged step's metrics in MLflow,
     a falling loss, the analysis artifact, a consolidated export that loads into plain
-    pipeline.model, and a re-run that trains nothing. Checked on the reference run of the
+    vitp.model, and a re-run that trains nothing. Checked on the reference run of the
     worker-kill test (ZeRO-3 in `make test`: the consolidated export); that each stage learns the
     same curve as ZeRO-0 is checked in-process (tests/train/test_engine.py)."""
     import torch
 
-    from pipeline.train.export import export, load_model
+    from vitp.train.export import export, load_model
 
     steps, every = cfg.train.steps, cfg.train.log_every
     assert summary.metrics["step"] == steps
@@ -60,9 +60,9 @@ def _check_run_contract(cfg, summary, tmp_path):
 def _analysis_was_logged(cfg, summary, tmp_path):
     """The Figure 7 report of the final checkpoint is in the run's artifacts (`analysis/`), its
     position-embedding correlation a metric at the last step, both from the same weights."""
-    from pipeline.model.analysis import write_report
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.export import load_model
+    from vitp.model.analysis import write_report
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.export import load_model
 
     client = get_client(resolve_tracking_uri(cfg))
     names = sorted(a.path for a in client.list_artifacts(summary.mlflow_run_id, "analysis"))
@@ -80,8 +80,8 @@ def _analysis_was_logged(cfg, summary, tmp_path):
 
 
 def _rerun_of_finished_run_trains_nothing(cfg, summary, logged_steps):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
 
     client = get_client(resolve_tracking_uri(cfg))
     before = client.get_run(summary.mlflow_run_id)
@@ -121,9 +121,9 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
     Any one will do: with keep_checkpoints=2 Ray deletes the oldest as soon as a third is
     registered, so waiting for one particular step could miss it on a busy host.
     """
-    from pipeline import storage
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.checkpoint import storage_path
+    from vitp import storage
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.checkpoint import storage_path
 
     run_dir = storage.join(storage_path(cfg), cfg.run_name)  # a local path or a URI
     t0 = time.time()
@@ -151,7 +151,7 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
     """`vitp pretrain debug`; output to `log_path` (a file nobody has to drain) or a pipe."""
     out = open(log_path, "w") if log_path else subprocess.PIPE
     try:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "pretrain", "debug", *cfg_args],
+        return subprocess.Popen([sys.executable, "-m", "vitp.cli", "pretrain", "debug", *cfg_args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     finally:
         if log_path:
@@ -168,10 +168,10 @@ def test_driver_restart_resumes_on_object_storage_continues_and_a_new_name_start
     train.steps kept, the new one recorded per continuation); a new run name starts fresh."""
     import ray
 
-    from pipeline import storage
-    from pipeline.tracking.store import get_client
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.trainer import run_training
+    from vitp import storage
+    from vitp.tracking.store import get_client
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.trainer import run_training
 
     work, db = storage.join(s3.bucket(), "vit"), f"sqlite:///{tmp_path}/mlflow.db"
     base = [f"work_dir={work}", f"data.shards={shards}", "train.log_every=5", "train.checkpoint_every=20",
@@ -234,8 +234,8 @@ def test_driver_restart_resumes_on_object_storage_continues_and_a_new_name_start
 
 def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     """A worker error (labels beyond the head: 10-class shards, 5-class model) fails the run."""
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "model.num_classes=5", "train.max_failures=0", "train.steps=10")
     with pytest.raises(Exception) as e:
@@ -266,9 +266,9 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
     """A worker's InputError (init_from names a damaged weights file, which only a worker reads)
     ends the run on its first attempt, max_failures notwithstanding, and the driver raises that
     InputError itself (one line from vitp); the MLflow run ends FAILED."""
-    from pipeline.errors import InputError
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
-    from pipeline.train.trainer import run_training
+    from vitp.errors import InputError
+    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.train.trainer import run_training
 
     damaged = tmp_path / "downloaded.safetensors"
     damaged.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1}truncated")
@@ -288,7 +288,7 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
 def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
     """({(rank, step): keys trained on}, steps attempts started from) from train.record_samples'
     files; where attempts overlap, the later one's record counts."""
-    from pipeline.train.checkpoint import run_dir
+    from vitp.train.checkpoint import run_dir
 
     root = os.path.join(run_dir(cfg), "samples")
     out, starts = {}, set()
@@ -314,7 +314,7 @@ def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, worke
     end, also carries the run contract (_check_run_contract)."""
     import threading
 
-    from pipeline.train.trainer import run_training
+    from vitp.train.trainer import run_training
 
     common = ["train.steps=16", "train.checkpoint_every=4", "train.eval_every=0",
               "train.record_samples=true", f"parallel.num_workers={workers}",

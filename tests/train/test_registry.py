@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ExperimentConfig
-from pipeline.errors import InputError
-from pipeline.model.vit import ViT
-from pipeline.model.weights import write_export
-from pipeline.recipes import with_overrides
-from pipeline.tracking import RunLogger
-from pipeline.train.registry import register_export
-from pipeline.train.transfer import finetune_config
+from vitp.config import ExperimentConfig
+from vitp.errors import InputError
+from vitp.model.vit import ViT
+from vitp.model.weights import write_export
+from vitp.recipes import with_overrides
+from vitp.tracking import RunLogger
+from vitp.train.registry import register_export
+from vitp.train.transfer import finetune_config
 
 
 def test_registered_export_serves_the_model_and_names_its_run(tmp_path):

@@ -1,6 +1,6 @@
 """Resume a checkpoint at another world size: 2 ranks -> 1 -> 2, ZeRO 0-3, real DeepSpeed.
 
-Each leg is a spawned gloo group (pipeline.train.local.launch); the batch is re-derived with
+Each leg is a spawned gloo group (vitp.train.local.launch); the batch is re-derived with
 for_world (micro 8 x accum 2 x 2 ranks = micro 8 x accum 4 x 1 rank = 32 images per step).
 """
 import math
@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import resize_workers as workers  # noqa: E402
 
-from pipeline.train import checkpoint as ckpt  # noqa: E402
-from pipeline.train.local import launch  # noqa: E402
+from vitp.train import checkpoint as ckpt  # noqa: E402
+from vitp.train.local import launch  # noqa: E402
 
 STEPS, FIRST, SECOND = 9, 3, 6  # 2 ranks to step 3, 1 rank to step 6, 2 ranks to step 9
 # The continued loss curve vs. an uninterrupted 2-rank run on the same global batches: one
@@ -98,8 +98,8 @@ def test_resume_at_another_world_size(tmp_path, capfd, monkeypatch, stage, preci
 
 
 def test_ds_config_load_universal_flag():
-    from pipeline.recipes import debug
-    from pipeline.train.engine import build_ds_config
+    from vitp.recipes import debug
+    from vitp.train.engine import build_ds_config
 
     assert build_ds_config(debug())["checkpoint"] == {"load_universal": False}
     assert build_ds_config(debug(), universal=True)["checkpoint"] == {"load_universal": True}

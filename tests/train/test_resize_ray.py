@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from pipeline.recipes import resolve
+from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -38,7 +38,7 @@ def _cfg(tmp_path, shards, stage, name, workers, pause=0):
 
 
 def _history(cfg, run_id, key):
-    from pipeline.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client, resolve_tracking_uri
 
     client = get_client(resolve_tracking_uri(cfg))
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
@@ -46,7 +46,7 @@ def _history(cfg, run_id, key):
 
 def _samples(cfg) -> dict[int, list[tuple[int, str]]]:
     """{step: [(epoch, key), ...] over all ranks} from train.record_samples' files."""
-    from pipeline.train.checkpoint import run_dir
+    from vitp.train.checkpoint import run_dir
 
     root = os.path.join(run_dir(cfg), "samples")
     by_rank = {}
@@ -63,8 +63,8 @@ def _samples(cfg) -> dict[int, list[tuple[int, str]]]:
 
 @pytest.mark.parametrize("stage", [3])
 def test_two_workers_to_one_and_back(tmp_path, shards, stage):
-    from pipeline.data.shards import read_manifest
-    from pipeline.train.trainer import run_training
+    from vitp.data.shards import read_manifest
+    from vitp.train.trainer import run_training
 
     ref_cfg = _cfg(tmp_path, shards, stage, "ref", 2)
     ref = run_training(ref_cfg, with_val=False)

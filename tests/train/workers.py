@@ -3,8 +3,8 @@ import os
 
 import torch
 
-from pipeline.config import ExperimentConfig, apply_overrides
-from pipeline.recipes import debug
+from vitp.config import ExperimentConfig, apply_overrides
+from vitp.recipes import debug
 
 
 def learnable_batches(cfg: ExperimentConfig, rank: int, world: int, steps: int, seed: int = 0):
@@ -32,8 +32,8 @@ def cfg_for(stage: int, world: int, steps: int, extra=()) -> ExperimentConfig:
 
 def curves_per_stage(rank, world, stages, steps):
     """Loss curve of each ZeRO stage on identical data and seed."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     out = {}
     for stage in stages:
@@ -48,9 +48,9 @@ def curves_per_stage(rank, world, stages, steps):
 
 def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir, extra=()):
     """Train, checkpoint at the end, export on rank 0; return the engine's logits on a probe."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.export import export
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.export import export
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(stage, world, steps, extra)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -73,8 +73,8 @@ def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir, extra=())
 
 def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
     """Uninterrupted curve vs. (train to split_at, checkpoint, fresh engine, load, continue)."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(stage, world, steps)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -144,8 +144,8 @@ def loss_curve(rank, world, steps, extra=()):
     """Train `steps` on the learnable stream at ZeRO-2; the per-step losses and the train time."""
     import time
 
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(2, world, steps, extra)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -168,8 +168,8 @@ def load_into_engine(rank, world, stage, ckpt_dirs):
     """Build the engine `cfg_for(stage, ...)` describes and restore each of `ckpt_dirs` into it
     in turn, as a resuming Train worker does; for each, the step restored or the error's type
     and message."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.loop import build_model_and_engine
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.loop import build_model_and_engine
 
     engine, _, _ = build_model_and_engine(cfg_for(stage, world, 2), world)
     out = []

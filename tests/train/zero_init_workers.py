@@ -2,8 +2,8 @@
 import numpy as np
 import torch
 
-from pipeline.config import apply_overrides
-from pipeline.recipes import debug
+from vitp.config import apply_overrides
+from vitp.recipes import debug
 
 
 def cfg_for(variant: str, precision: str, extra=()):
@@ -18,8 +18,8 @@ def partitioned_build(rank, world, variant, precision, extra=()):
     and the whole parameters (gathered) as numpy on rank 0."""
     import deepspeed
 
-    from pipeline.train.engine import param_groups
-    from pipeline.train.loop import build_model_and_engine
+    from vitp.train.engine import param_groups
+    from vitp.train.loop import build_model_and_engine
 
     cfg = cfg_for(variant, precision, extra)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -39,9 +39,9 @@ def partitioned_mpp_steps(rank, world, variant, extra=()):
     batch; the losses and the [mask] embedding (gathered) before and after, on rank 0."""
     import deepspeed
 
-    from pipeline.train.loop import build_model_and_engine
-    from pipeline.train.objective import objective_for
-    from pipeline.train.step import train_step
+    from vitp.train.loop import build_model_and_engine
+    from vitp.train.objective import objective_for
+    from vitp.train.step import train_step
 
     cfg = cfg_for(variant, "fp32", ["train.objective=mpp", *extra])
     engine, _, _ = build_model_and_engine(cfg, world)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ExperimentConfig, ModelConfig
-from pipeline.tune.fewshot import (BIAS_FEATURE, extract_features, fewshot_accuracy,
+from vitp.config import ExperimentConfig, ModelConfig
+from vitp.tune.fewshot import (BIAS_FEATURE, extract_features, fewshot_accuracy,
                                    lsr_accuracy, run_fewshot)
 
 # ------------------------------------------------------------------------------- solver
@@ -66,7 +66,7 @@ def test_missing_class_is_named():
 @pytest.fixture(scope="module")
 def digits_cfg(tmp_path_factory, digits_shards):
     """sklearn digits preprocessed into shards (train / val by key hash), as debug_finetune."""
-    from pipeline.recipes import resolve
+    from vitp.recipes import resolve
 
     return resolve("debug_finetune", [f"work_dir={tmp_path_factory.mktemp('fewshot')}",
                                       f"data.shards={digits_shards}"])
@@ -74,7 +74,7 @@ def digits_cfg(tmp_path_factory, digits_shards):
 
 def direct_features(model, cfg, split):
     """Reference: the same eval rows forwarded in this process, no actors."""
-    from pipeline.data.ingest import build_eval_dataset, normalize
+    from vitp.data.ingest import build_eval_dataset, normalize
 
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=model.image_size))
     feats, labels, keys = [], [], []
@@ -90,7 +90,7 @@ def direct_features(model, cfg, split):
 
 
 def save_export(model, cfg_model: ModelConfig, image_size: int, out, extra=None):
-    """An export dir as pipeline.train.export writes it: model.safetensors + config.json."""
+    """An export dir as vitp.train.export writes it: model.safetensors + config.json."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def save_export(model, cfg_model: ModelConfig, image_size: int, out, extra=None)
 
 @pytest.mark.ray
 def test_ray_data_features_equal_direct_forward(digits_cfg, tmp_path):
-    from pipeline.model.vit import build_vit
+    from vitp.model.vit import build_vit
 
     torch.manual_seed(0)
     mcfg = ModelConfig(variant="pico/8", num_classes=10, head="pretrain")
@@ -121,7 +121,7 @@ def test_ray_data_features_equal_direct_forward(digits_cfg, tmp_path):
 
 def train_on(model, images_uint8, labels, steps, seed=0):
     """Plain-torch supervised training (AdamW, flips): the cheap 'pre-trained' model."""
-    from pipeline.data.ingest import normalize
+    from vitp.data.ingest import normalize
 
     x_all, y_all = torch.from_numpy(images_uint8), torch.from_numpy(labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -142,9 +142,9 @@ def train_on(model, images_uint8, labels, steps, seed=0):
 def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, tmp_path):
     """Prints the 1/5/10/25-shot table (pytest -s). 'Pre-trained' = 150 supervised steps on
     the digits *train* split only; the few-shot test split is the held-out val split."""
-    from pipeline.data.ingest import build_eval_dataset
-    from pipeline.model.vit import build_vit
-    from pipeline.tracking import find_runs, resolve_tracking_uri
+    from vitp.data.ingest import build_eval_dataset
+    from vitp.model.vit import build_vit
+    from vitp.tracking import find_runs, resolve_tracking_uri
 
     mcfg = ModelConfig(variant="pico/8", num_classes=10, head="pretrain")
     torch.manual_seed(0)

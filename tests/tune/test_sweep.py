@@ -15,7 +15,7 @@ FAST = ["--set=train.steps=40", "--set=train.eval_every=20", "--set=train.log_ev
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from pipeline.tracking import start_server
+    from vitp.tracking import start_server
 
     root = tmp_path_factory.mktemp("mlflow")
     handle = start_server(f"sqlite:///{root}/mlflow.db", str(root / "artifacts"))
@@ -28,7 +28,7 @@ def _vitp(args, env, log_path=None):
     driver and would block on a full pipe) or to a pipe read by communicate()."""
     out = open(log_path, "w") if log_path else subprocess.PIPE
     try:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
+        return subprocess.Popen([sys.executable, "-m", "vitp.cli", *args], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     finally:
         if log_path:
@@ -49,8 +49,8 @@ def _env(ray_session):
 
 
 def _children(uri, sweep):
-    from pipeline.tracking import TrackingError
-    from pipeline.tracking.compare import compare_rows
+    from vitp.tracking import TrackingError
+    from vitp.tracking.compare import compare_rows
 
     try:
         return compare_rows(uri, "vit-pipeline-debug", sweep=sweep)
@@ -96,8 +96,8 @@ def _mark_trials_pending(sweep_dir) -> int:
 
 @pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digits_shards):
-    from pipeline.tracking.compare import best_per_dataset, compare_rows, format_table
-    from pipeline.tracking.store import get_client
+    from vitp.tracking.compare import best_per_dataset, compare_rows, format_table
+    from vitp.tracking.store import get_client
 
     args = ["sweep", "debug_finetune", "--name", "s1", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "data.source=digits,synthetic",
@@ -152,7 +152,7 @@ def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digit
         assert prun.data.tags[f"best_trial/{dataset}"] == row["run_id"]
         assert prun.data.metrics[f"best/{dataset}/val_top1"] == pytest.approx(row["best_top1"])
     # vitp compare lists them, best marked per dataset
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "compare", "--tracking-uri", server.uri,
+    out = subprocess.run([sys.executable, "-m", "vitp.cli", "compare", "--tracking-uri", server.uri,
                           "--sweep", "s1", "--format", "json", "--plot", str(tmp_path / "s1.png")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -195,8 +195,8 @@ def _damaged_export(path) -> str:
     its config.json is sound, so only a worker loading the weights finds the damage."""
     import torch
 
-    from pipeline.model.weights import write_export
-    from pipeline.recipes import with_overrides
+    from vitp.model.weights import write_export
+    from vitp.recipes import with_overrides
 
     write_export(str(path), {"pos_embed": torch.zeros(1, 17, 64)}, with_overrides("debug").to_dict(), {"step": 4})
     weights = path / "model.safetensors"
@@ -214,7 +214,7 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_sh
     """Two ways a grid point fails while the others finish: a fault (model.num_classes=5 on 10-class
     digits: labels past the head, inside training) is retried trial_retries times; a user's mistake
     (a damaged source, an InputError in the workers) ends its trial on the first attempt."""
-    from pipeline.tracking.store import get_client
+    from vitp.tracking.store import get_client
 
     damaged = _damaged_export(tmp_path / "damaged-export")
     args = ["sweep", "debug_finetune", "--name", "s2", f"--set=work_dir={_work(tmp_path, digits_shards)}",
@@ -249,8 +249,8 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
                                                                               digits_shards):
     """One trial at a time: the first (lr 0.1) sets the bar at the first evaluation; the second
     (lr 1e-7: its zero-initialised head barely moves) is below it and ASHA stops it there."""
-    from pipeline.tracking.store import get_client
-    from pipeline.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
+    from vitp.tracking.store import get_client
+    from vitp.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
 
     args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "asha",

@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from pipeline.config import ConfigError, ExperimentConfig, validate
-from pipeline.errors import InputError
-from pipeline.model.vit import ViT
-from pipeline.model.weights import write_export
-from pipeline.recipes import overrides_for, resolve, with_overrides
-from pipeline.train.transfer import finetune_config
-from pipeline.tune.sweep import _grid, build_spec, dataset_configs, trial_config
+from vitp.config import ConfigError, ExperimentConfig, validate
+from vitp.errors import InputError
+from vitp.model.vit import ViT
+from vitp.model.weights import write_export
+from vitp.recipes import overrides_for, resolve, with_overrides
+from vitp.train.transfer import finetune_config
+from vitp.tune.sweep import _grid, build_spec, dataset_configs, trial_config
 
 
 @pytest.fixture

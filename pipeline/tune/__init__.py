@@ -1,3 +1,0 @@
-"""Transfer evaluation and search: Ray Tune sweeps over fine-tuning runs, few-shot linear evaluation.
-
-Writes MLflow only through `pipeline.tracking`."""

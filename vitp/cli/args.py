@@ -1,0 +1,100 @@
+"""The options several `vitp` commands share, declared once: recipe + --set, --address, --tracking-uri.
+
+Also `config_from(args)`: the one place a command turns its recipe, --set and typed flags into a
+validated config (`recipe_config(args)`: the same, unvalidated).
+Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from vitp import recipes
+from vitp.config import ExperimentConfig, set_values, validate
+
+Handler = Callable[[argparse.Namespace], int]
+
+_RAY_ADDRESS_HELP = "Ray cluster address (default: $RAY_ADDRESS or a local Ray)"
+_JOBS_ADDRESS_HELP = ("Ray jobs API (dashboard) address, e.g. http://127.0.0.1:8265 (default "
+                      "$RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, then http://127.0.0.1:8265); a token "
+                      "from $RAY_AUTH_TOKEN or $RAY_AUTH_TOKEN_PATH is sent when set")
+
+
+def add_set(p: argparse.ArgumentParser, help: str = "override a config field, e.g. --set optim.lr=0.003 "
+                                                   "(repeatable)") -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str | None = None) -> None:
+    """The positional RECIPE (see `vitp config --list`) and its --set overrides."""
+    p.add_argument("recipe", nargs="?" if optional else None,
+                   help="recipe name (`vitp config --list`), your experiment file (.yaml/.json: "
+                        "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one), or "
+                        "runs:/RUN_ID for a new run like that MLflow run")
+    add_set(p, **({"help": set_help} if set_help else {}))
+
+
+def add_address(p: argparse.ArgumentParser, jobs_api: bool = False) -> None:
+    """--address: a Ray cluster to join, or (jobs_api) the dashboard's Jobs API to talk to."""
+    p.add_argument("--address", help=_JOBS_ADDRESS_HELP if jobs_api else _RAY_ADDRESS_HELP)
+
+
+def add_tracking(p: argparse.ArgumentParser, can_disable: bool = True,
+                 help: str = "MLflow tracking URI (default sqlite in work_dir)") -> None:
+    """--tracking-uri (a typed change of tracking.uri), and --no-tracking where a run can skip MLflow."""
+    p.add_argument("--tracking-uri", help=help)
+    if can_disable:
+        p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """argparse type for KEY=VALUE options other than --set (e.g. --tag)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
+def typed_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The typed config changes a command's flags ask for (applied after --set, so they win)."""
+    changes: dict[str, Any] = {}
+    if getattr(args, "tracking_uri", None):
+        changes["tracking.uri"] = args.tracking_uri
+    if getattr(args, "scheduler", None):
+        changes["tune.scheduler"] = args.scheduler
+    return changes
+
+
+RUN_PREFIX = "runs:/"  # MLflow's own way to name a run: `vitp pretrain runs:/RUN_ID` runs one like it
+
+
+def recipe_from_run(args: argparse.Namespace) -> None:
+    """A recipe given as runs:/RUN_ID becomes an experiment file made from that run's logged
+    config (tracking.lineage.run_as_experiment), in a folder removed when vitp exits."""
+    if not str(getattr(args, "recipe", None) or "").startswith(RUN_PREFIX):
+        return
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    from vitp.errors import ConfigError
+    from vitp.tracking.lineage import run_as_experiment  # lazy: mlflow
+
+    uri = getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ConfigError(f"{args.recipe}: the run is read from MLflow: give --tracking-uri URI or set "
+                          "MLFLOW_TRACKING_URI (the server or store the run is in)")
+    folder = tempfile.mkdtemp(prefix="vitp-like-")
+    atexit.register(shutil.rmtree, folder, True)
+    args.recipe = run_as_experiment(uri, args.recipe[len(RUN_PREFIX):].strip("/"), folder)
+
+
+def recipe_config(args: argparse.Namespace) -> ExperimentConfig:
+    """The recipe + --set + typed flag changes, NOT validated (for commands that change it further)."""
+    return set_values(recipes.with_overrides(args.recipe, args.overrides), typed_changes(args))
+
+
+def config_from(args: argparse.Namespace, check_paths: bool = True) -> ExperimentConfig:
+    """recipe_config validated: the one validation of a command (local paths made absolute)."""
+    return validate(recipe_config(args), check_paths=check_paths)

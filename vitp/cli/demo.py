@@ -1,0 +1,219 @@
+"""`vitp demo`: the paper's point on one small machine. Local Ray -> fractal corpus -> ZeRO-2
+pre-training -> export, register -> raw-pixel reference and few-shot (new fractal classes, digits)
+-> Tune sweep (new fractal classes: 3 seeds, 3 data fractions; pre-trained vs scratch) -> seeds
+table, low-data curve, MLflow. Orchestration only. docs/demo.md explains it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+from vitp import storage
+from vitp.cli.args import Handler, add_address
+from vitp.config import set_values, validate
+from vitp.recipes import get_recipe
+
+MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their train split
+FRACTIONS = (0.05, 0.2, 1.0)  # the low-data curve on the same dataset
+SEEDS = 3
+MODEL_NAME = "vit-demo"  # the pre-trained model's name in the MLflow model registry
+MARGIN = 0.05  # what "beats" means in the verdict: this much top-1 in every seed
+UI_ADDRESS = "http://127.0.0.1:5000"  # where the printed `mlflow ui` command serves
+
+# --quick: the same stages and the same headline comparison, smaller.
+QUICK_PRETRAIN: dict[str, Any] = {
+    "data.synth_classes": 50, "data.synth_images_per_class": 60, "data.num_classes": 50,
+    "model.num_classes": 50, "train.steps": 200, "train.eval_every": 100, "train.checkpoint_every": 100,
+}
+QUICK_FINETUNE: dict[str, Any] = {"train.steps": 120, "train.eval_every": 60}
+QUICK_FRACTIONS, QUICK_SEEDS = (0.2, 1.0), 1
+# Reference and few-shot only (the sweep's time goes to the fractals): another domain, where these
+# fractal features do not help (docs/demo.md)
+OTHER_DOMAIN = "demo_finetune"
+
+
+def _points(seed: int, quick: bool) -> list[dict[str, Any]]:
+    """The sweep's trials (each crossed with both sources): the headline in SEEDS seeds (--quick:
+    QUICK_SEEDS), the other fractions of the low-data curve in one."""
+    recipe, main = MAIN
+    pts = [{"recipe": recipe, "data.train_fraction": main, "train.seed": seed + i}
+           for i in range(QUICK_SEEDS if quick else SEEDS)]
+    return pts + [{"recipe": recipe, "data.train_fraction": f, "train.seed": seed}
+                  for f in (QUICK_FRACTIONS if quick else FRACTIONS) if f != main]
+
+
+def source_label(source: Any) -> str:
+    """How the demo names a run's source: pre-trained, scratch, or the raw-pixel reference."""
+    from vitp.tune.reference import SOURCE  # lazy: keeps vitp --help fast (ray)
+
+    text = str(source or "?")
+    return {"scratch": "scratch", SOURCE: "linear on raw pixels"}.get(text, "pre-trained")
+
+
+class Stages:
+    """Runs the demo's stages in order, timing each; a stage that fails is reported and the rest
+    go on where they can (`required` stages stop the demo). `failed` decides the exit code."""
+
+    def __init__(self, total: int, log: Callable[[str], None]):
+        self.total, self.log, self.n = total, log, 0
+        self.timings: dict[str, float] = {}
+        self.failed: list[str] = []
+
+    def run(self, name: str, what: str, fn: Callable[[], Any], required: bool = False) -> Any:
+        self.n += 1
+        self.log(f"[demo] {self.n}/{self.total} {name}: {what}")
+        t = time.time()
+        try:
+            return fn()
+        except Exception as e:
+            lines = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+            self.failed.append(f"{name}: {why}")
+            self.log(f"[demo] {name} FAILED: {why}")
+            if required:
+                raise
+            return None
+        finally:
+            self.timings[name] = time.time() - t
+            self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
+
+
+def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
+             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
+             objective: str = "classify") -> dict:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from vitp.tracking.compare import aggregate_rows, compare_rows  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.store import get_client, resolve_tracking_uri, ui_url  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.train.export import export  # lazy: keeps vitp --help fast (torch)
+    from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
+    from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
+    from vitp.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
+
+    t0 = time.time()
+    mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
+    work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
+    if fresh and storage.exists(work):
+        log(f"[demo] --fresh: removing {work}")
+        storage.rmtree(work, work)  # the directory the user named (or the default)
+    work = storage.abspath(work)
+    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed, "train.objective": objective,
+                                                   **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
+    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
+    stages = Stages(6, log)
+    export_dir = storage.join(work, "export")
+    name = "demo" + mpp + ("-quick" if quick else "")
+    result: dict[str, Any] = {"work_dir": work, "seed": seed, "sweep_name": name}
+
+    connect_ray(pre, address)
+    points = _points(seed, quick)
+
+    def downstream(recipe: str, fraction: float):
+        return validate(set_values(get_recipe(recipe), {**ft_changes, "data.train_fraction": fraction}),
+                        check_paths=False)
+
+    datasets = [downstream(r, f) for r, f in dict.fromkeys([*((p["recipe"], p["data.train_fraction"])
+                                                             for p in points), (OTHER_DOMAIN, 1.0)])]
+    experiment = datasets[0].tracking.experiment
+
+    def shards() -> None:
+        for cfg in [pre, *datasets]:
+            ensure_shards(cfg, log=log)
+
+    stages.run("corpus", f"{pre.data.synth_classes} fractal classes x {pre.data.synth_images_per_class} "
+               f"images for pre-training; {len(datasets)} downstream shard sets (reused if present)",
+               shards, required=True)
+
+    def pretrain() -> None:
+        summary = run_training(pre)
+        export(summary.checkpoint, export_dir)
+        result["pretrain_run_id"] = summary.mlflow_run_id
+        result["model"] = register_export(export_dir, MODEL_NAME + mpp, log=log)["model_uri"]
+
+    stages.run("pre-training", f"{pre.model.variant} {'masked patch prediction' if mpp else 'classification'} "
+               f"for {pre.train.steps} steps with DeepSpeed "
+               f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers, seed {seed} "
+               "(resumes if interrupted), then export and register", pretrain, required=True)
+
+    def reference() -> dict:
+        out = {}
+        for cfg in datasets:  # one per dataset and fraction: the seeds share it
+            out[(cfg.recipe, cfg.data.train_fraction)] = run_reference(cfg, tags={"sweep": name})["top1"]
+        log("[demo]   " + ", ".join(f"{r} {f:.0%}: {v:.3f}" for (r, f), v in out.items()))
+        return out
+
+    result["reference"] = stages.run("reference", "a linear classifier on the raw pixels (scikit-learn) "
+                                     "of each downstream dataset", reference)
+
+    def fewshot() -> dict:
+        out = {}
+        for recipe in (MAIN[0], OTHER_DOMAIN):
+            out[recipe] = {k: v for k, v in run_fewshot(downstream(recipe, 1.0), export_dir).items() if k.startswith("fewshot/")}
+            log(f"[demo]   {recipe}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in out[recipe].items()))
+        return out
+
+    result["fewshot"] = stages.run("few-shot", "linear probes on the frozen pre-trained features "
+                                   "(1/5/10/25 images a class)", fewshot)
+
+    spec = build_spec(name, datasets[0], MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
+                      points=points)
+    resume = storage.exists(storage.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
+    sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
+                       "scratch", lambda: run_sweep(spec, resume=resume, log=log))
+    if sweep and sweep["failed"]:
+        stages.failed.append(f"sweep: {len(sweep['failed'])} trial(s) failed: "
+                             + "; ".join(f"{f['trial']}: {f['error']}" for f in sweep["failed"]))
+    result["sweep"] = sweep
+
+    def report() -> dict:
+        uri = resolve_tracking_uri(datasets[0])
+        rows = compare_rows(uri, experiment, sweep=name)
+        groups = aggregate_rows([{**r, "source": source_label(r.get("source"))} for r in rows])
+        curve = storage.join(work, "low_data.png")
+        plot_low_data([g for g in groups if g["recipe"] == MAIN[0]], curve, label=str)
+        plot = storage.join(work, "compare.png")
+        plot_compare(uri, [r for r in rows if r.get("source") != "pixels"], plot)
+        if sweep:
+            for path in (curve, plot):
+                log_plot_to_parent(uri, sweep["parent_run_id"], path)
+        exp_id = get_client(uri).get_experiment_by_name(experiment).experiment_id
+        return {"rows": rows, "groups": groups, "plots": [curve, plot], "tracking_uri": uri,
+                "experiment": experiment, "ui_url": ui_url(UI_ADDRESS, exp_id)}
+
+    out = stages.run("results", "seeds table and low-data curve from MLflow", report)
+    result.update(out or {})
+    result.update(seconds=time.time() - t0, timings=stages.timings, failed=stages.failed)
+    from vitp.cli.demo_report import print_summary  # the summary block
+
+    result["verdict"] = print_summary(result, main=MAIN, margin=MARGIN, quick=quick,
+                                      main_cfg=downstream(*MAIN))
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    result = run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address,
+                      seed=args.seed, objective=args.objective)
+    return 1 if result["failed"] else 0
+
+
+def _add_demo(sub) -> Handler:
+    p = sub.add_parser("demo", help="the paper's point on this machine: pre-train, transfer, compare "
+                                    "with training from scratch")
+    p.add_argument("--quick", action="store_true", help="a smaller run (under ~2.5 minutes on 2 cores)")
+    p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the pre-training; the fine-tunes use SEED, SEED+1, SEED+2 (default 0)")
+    p.add_argument("--objective", choices=["classify", "mpp"], default="classify",
+                   help="pre-training objective: the corpus's labels, or masked patch prediction (self-supervised)")
+    p.add_argument("--work-dir", help="where everything goes (default work/demo[-mpp][-seedN][-quick])")
+    add_address(p)
+    return cmd_demo
+
+
+def add_parsers(sub) -> dict[str, Handler]:
+    """Add this group's subcommands to `sub`; returns {command name: handler}."""
+    return {"demo": _add_demo(sub)}

@@ -1,0 +1,384 @@
+"""`vitp` commands that build an experiment: config, model, plan, synth, preprocess, pretrain, finetune, sweep, export.
+
+Each parser sits beside its handler; a handler parses, calls the module that owns the work, prints.
+Must not contain logic; torch, ray and mlflow are imported inside the handler that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from vitp import recipes
+from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
+                               typed_changes)
+from vitp.config import ExperimentConfig, parse_value, set_values, validate
+from vitp.config.files import is_experiment_file
+from vitp.config.keydoc import key_table
+from vitp.errors import ConfigError, InputError
+from vitp.names import check_name
+from vitp.storage import abspath
+from vitp.train.transfer import finetune_config
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, fn in recipes.RECIPES.items():
+            first = (fn.__doc__ or "").strip().splitlines()[0]
+            print(f"{name:24s} {first}")
+        return 0
+    if not args.recipe:
+        raise ConfigError("name a recipe, or --list to see them")
+    cfg = config_from(args, check_paths=False)  # reading a recipe needs none of its paths to exist here
+    print(key_table(cfg) if args.keys else cfg.to_json())
+    return 0
+
+
+def _add_config(sub) -> Handler:
+    p = sub.add_parser("config", help="print a recipe's resolved config as JSON")
+    add_recipe(p, optional=True)
+    p.add_argument("--list", action="store_true", help="list the recipes")
+    p.add_argument("--keys", action="store_true",
+                   help="list every key --set takes: its type, the recipe's value (and the default), its meaning")
+    p.add_argument("--no-path-check", action="store_true", help=argparse.SUPPRESS)  # the default now; old scripts pass it
+    return cmd_config
+
+
+# ------------------------------------------------------------------------------- model
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from vitp.model.flops import forward_flops, resnet_cost, training_flops  # lazy: keeps vitp --help fast (torch)
+    from vitp.model.memory import estimate
+    from vitp.model.vit import build_vit  # lazy: keeps vitp --help fast (torch)
+
+    cfg = validate(set_values(ExperimentConfig(), {"model.variant": args.variant, "model.head": args.head,
+                                                   "model.num_classes": args.num_classes,
+                                                   "data.image_size": args.image_size}), check_paths=False)
+    model = build_vit(cfg.model, args.image_size, device="meta")  # counts without allocating
+    params = sum(p.numel() for p in model.parameters())
+    rep = model.representation_size if args.head == "pretrain" else None
+    fwd = forward_flops(args.variant, args.image_size, args.num_classes, rep)
+    mem = estimate(args.variant, args.image_size, zero_stage=args.zero, world=args.workers,
+                   micro_batch=args.micro_batch, precision=args.precision, checkpointing=args.checkpointing,
+                   offload_optimizer=args.offload, offload_params=args.offload and args.zero == 3,
+                   num_classes=args.num_classes, representation_size=rep)
+    info = {
+        "variant": args.variant,
+        "image_size": args.image_size,
+        "tokens": model.grid**2 + 1,
+        "depth": model.spec.depth,
+        "width": model.spec.width,
+        "mlp_dim": model.spec.mlp_dim,
+        "heads": model.spec.heads,
+        "head": args.head,
+        "num_classes": args.num_classes,
+        "params_m": round(params / 1e6, 3),
+        "forward_gflops": round(fwd / 1e9, 2),
+        "train_gflops": round(training_flops(args.variant, args.image_size, args.num_classes, rep) / 1e9, 2),
+        "memory": {"zero_stage": args.zero, "workers": args.workers, "micro_batch": args.micro_batch,
+                   "precision": args.precision, "checkpointing": args.checkpointing, "offload": args.offload,
+                   **{k: round(v, 3) for k, v in mem.gb().items() if k != "params_m"}},
+    }
+    spec = model.spec
+    if spec.hybrid:  # the ResNet's share; the memory model counts its parameters, not its activations
+        macs, n = resnet_cost(spec, args.image_size)
+        info["resnet"] = {"blocks": list(spec.resnet), "root_width": spec.resnet_width, "stride": spec.stride,
+                          "patch": spec.patch, "params_m": round(n / 1e6, 3), "forward_gflops": round(2 * macs / 1e9, 2)}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"ViT-{args.variant} at {args.image_size}px: {info['params_m']:.2f}M params, "
+          f"{info['forward_gflops']:.1f} GFLOPs forward / {info['train_gflops']:.1f} training per image")
+    print(f"  depth {info['depth']}, width {info['width']}, MLP {info['mlp_dim']}, heads "
+          f"{info['heads']}, {info['tokens']} tokens, {args.head} head with {args.num_classes} classes")
+    if "resnet" in info:
+        r = info["resnet"]
+        print(f"  ResNet: blocks {tuple(r['blocks'])}, root width {r['root_width']}, {r['params_m']:.2f}M params, "
+              f"{r['forward_gflops']:.1f} GFLOPs; {r['patch']}x{r['patch']} patches of its /{r['stride'] // r['patch']} "
+              f"map (activation memory below is the Transformer's)")
+    print(f"  memory per worker, ZeRO-{args.zero} on {args.workers} workers, micro-batch {args.micro_batch}, "
+          f"{args.precision}{', activation checkpointing' if args.checkpointing else ''}"
+          f"{', offload' if args.offload else ''}: {mem.device / 1e9:.2f} GB")
+    print(f"    model states {mem.states / 1e9:.2f} GB (ZeRO paper: {mem.paper_states / 1e9:.2f}), "
+          f"DeepSpeed buffers {mem.buffers / 1e9:.2f}, activations {mem.activations / 1e9:.2f}"
+          + (f"; in host memory {mem.host / 1e9:.2f} GB" if mem.host else ""))
+    return 0
+
+
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image-size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier outputs")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype")
+
+
+def _add_model(sub) -> Handler:
+    p = sub.add_parser("model", help="params, GFLOPs and training memory of a ViT variant")
+    p.add_argument("variant", help='e.g. "B/16", "H/14", "Ti/16"')
+    _add_memory_args(p)
+    p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
+                   help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (memory estimate)")
+    p.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs)")
+    p.add_argument("--micro-batch", type=int, default=1, help="images per worker per forward")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--offload", action="store_true", help="optimizer (and ZeRO-3 parameter) offload to CPU")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return cmd_model
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from vitp.model.memory import plan, plan_overrides
+    from vitp.model.variants import decode_variant
+
+    decode_variant(args.variant)  # a bad name is one ConfigError line
+    settings = plan(args.variant, args.image_size, gpus=args.gpus, gpu_mem_gb=args.gpu_mem,
+                    precision=args.precision, max_micro_batch=args.max_micro_batch, num_classes=args.num_classes)
+    if not settings:
+        raise InputError(f"ViT-{args.variant} at {args.image_size}px does not fit {args.gpus} GPU(s) of "
+                         f"{args.gpu_mem:g} GB even with ZeRO-3, offload, checkpointing and micro-batch 1: "
+                         "use more GPUs or a smaller variant / image size")
+    if args.json:
+        print(json.dumps([{"zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
+                           "checkpointing": s.checkpointing, "offload": s.offload, "cost": round(s.cost, 3),
+                           **{k: round(v, 3) for k, v in s.estimate.gb().items()}} for s in settings], indent=2))
+        return 0
+    best = settings[0]
+    overrides = plan_overrides(best, args.variant, args.image_size, args.precision, args.gpus, args.global_batch)
+    print(f"ViT-{args.variant} at {args.image_size}px on {args.gpus} x {args.gpu_mem:g} GB, {args.precision}: "
+          f"use ZeRO-{best.zero_stage}, micro-batch {best.micro_batch}"
+          f"{', activation checkpointing' if best.checkpointing else ''}{', offload' if best.offload else ''}")
+    print("  " + " ".join(f"--set {k}={v}" for k, v in overrides.items()))
+    print(f"  {'zero':>4} {'micro':>5} {'ckpt':>4} {'offload':>7} {'states':>7} {'acts':>7} {'total GB':>8} {'cost':>5}")
+    for s in settings[:args.top]:
+        e = s.estimate
+        print(f"  {s.zero_stage:>4} {s.micro_batch:>5} {'yes' if s.checkpointing else 'no':>4} "
+              f"{'yes' if s.offload else 'no':>7} {e.states / 1e9:>7.2f} {e.activations / 1e9:>7.2f} "
+              f"{e.device / 1e9:>8.2f} {s.cost:>5.2f}")
+    return 0
+
+
+def _add_plan(sub) -> Handler:
+    p = sub.add_parser("plan", help="the cheapest ZeRO stage / micro-batch / checkpointing / offload that fits")
+    p.add_argument("variant", help='e.g. "H/14"')
+    _add_memory_args(p)
+    p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
+    p.add_argument("--max-micro-batch", type=int, default=256, help="largest micro-batch tried")
+    p.add_argument("--global-batch", type=int, default=4096,
+                   help="images per optimizer step (the paper's 4096): the printed --set line derives "
+                        "the gradient accumulation from it")
+    p.add_argument("--top", type=int, default=6, help="settings listed, cheapest first")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return cmd_plan
+
+
+# ----------------------------------------------------------------------- synth, preprocess
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
+    return 0
+
+
+def _add_synth(sub) -> Handler:
+    p = sub.add_parser("synth", help="render the synthetic fractal corpus (ImageFolder) with Ray Data")
+    add_recipe(p)
+    p.add_argument("--out", type=abspath, help="output directory or URI (default <work_dir>/synth)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
+    add_address(p)
+    return cmd_synth
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
+
+    if args.overwrite and args.resume:
+        raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
+    return 0 if summary.get("written", 0) > 0 else 1
+
+
+def _add_preprocess(sub) -> Handler:
+    p = sub.add_parser("preprocess", help="decode, validate, resize and shard a corpus to Parquet")
+    add_recipe(p)
+    p.add_argument("--out", type=abspath,
+                   help="shard directory or URI (default data.shards or <work_dir>/shards/<source>)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing shards, start over")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an unfinished (killed) run there: write only the shards it lacks")
+    add_address(p)
+    return cmd_preprocess
+
+
+# --------------------------------------------------------------------- pretrain, finetune
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+
+    cfg = config_from(args)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking)
+    _print_summary(summary, ("train/loss",))
+    print(f"  export:     vitp export {summary.checkpoint}")
+    return 0
+
+
+def _print_summary(summary, keys: tuple[str, ...]) -> None:
+    """A finished training run: its step, the given metrics, checkpoint and MLflow run."""
+    values = ", ".join(f"{k} {summary.metrics.get(k, float('nan')):.4f}" for k in keys)
+    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, {values}")
+    print(f"  checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"  MLflow run: {summary.mlflow_run_id}")
+
+
+def _add_pretrain(sub) -> Handler:
+    p = sub.add_parser("pretrain", help="pre-train a ViT with Ray Train + DeepSpeed ZeRO")
+    add_recipe(p)
+    add_tracking(p)
+    add_address(p)
+    return cmd_pretrain
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+
+    user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
+    cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
+    cfg = validate(cfg)
+    connect_ray(cfg, args.address)
+    ensure_shards(cfg)
+    summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
+    _print_summary(summary, ("val/top1", "val/loss"))
+    return 0
+
+
+def _add_finetune(sub) -> Handler:
+    p = sub.add_parser("finetune", help="fine-tune from pre-trained weights (or scratch) with the transfer recipe")
+    add_recipe(p)
+    p.add_argument("--from", dest="source", required=True, type=abspath,
+                   help="checkpoint dir, export dir (vitp export / vitp import), .safetensors file, or 'scratch'")
+    add_tracking(p)
+    add_address(p)
+    return cmd_finetune
+
+
+# ------------------------------------------------------------------------------- sweep
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+
+    # the base recipe's config (its own RECIPE:KEY=VALUE too); build_spec validates every trial's
+    # config: once, not here too
+    base = set_values(recipes.with_overrides(args.recipe, recipes.overrides_for(args.recipe, args.overrides)),
+                      typed_changes(args))
+    space = {}
+    for item in args.space:
+        key, _, values = item.partition("=")
+        # sources are paths: resolved here, where the user's working directory is known
+        space[key] = [(abspath(v) if key == "source" else v) if key in AXES else parse_value(key, v)
+                      for v in values.split(",") if v]
+    name = args.name or (Path(args.recipe).stem if is_experiment_file(args.recipe) else args.recipe)
+    spec = build_spec(name, base, args.recipe, args.overrides, changes=typed_changes(args),
+                      recipes=args.datasets.split(",") if args.datasets else None,
+                      sources=args.sources or None, extra_space=space)
+    connect_ray(base, args.address)
+    for cfg in dataset_configs(spec):  # shards once, before trials race for them
+        ensure_shards(cfg)
+    summary = run_sweep(spec, resume=args.resume)
+    print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
+    for dataset, best in summary["best"].items():
+        print(f"best on {dataset}: {best['run_name']} {spec.metric} {best['top1']:.4f}")
+    if summary["failed"]:
+        print(f"{len(summary['failed'])} trial(s) failed:", file=sys.stderr)
+        for f in summary["failed"]:
+            print(f"  {f['trial']}: {f['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_sweep(sub) -> Handler:
+    p = sub.add_parser("sweep", help="Ray Tune sweep of fine-tuning runs (lr x datasets x sources)")
+    add_recipe(p, set_help="override a config field of every trial, e.g. --set optim.lr=0.003, or of one "
+                           "dataset's trials: --set finetune_pets:data.path=s3://b/pets (repeatable)")
+    p.add_argument("--name", help="sweep name (default: the recipe); also the MLflow parent run")
+    p.add_argument("--datasets", help="comma-separated fine-tuning recipes to sweep over, e.g. "
+                                      "finetune_cifar10,finetune_pets")
+    p.add_argument("--from", dest="sources", action="append", default=[], type=abspath,
+                   help="a source to start from (repeatable): checkpoint/export path or 'scratch'")
+    p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
+                   help="add a grid axis, e.g. --space optim.lr=0.01,0.03 (repeatable)")
+    p.add_argument("--scheduler", choices=["none", "asha"], help="override tune.scheduler")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    add_tracking(p, can_disable=False)
+    add_address(p)
+    return cmd_sweep
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vitp.train.export import export_as  # lazy: keeps vitp --help fast (torch)
+
+    suffix = {"ours": "-export", "timm": "-timm.safetensors", "hf": "-hf"}[args.format]
+    out = args.out or args.checkpoint.rstrip("/") + suffix
+    if args.register:
+        if args.format != "ours":
+            raise ConfigError("--register logs our export format: leave out --format, register, then "
+                              "export the registered export with --format")
+        check_name("--register", args.register)  # before the export is written
+    export_as(args.checkpoint, out, args.format)
+    print(f"wrote {out}" if args.format == "timm" else f"wrote {out}/model.safetensors and {out}/config.json")
+    if args.register:
+        from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
+
+        reg = register_export(out, args.register, tracking_uri=args.tracking_uri)
+        print(f"registered {reg['model_uri']}; fine-tunes from {out} record it as their source_model")
+    return 0
+
+
+def _add_export(sub) -> Handler:
+    p = sub.add_parser("export", help="consolidate a checkpoint into fp32 safetensors + config.json")
+    p.add_argument("checkpoint", type=abspath, help="a checkpoint (or, with --format, export) directory or URI")
+    p.add_argument("--format", choices=("ours", "timm", "hf"), default="ours",
+                   help="ours: safetensors + config.json that vitp reads; timm: timm-named weights (a "
+                        ".safetensors file); hf: a Hugging Face ViTForImageClassification dir")
+    p.add_argument("--out", type=abspath, help="output directory, file (timm) or URI (default CHECKPOINT-export, "
+                                               "-timm.safetensors or -hf)")
+    p.add_argument("--register", metavar="NAME",
+                   help="also log the export as an MLflow model of the run that trained it (its config "
+                        "and metrics) and register it as a new version of NAME")
+    add_tracking(p, can_disable=False, help="MLflow tracking URI for --register (default: the one the "
+                                            "checkpoint's config names, else sqlite in its work_dir)")
+    return cmd_export
+
+
+def add_parsers(sub) -> dict[str, Handler]:
+    """Add this group's subcommands to `sub`; returns {command name: handler}."""
+    return {"config": _add_config(sub), "model": _add_model(sub), "plan": _add_plan(sub), "synth": _add_synth(sub),
+            "preprocess": _add_preprocess(sub), "pretrain": _add_pretrain(sub),
+            "finetune": _add_finetune(sub), "sweep": _add_sweep(sub), "export": _add_export(sub)}

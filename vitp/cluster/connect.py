@@ -1,0 +1,73 @@
+"""Join a Ray cluster, or start a local Ray sized for a config: `connect_ray`; and how much of
+Ray's own output a user sees (vitp.console: errors and our lines, unless `vitp --verbose`).
+
+The one place a command calls `ray.init`. Must not submit jobs or train.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import ray
+
+from ..config import ExperimentConfig
+from ..console import library_log_level, quiet_env, verbose
+from ..net import free_port
+from . import output
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """os.environ with `values` set, restored afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
+    """Join the cluster at `address` (or $RAY_ADDRESS); else start a local Ray sized for `cfg`.
+
+    Locally the CPU count is logical: Train's controller and Ray Data's read/augment tasks need
+    slots beside the workers, so we ask for at least workers x cpus_per_worker + 2.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    env = quiet_env()
+    os.environ.update(env)  # this process (Ray Data on the driver) and local Ray's workers
+    # every Ray process of this job: Ray's and Ray Train's own INFO lines stay in the log files
+    logging_config = None if verbose() else ray.LoggingConfig(log_level="WARNING")
+    if address:
+        # the job's processes get the same environment, but the package (and so the Ray Data
+        # YAML) may live elsewhere on the nodes: Ray Data's level instead (its INFO lines then
+        # leave ray-data.log as well as the console)
+        remote_env = {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}
+        if env:
+            remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
+        ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
+                 logging_config=logging_config, runtime_env={"env_vars": remote_env})
+    else:
+        p = cfg.parallel
+        need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
+        # Its address is chosen here and given to the processes it starts, which inherit this
+        # environment: Ray's state API (Train's placement-group cleaner calls it every second)
+        # finds the cluster by scanning the machine when RAY_ADDRESS is unset, and fails with a
+        # traceback when another Ray runs beside this one. This process keeps its own environment
+        # (a later local start must not join a cluster that is gone); address="local" starts a
+        # new Ray whatever RAY_ADDRESS says.
+        port = free_port()
+        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
+            # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth
+            # on a local cluster, ...) are not for the user to act on
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                     logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
+    if not verbose():
+        output.install()

@@ -1,0 +1,245 @@
+"""Off-thread metric logging: the sender thread that posts a run's spool (spoolfile.py), the heartbeat.
+
+log_metrics appends a line and returns; the sender posts lines in order, one short HTTP attempt each,
+asking the server for each key's top step first and after any failure: each (metric, step) lands once.
+A spool left by a dead process is adopted by the next start of its run. No torch, no ray.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from functools import partial
+
+from mlflow.entities import Metric, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.store.tracking.rest_store import RestStore
+from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.proto_json_utils import parse_dict
+from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, MetricSpool, spool_dir_for
+from vitp.tracking.store import get_client, normalise_uri
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TAG = "vitp.heartbeat"  # unix seconds; refreshed by the sender, read by stale.py
+
+
+class _OneShotRestStore(RestStore):
+    """RestStore making one HTTP attempt per call, bounded by `timeout_s`.
+
+    mlflow retries each request up to 7 times with doubling backoff and a 120 s timeout
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES / _BACKOFF_FACTOR / _TIMEOUT): minutes. Those are process-wide
+    environment settings, so the sender passes its own limits per request instead.
+    """
+
+    def __init__(self, uri: str, timeout_s: float):
+        super().__init__(partial(get_default_host_creds, uri))
+        self._timeout_s = timeout_s
+
+    def _call_endpoint(self, api, json_body=None, endpoint=None, retry_timeout_seconds=None,
+                       response_proto=None):
+        default_endpoint, method = self._METHOD_TO_INFO[api]
+        endpoint = endpoint or default_endpoint
+        body = json.loads(json_body) if json_body is not None else None
+        response = http_request(
+            self.get_host_creds(), endpoint, method, max_retries=0, backoff_factor=0,
+            timeout=self._timeout_s, **({"params": body} if method == "GET" else {"json": body}),
+        )
+        response = verify_rest_response(response, endpoint)
+        proto = response_proto or api.Response()
+        parse_dict(js_dict=json.loads(response.text or "{}"), message=proto)
+        return proto
+
+
+class SenderClient:
+    """The calls the sender makes: one bounded attempt each against a server, plain calls on a DB."""
+
+    def __init__(self, tracking_uri: str, timeout_s: float):
+        uri = normalise_uri(tracking_uri)
+        self.uri = uri
+        self._rest = _OneShotRestStore(uri, timeout_s) if uri.startswith(("http://", "https://")) else None
+        self._client = None if self._rest else get_client(uri)
+
+    def log_batch(self, run_id: str, metrics=(), tags=()) -> None:
+        if self._rest:
+            self._rest.log_batch(run_id, list(metrics), [], list(tags))
+        else:
+            self._client.log_batch(run_id, metrics=list(metrics), tags=list(tags))
+
+    def max_step(self, run_id: str, key: str) -> int:
+        history = (self._rest or self._client).get_metric_history(run_id, key)
+        return max((m.step for m in history), default=-1)
+
+    def terminate(self, run_id: str, status: str) -> None:
+        end = int(time.time() * 1000)
+        if self._rest:
+            self._rest.update_run_info(run_id, RunStatus.from_string(status), end, None)
+        else:
+            self._client.set_terminated(run_id, status, end)
+
+
+def _rejected(e: Exception) -> bool:
+    """The server refused the batch itself (400/404): resending cannot help."""
+    return isinstance(e, MlflowException) and e.get_http_status_code() in (400, 404)
+
+
+class MetricSender:
+    """A run's spool plus the daemon thread that posts it and refreshes the heartbeat tag.
+
+    `known`: top step per key the server holds (None: not known). The sender reads the server's top
+    step of each key before sending it first and again after any failed request (it may have
+    succeeded server-side), and drops every (key, step) at or below it; per key the spool is in
+    step order, so the top step suffices.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, known: dict[str, int] | None, *, timeout_s: float = 5.0,
+                 spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
+                 retry_max_s: float = 15.0, spool_max_mb: float = SPOOL_MAX_MB):
+        self.client = SenderClient(tracking_uri, timeout_s)
+        self.timeout_s = timeout_s
+        self.run_id = run_id
+        self.spool = MetricSpool(spool_dir_for(run_id, spool_dir), max_bytes=int(spool_max_mb * 2**20))
+        self.adopted = self.spool.adopt_leftovers()
+        self.known = dict(known or {})
+        self._checked = set(self.known)  # keys whose top step is confirmed since the last failure
+        self.heartbeat_s = heartbeat_s
+        self.retry_max_s = retry_max_s
+        self.last_error = ""
+        self.left = 0
+        self._wake = threading.Event()
+        self._sent = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- caller side
+    def start(self) -> "MetricSender":
+        self._thread = threading.Thread(target=self._run, name=f"mlflow-sender-{self.run_id[:8]}", daemon=True)
+        self._thread.start()
+        return self
+
+    def append(self, step: int, ts: int, values: dict[str, float]) -> None:
+        self.spool.append(step, ts, values)
+        self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the spool to empty (retrying twice a second meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while self.spool.pending_bytes() > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._thread is None or not self._thread.is_alive():
+                if not self.drain():
+                    time.sleep(min(left, 0.5))
+                continue
+            self._wake.set()
+            with self._sent:
+                self._sent.wait(min(left, 0.5))
+        return True
+
+    def adopt(self) -> None:
+        """Take over the spools of this run's processes that ended meanwhile (e.g. a Train worker's
+        on this node); they may have sent part of them since the server's steps were read."""
+        if self.spool.adopt_leftovers():
+            self._checked.clear()
+
+    def close(self, timeout_s: float) -> bool:
+        """Adopt ended processes' spools, flush (bounded), stop the thread, release the spool
+        (kept on disk if not empty)."""
+        self.adopt()
+        self.flush(timeout_s)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 1.0)  # at most one request in flight
+        self.left = self.spool.pending_values()  # metric values kept on disk
+        if self.spool.dropped or self.spool.failed:
+            log.warning("run %s: %d metric lines were not spooled (%d past the spool's bound, %d refused by "
+                        "the disk) and are not in MLflow", self.run_id, self.spool.dropped + self.spool.failed,
+                        self.spool.dropped, self.spool.failed)
+        self.spool.close()
+        return self.left == 0
+
+    # ---------------------------------------------------------------- sender side
+    def drain(self) -> bool:
+        """Send everything spooled now; False at the first failure (the rest stays spooled)."""
+        while True:
+            metrics, nbytes = self.spool.read(METRICS_PER_BATCH)
+            if not nbytes:
+                return True
+            try:
+                for key in {m.key for m in metrics} - self._checked:
+                    self.known[key] = max(self.known.get(key, -1), self.client.max_step(self.run_id, key))
+                    self._checked.add(key)
+                batch = self._new(metrics)
+                if batch:
+                    self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as e:  # noqa: BLE001 - any failure: keep it spooled and retry later
+                if not _rejected(e):
+                    self._failed(e)
+                    return False
+                log.warning("MLflow rejected %d metric values of run %s (dropped): %s", len(metrics), self.run_id, e)
+                batch = []
+            for m in batch:
+                self.known[m.key] = m.step
+            self.spool.advance(nbytes)
+            if self.last_error:
+                log.warning("MLflow at %s answers again: sending spooled metrics", self.client.uri)
+                self.last_error = ""
+            with self._sent:
+                self._sent.notify_all()
+
+    def _new(self, metrics: list[Metric]) -> list[Metric]:
+        """The metrics the server lacks, in step order, one per (key, step)."""
+        top = dict(self.known)
+        batch = []
+        for m in sorted(metrics, key=lambda m: m.step):
+            if m.step > top.get(m.key, -1):
+                top[m.key] = m.step
+                batch.append(m)
+        return batch
+
+    def _failed(self, e: Exception) -> None:
+        self._checked.clear()
+        if not self.last_error:
+            log.warning("MLflow at %s unreachable (%s): metrics spooled to %s and sent when it answers",
+                        self.client.uri, str(e).splitlines()[0][:200], self.spool.path)
+        self.last_error = str(e)
+
+    def beat(self) -> bool:
+        try:
+            self.client.log_batch(self.run_id, tags=[RunTag(HEARTBEAT_TAG, str(int(time.time())))])
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return False
+
+    def _run(self) -> None:
+        backoff, last_beat, wait = 0.5, float("-inf"), 0.0
+        while not self._stopping:
+            self._wake.wait(wait)
+            self._wake.clear()
+            try:
+                ok = self.drain()
+            except Exception:  # noqa: BLE001 - e.g. the spool's disk failing: keep the thread, retry
+                log.exception("MLflow sender of run %s", self.run_id)
+                ok = False
+            if ok and time.monotonic() - last_beat >= self.heartbeat_s:
+                ok = self.beat()
+                last_beat = time.monotonic() if ok else last_beat
+            if ok:
+                backoff, wait = 0.5, max(0.05, self.heartbeat_s - (time.monotonic() - last_beat))
+            else:
+                wait, backoff = backoff, min(backoff * 2, self.retry_max_s)
+
+    def terminate(self, status: str) -> bool:
+        try:
+            self.client.terminate(self.run_id, status)
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.last_error = str(e)
+            return False

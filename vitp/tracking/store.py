@@ -1,0 +1,198 @@
+"""The MLflow store: its URI, a race-safe client, experiments, and quoting values into search filters.
+
+Owns the rules every tracking module shares (TrackingError, normalise_uri, get_client, quote,
+tag_filters). A sink: imports mlflow, vitp.errors and vitp.storage only; never torch or ray.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from vitp.errors import ConfigError, UserError
+from vitp.storage import is_uri
+
+if TYPE_CHECKING:
+    from vitp.config import ExperimentConfig
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; get_client's retries absorb most races
+    fcntl = None
+
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: what the UI nests child runs under
+
+
+class TrackingError(UserError, RuntimeError):
+    """An MLflow operation cannot go ahead; the message names the input and the fix (`vitp` exit 2)."""
+
+
+# --------------------------------------------------------------------------------------
+# Store URI and client
+# --------------------------------------------------------------------------------------
+
+# MLflow store URIs have forms of their own ("databricks", "file:"), hence a regex of our own here.
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def normalise_uri(uri: str) -> str:
+    """A store URI as MLflow wants it: plain paths become sqlite (".db") or file stores, absolute."""
+    if _URI_SCHEME.match(uri) or uri.startswith(("file:", "databricks")):
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            # sqlite:///rel.db is relative to the cwd of whichever process opens it; pin it.
+            path = Path(uri[len("sqlite:///"):]).expanduser().resolve()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return f"sqlite:///{path}"
+        if uri.startswith("sqlite:////"):
+            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        return uri
+    path = Path(uri).expanduser().resolve()
+    if path.suffix in (".db", ".sqlite", ".sqlite3"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    # A directory: MLflow's file store (kept for existing ./mlruns trees).
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def resolve_tracking_uri(cfg: "ExperimentConfig") -> str:
+    """cfg.tracking.uri (server URL, DB URI or path), else sqlite:///<abs work_dir>/mlflow.db."""
+    if cfg.tracking.uri:
+        return normalise_uri(cfg.tracking.uri)
+    if is_uri(cfg.work_dir) and not cfg.work_dir.startswith("file://"):
+        raise ConfigError(
+            f"work_dir={cfg.work_dir!r} is not a local directory, so the default SQLite MLflow "
+            "store cannot live there: set --set tracking.uri=http://<mlflow-server>:5000 "
+            "(or a database URI)"
+        )
+    work_dir = Path(cfg.work_dir.removeprefix("file://")).expanduser().resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{work_dir / 'mlflow.db'}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:/// store URI; None for any other store."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):])
+    return None
+
+
+_ready: set[str] = set()
+_ready_lock = threading.Lock()
+
+
+def get_client(tracking_uri: str) -> MlflowClient:
+    """An MlflowClient for `tracking_uri`, with a fresh SQLite store initialised by one process at a time.
+
+    MLflow creates/migrates the SQLite schema when the client is constructed; two processes doing
+    that at once fail with "table already exists" / "duplicate column". An exclusive file lock beside
+    the DB serialises the first open; later opens in this process skip the lock.
+    """
+    uri = normalise_uri(tracking_uri)
+    db = _sqlite_path(uri)
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    with _ready_lock:
+        if uri in _ready:
+            return MlflowClient(tracking_uri=uri)
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{db}.lock", "a+") as lock_file:
+            if fcntl is not None:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                for attempt in range(5):
+                    try:
+                        client = MlflowClient(tracking_uri=uri)  # opens and migrates the store
+                        client.search_experiments(max_results=1)
+                        break
+                    except Exception:  # noqa: BLE001 - e.g. a migration by an opener without our lock
+                        if attempt == 4:
+                            raise
+                        time.sleep(0.5 * (attempt + 1))
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+        _ready.add(uri)
+    return client
+
+
+# --------------------------------------------------------------------------------------
+# Experiments
+# --------------------------------------------------------------------------------------
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "experiment"
+
+
+# The MLflow UI (>= 3.4) opens an experiment by its kind: a model-training one on its runs, not
+# on the empty GenAI overview of traces. Ours are all model training.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
+def ui_url(base: str, experiment_id: str) -> str:
+    """The MLflow UI page of an experiment's training runs. The UI opens in its GenAI mode (an empty
+    traces overview) unless told otherwise: `workflowType=machine_learning` is its switch."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def get_or_create_experiment(client: MlflowClient, name: str) -> str:
+    """Experiment id for `name`, creating it if needed; tagged a model-training experiment unless
+    it has a kind already. Safe when several processes race to create it."""
+    if not name:
+        raise TrackingError("experiment name is empty: set --set tracking.experiment=<name>")
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        artifact_location = None
+        db = _sqlite_path(client.tracking_uri)
+        if db is not None:
+            # MLflow's SQLite default puts artifacts in ./mlruns of whatever the cwd is; keep them
+            # beside the DB so a work dir is self-contained.
+            artifact_location = (db.parent / "mlartifacts" / _safe_name(name)).as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException as e:
+            # Lost the race to another process: the experiment exists now.
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise TrackingError(
+                    f"cannot create MLflow experiment {name!r} in {client.tracking_uri}: {e.message}"
+                ) from e
+    if exp.lifecycle_stage == "deleted":
+        raise TrackingError(
+            f"MLflow experiment {name!r} (id {exp.experiment_id}) in {client.tracking_uri} is "
+            f"deleted: restore it (`mlflow experiments restore --experiment-id {exp.experiment_id}`) "
+            "or choose another --set tracking.experiment=<name>"
+        )
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older version or by hand: mark it (a kind set is kept)
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+# --------------------------------------------------------------------------------------
+# Search filters
+# --------------------------------------------------------------------------------------
+
+
+def quote(value: str) -> str:
+    """A string literal for an MLflow search filter."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise TrackingError(f"run name {value!r} contains both ' and \": use a name without quotes")
+
+
+def tag_filters(sweep: str | None, tags: dict[str, Any] | None) -> list[str]:
+    """Filter clauses matching every tag in `tags`, plus the `sweep` tag when given."""
+    wanted = dict(tags or {})
+    if sweep:
+        wanted["sweep"] = sweep
+    return [f"tags.`{k}` = {quote(str(v))}" for k, v in wanted.items()]

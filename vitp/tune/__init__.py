@@ -1,0 +1,3 @@
+"""Transfer evaluation and search: Ray Tune sweeps over fine-tuning runs, few-shot linear evaluation.
+
+Writes MLflow only through `vitp.tracking`."""

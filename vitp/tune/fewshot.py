@@ -1,0 +1,70 @@
+"""`vitp fewshot`: few-shot linear evaluation of exported weights as its own MLflow run
+`fewshot-<source>-<dataset>`. The solver and the features live in vitp.train.fewshot_lsr
+(shared with the probe during pre-training). Writes MLflow only through `vitp.tracking`; reads
+sources only through `vitp.model.weights` / `vitp.train.export`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import storage
+from ..config import ExperimentConfig
+from ..data.ingest import dataset_name, shards_dir, shards_name
+from ..model.weights import SourceInfo, check_source
+from ..train.fewshot_lsr import (BIAS_FEATURE, L2, SHOTS, FeatureExtractor, extract_features,  # noqa: F401
+                                 fewshot_accuracy, lsr_accuracy)
+
+
+# ------------------------------------------------------------------------ the MLflow run
+
+
+def _source_name(weights: str, info: SourceInfo) -> str:
+    """The source's run name when its stored config has a recipe, else its file/dir name."""
+    if info.recipe:
+        try:
+            return ExperimentConfig.from_dict(info.config).run_name
+        except ValueError:
+            return info.recipe
+    return storage.basename(storage.abspath(weights)) or "weights"
+
+
+def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
+                shots: Sequence[int] = SHOTS, seeds: int = 3, l2: float = L2,
+                concurrency: int = 1) -> dict[str, Any]:
+    """Few-shot top-1 of `weights` (export dir, checkpoint or weights file) on cfg's dataset.
+
+    Features of cfg's train split fit the classifier, its val split scores it. With `tracking`,
+    a run `fewshot-<source>-<dataset>` gets params, `fewshot/{k}shot_top1` metrics at the
+    source's step, and a `source_run_id` tag when the source's export records one.
+    Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
+    """
+    weights = storage.abspath(weights)  # the feature actors run in other working directories
+    src = check_source(weights)  # a wrong file fails here, not in the feature actors
+    train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)
+    test_x, test_y = extract_features(weights, cfg, "val", concurrency=concurrency)
+    acc = fewshot_accuracy(train_x, train_y, test_x, test_y, shots=shots, seeds=seeds, l2=l2)
+    metrics = {f"fewshot/{k}shot_top1": v for k, v in acc.items()}
+    result: dict[str, Any] = {**metrics, "run_id": None}
+    if not tracking:
+        return result
+
+    from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+    from ..tracking.lineage import log_shards
+    from ..tracking.runs import source_tags
+
+    name = f"fewshot-{_source_name(weights, src)}-{dataset_name(cfg)}"
+    tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg),
+            **source_tags(f"vitp fewshot {cfg.recipe}")}
+    if src.mlflow_run_id:
+        tags["source_run_id"] = src.mlflow_run_id
+    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name, resume_by_name=False,
+                         tags=tags, background=True, timeout_s=cfg.tracking.log_timeout_s) as logger:
+        log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
+        logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
+                                       "dataset": dataset_name(cfg), "shards": cfg.data.shards,
+                                       "source": weights,
+                                       "feature_dim": int(train_x.shape[1]),
+                                       "train_examples": len(train_y), "test_examples": len(test_y)}})
+        logger.log_metrics(metrics, step=src.step)
+        result["run_id"] = logger.run_id
+    return result

@@ -1,0 +1,126 @@
+"""What a sweep prints, and what it records of trials Tune stopped: a Tune callback on the driver.
+
+One line per trial start and end with the sweep's ETA (Tune's own tables are off: they show
+nested configs); a trial the scheduler stopped early has its MLflow run ended KILLED with tags
+naming the scheduler and step, never left FAILED. MLflow only through `vitp.tracking`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Optional
+
+from ray.tune import Callback
+
+from ..console import progress
+from ..tracking import find_runs
+from ..tracking.store import get_client, quote
+
+STOPPED_BY_TAG = "vitp.stopped_by"  # who ended a run early: "asha" (the scheduler), ...
+STOPPED_AT_TAG = "vitp.stopped_at_step"
+
+# A trial's last result key holding the user's mistake it ended on (a ConfigError or InputError
+# inside its training: e.g. a source whose weights file is damaged). Such a trial returns instead of
+# raising: Tune retries every error trial_retries times, and the same input fails the same way on
+# every attempt. Its metric is NaN (no score); sweep.summarise and SweepProgress count it as failed.
+USER_ERROR = "vitp/user_error"
+
+
+def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
+    """The one line a failed trial ended on: the user's mistake it returned with, or the last
+    line of the error Tune recorded ("" for a trial that did not fail)."""
+    if (result or {}).get(USER_ERROR):
+        return str(result[USER_ERROR]).splitlines()[0][:300]
+    return (str(error).strip().splitlines() or ["?"])[-1][:300] if error else ""
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class SweepProgress(Callback):
+    """Prints `[sweep NAME] trial i/N ...` lines with an ETA, and marks pruned trials' runs."""
+
+    def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
+                 experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
+                 planned_steps: Callable[[Mapping[str, Any]], int] | None = None,
+                 log: Callable[[str], None] = print):
+        self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.planned_steps = planned_steps
+        self.scheduler, self.log = scheduler, log
+        self.started: dict[str, float] = {}
+        self.durations: list[float] = []
+        self.ended = 0
+        self.stopped: dict[str, Any] = {}  # trial id -> the step the scheduler stopped it at
+
+    def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
+        return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, log=print, run_name=lambda config: "?", planned_steps=None)
+
+    def _eta(self) -> str:
+        left = self.total - self.ended
+        if not self.durations or left <= 0:
+            return ""
+        mean = sum(self.durations) / len(self.durations)
+        return _duration(mean * left / min(self.concurrency, left))
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.started[trial.trial_id] = time.time()
+        self.log(f"[sweep {self.name}] trial {trial.trial_id} started: {self.run_name(trial.config)}")
+
+    def _end(self, trial, what: str) -> None:
+        self.ended += 1
+        t0 = self.started.pop(trial.trial_id, None)
+        took = time.time() - t0 if t0 is not None else None
+        if took is not None:
+            self.durations.append(took)
+        eta = self._eta()
+        self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config)}: {what}"
+                 f"{f' in {_duration(took)}' if took is not None else ''}{f', ETA {eta}' if eta else ''}")
+        # on a terminal, a bar of the sweep (the line above already says it elsewhere)
+        progress(f"[sweep {self.name}] {self.ended}/{self.total} trials", self.ended, self.total,
+                 eta or "-", log=lambda line: None)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        # A trial the scheduler stopped completes too (Tune marks its last result done): it is
+        # told apart by its last reported step, short of the steps it was planned to train.
+        result = trial.last_result or {}
+        if result.get(USER_ERROR):  # ended on the user's mistake: failed, not retried
+            self._end(trial, f"FAILED: {trial_error(None, result)[:200]}")
+            return
+        value = result.get(self.metric)
+        score = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {self.metric}"
+        step = result.get("step")
+        planned = self.planned_steps(trial.config) if self.planned_steps else None
+        if self.scheduler == "none" or step is None or planned is None or step >= planned:
+            self._end(trial, score)
+            return
+        self._end(trial, f"stopped early by {self.scheduler} at step {step} of {planned} ({score})")
+        self.stopped[trial.trial_id] = step
+        self._mark_stopped(trial.trial_id, step)
+
+    def settle(self) -> None:
+        """Mark the stopped trials' runs KILLED again once every trial has ended: a stopped trial's
+        own driver sees the stop as an error and may end its run FAILED after the first mark."""
+        for trial_id, step in getattr(self, "stopped", {}).items():
+            self._mark_stopped(trial_id, step)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        error = trial_error(getattr(trial, "error_msg", None) or "see the trial's error.txt", None)
+        self._end(trial, f"FAILED: {error[:200]}")
+
+    def _mark_stopped(self, trial_id: str, step: Any) -> None:
+        """End the trial's MLflow run KILLED with who stopped it and when (not FAILED)."""
+        try:
+            runs = find_runs(self.tracking_uri, self.experiment,
+                             f"tags.trial_id = {quote(trial_id)} and tags.sweep = {quote(self.name)}")
+            client = get_client(self.tracking_uri)
+            for run in runs:
+                client.set_tag(run["run_id"], STOPPED_BY_TAG, self.scheduler)
+                client.set_tag(run["run_id"], STOPPED_AT_TAG, str(step))
+                client.set_terminated(run["run_id"], "KILLED")
+        except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
+            self.log(f"[sweep {self.name}] could not mark trial {trial_id}'s MLflow run KILLED: {e}")
