@@ -1,7 +1,7 @@
 """The package's shape, checked from its source: the import graph of vitp/ (every import,
 function-local ones included, relative ones resolved) has no cycles, follows the layer order
 config -> data -> model -> train -> tune -> cluster -> cli (console, errors, names, net, safe_load,
-storage, tracking are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
+storage, tracking, versions are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
 of model/, keeps the Ray worker away from the driver, and no file is over 400 lines. Fast: no Ray,
 one subprocess.
 """
@@ -27,10 +27,11 @@ LAYER_OF_PREFIX = {"vitp.config": "config", "vitp.recipes": "config", "vitp.data
                    "vitp.cluster": "cluster", "vitp.cli": "cli"}
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
 SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.safe_load",
-         "vitp.storage", "vitp.tracking")
+         "vitp.storage", "vitp.tracking", "vitp.versions")
 SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors",), "vitp.errors": (),
                    "vitp.names": ("vitp.errors",), "vitp.net": ("vitp.errors",),
                    "vitp.safe_load": ("vitp.errors",), "vitp.storage": ("vitp.errors",),
+                   "vitp.versions": ("vitp.errors",),
                    "vitp.tracking": SINKS + ("vitp.config", "vitp.recipes")}
 # The one upward edge allowed: validation checks a variant name against the (torch-free) table.
 ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants")}
@@ -445,7 +446,7 @@ def test_every_module_sits_in_a_layer():
     loose = [m.rel for n, m in sorted(g.modules.items())
              if n != "vitp" and _layer(n) is None and _sink(n) is None]
     _none(loose, "modules outside the layers (config/recipes, data, model, train, tune, cluster, cli) "
-                 "and the sinks (console, errors, net, storage, tracking)")
+                 "and the sinks (console, errors, names, net, safe_load, storage, tracking, versions)")
 
 
 def _layer_problems(g: Graph) -> list[str]:

@@ -15,6 +15,7 @@ from vitp.cli import cluster, demo, evaluate, experiment
 from vitp.cli.args import Handler, recipe_from_run
 from vitp.console import VERBOSE_ENV, quiet_env, quiet_loggers
 from vitp.errors import UserError
+from vitp.versions import check_versions
 
 # The end of `vitp --help`. An invalid config lists its problems below the one line, one per line.
 EXIT_CODES = """exit codes:
@@ -22,7 +23,8 @@ EXIT_CODES = """exit codes:
   1    the work failed: a submitted job FAILED, a sweep trial failed, a demo stage failed,
        preprocess wrote nothing; or an internal error (a bug: one line, `vitp --debug CMD ...`
        shows the traceback)
-  2    bad input you can fix: usage, config, paths and files, job specs, MLflow queries
+  2    bad input you can fix: usage, config, paths and files, job specs, MLflow queries,
+       an installed Ray, DeepSpeed or MLflow outside the versions vitp supports
   3    the Ray cluster or its Jobs API cannot be reached or refused the request; or a
        `vitp doctor` check failed
   4    a submitted job was STOPPED
@@ -129,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(quiet_env())  # before any command imports ray.data
     quiet_loggers()
     if args.debug:  # no mapping: every error ends in its traceback
+        check_versions()
         recipe_from_run(args)
         code = args.handler(args)
         sys.stdout.flush()
         return code
     try:
+        check_versions()  # Ray, DeepSpeed, MLflow within the bounds the code was written for
         recipe_from_run(args)  # runs:/RUN_ID -> that run's config, before any command reads it
         code = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
