@@ -1,7 +1,7 @@
 """The package's shape, checked from its source: the import graph of vitp/ (every import,
 function-local ones included, relative ones resolved) has no cycles, follows the layer order
 config -> data -> model -> train -> tune -> cluster -> cli (console, errors, names, net, safe_load,
-storage, tracking, versions are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
+paths, storage, tracking, versions are sinks), keeps torch/ray out of the torch-free modules and Ray/DeepSpeed out
 of model/, keeps the Ray worker away from the driver, and no file is over 400 lines. Fast: no Ray,
 one subprocess.
 """
@@ -26,12 +26,12 @@ LAYER_OF_PREFIX = {"vitp.config": "config", "vitp.recipes": "config", "vitp.data
                    "vitp.model": "model", "vitp.train": "train", "vitp.tune": "tune",
                    "vitp.cluster": "cluster", "vitp.cli": "cli"}
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
-SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.safe_load",
+SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.paths", "vitp.safe_load",
          "vitp.storage", "vitp.tracking", "vitp.versions")
 SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors",), "vitp.errors": (),
                    "vitp.names": ("vitp.errors",), "vitp.net": ("vitp.errors",),
                    "vitp.safe_load": ("vitp.errors",), "vitp.storage": ("vitp.errors",),
-                   "vitp.versions": ("vitp.errors",),
+                   "vitp.versions": ("vitp.errors",), "vitp.paths": ("vitp.errors", "vitp.storage"),
                    "vitp.tracking": SINKS + ("vitp.config", "vitp.recipes")}
 # The one upward edge allowed: validation checks a variant name against the (torch-free) table.
 ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants")}
@@ -446,7 +446,7 @@ def test_every_module_sits_in_a_layer():
     loose = [m.rel for n, m in sorted(g.modules.items())
              if n != "vitp" and _layer(n) is None and _sink(n) is None]
     _none(loose, "modules outside the layers (config/recipes, data, model, train, tune, cluster, cli) "
-                 "and the sinks (console, errors, names, net, safe_load, storage, tracking, versions)")
+                 "and the sinks (console, errors, names, net, paths, safe_load, storage, tracking, versions)")
 
 
 def _layer_problems(g: Graph) -> list[str]:
@@ -488,6 +488,47 @@ def test_no_file_over_400_lines():
     big = sorted(((m.lines, m.rel) for m in g.modules.values() if m.lines > MAX_LINES), reverse=True)
     _none([f"{rel}: {n}" for n, rel in big],
           f"files over {MAX_LINES} lines (median of {len(counts)} files: {median:g} lines)")
+
+
+# The names of the work_dir layout (and the node-local folders beside it) that vitp/paths.py owns
+LAYOUT_NAMES = {"synth", "shards", "runs", "sweeps", "export", "mlflow.db", "vitp-ckpt-staging",
+                "vitp-mlflow-spool"}
+
+
+def test_one_module_owns_the_work_dir_layout():
+    """No module but vitp/paths.py joins a layout name onto a path (join(..., "runs"), p / "mlflow.db"):
+    where a thing lives under work_dir is decided in one place."""
+    root = Path(__file__).resolve().parents[1] / "vitp"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "paths.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                parts = node.args if func == "join" else []
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                parts = [node.right]
+            else:
+                continue
+            names = [a.value for a in parts if isinstance(a, ast.Constant) and a.value in LAYOUT_NAMES]
+            if names:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} joins {names[0]!r}")
+    _none(found, "work_dir layout built outside vitp/paths.py (use RunPaths)")
+
+
+MAX_WORKER_FUNCTION_LINES = 60
+
+
+def test_the_train_worker_is_split_into_short_functions():
+    """vitp/train/worker.py runs on every Train worker and is read when a run misbehaves: setup,
+    restore, and report-and-checkpoint are separate functions, none over 60 lines."""
+    path = Path(__file__).resolve().parents[1] / "vitp" / "train" / "worker.py"
+    tree = ast.parse(path.read_text())
+    long = [f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_WORKER_FUNCTION_LINES]
+    _none(long, f"functions in vitp/train/worker.py over {MAX_WORKER_FUNCTION_LINES} lines")
 
 
 # ------------------------------------------------------------------ rules of the issue that a

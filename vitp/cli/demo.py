@@ -12,6 +12,7 @@ from typing import Any, Callable
 from vitp import storage
 from vitp.cli.args import Handler, add_address
 from vitp.config import set_values, validate
+from vitp.paths import RunPaths
 from vitp.recipes import get_recipe
 
 MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their train split
@@ -105,7 +106,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
                                                    **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
     stages = Stages(6, log)
-    export_dir = storage.join(work, "export")
+    export_dir = RunPaths.of(work).export
     name = "demo" + mpp + ("-quick" if quick else "")
     result: dict[str, Any] = {"work_dir": work, "seed": seed, "sweep_name": name}
 
@@ -161,7 +162,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     spec = build_spec(name, datasets[0], MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
                       points=points)
-    resume = storage.exists(storage.join(spec.work_dir, "sweeps", spec.name, "tuner.pkl"))
+    resume = storage.exists(storage.join(RunPaths.of(spec.work_dir).sweep(spec.name), "tuner.pkl"))
     sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
                        "scratch", lambda: run_sweep(spec, resume=resume, log=log))
     if sweep and sweep["failed"]:

@@ -12,6 +12,7 @@ import sys
 from vitp import storage
 from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value
 from vitp.errors import InputError
+from vitp.paths import RunPaths
 from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
 
 
@@ -238,7 +239,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
     cfg = None if args.tracking_uri else config_from(args, check_paths=False)
     if cfg and not cfg.tracking.uri and not storage.is_uri(cfg.work_dir):  # the default store: read, never made
-        _require_store(f"sqlite:///{os.path.abspath(os.path.join(os.path.expanduser(cfg.work_dir), 'mlflow.db'))}")
+        _require_store(f"sqlite:///{RunPaths.of(cfg.work_dir).mlflow_db()}")
     uri = args.tracking_uri or resolve_tracking_uri(cfg)
     _require_store(uri)
     _mark_stale(uri, args.experiment, args.stale_after)

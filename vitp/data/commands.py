@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from .. import storage
 from ..errors import InputError
+from ..paths import RunPaths
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
@@ -24,7 +25,7 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
     into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.data.synth_seed."""
     d = cfg.data
-    out = out_dir or storage.join(cfg.work_dir, "synth")
+    out = out_dir or RunPaths.of(cfg.work_dir).synth
     if storage.listdir(out) and not overwrite:
         raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
                               "or choose another output directory")

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import InputError
+from ..paths import RunPaths
 from ..storage import is_uri, join, open_input
 from . import shards as sh
 from .position import RankStream, Segment, current_segment, with_world
@@ -25,7 +26,7 @@ from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop
 def shards_dir(cfg) -> str:
     """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>[-seedN][-trainF]
     (a fractal corpus of another seed, a subset of the train split)."""
-    return cfg.data.shards or join(cfg.work_dir, "shards", shards_name(cfg))
+    return cfg.data.shards or RunPaths.of(cfg.work_dir).shards(shards_name(cfg))
 
 
 def shards_name(cfg) -> str:

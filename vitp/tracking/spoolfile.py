@@ -9,13 +9,14 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from mlflow.entities import Metric
+
+from vitp.paths import spool_root
 
 try:
     import fcntl
@@ -35,7 +36,7 @@ _PART = ".part"  # a spool file under its temp name, before it is locked (never 
 
 def spool_dir_for(run_id: str, spool_dir: str | os.PathLike | None = None) -> Path:
     """Where a run's spool files live: <spool_dir or $TMPDIR/vitp-mlflow-spool>/<run_id>/."""
-    root = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / "vitp-mlflow-spool"
+    root = Path(spool_dir or spool_root())
     return root / run_id
 
 

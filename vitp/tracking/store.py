@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from vitp.errors import ConfigError, UserError
-from vitp.storage import is_uri
+from vitp.errors import UserError
+from vitp.paths import RunPaths
 
 if TYPE_CHECKING:
     from vitp.config import ExperimentConfig
@@ -64,15 +64,9 @@ def resolve_tracking_uri(cfg: "ExperimentConfig") -> str:
     """cfg.tracking.uri (server URL, DB URI or path), else sqlite:///<abs work_dir>/mlflow.db."""
     if cfg.tracking.uri:
         return normalise_uri(cfg.tracking.uri)
-    if is_uri(cfg.work_dir) and not cfg.work_dir.startswith("file://"):
-        raise ConfigError(
-            f"work_dir={cfg.work_dir!r} is not a local directory, so the default SQLite MLflow "
-            "store cannot live there: set --set tracking.uri=http://<mlflow-server>:5000 "
-            "(or a database URI)"
-        )
-    work_dir = Path(cfg.work_dir.removeprefix("file://")).expanduser().resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{work_dir / 'mlflow.db'}"
+    db = RunPaths.of(cfg.work_dir).mlflow_db()  # a ConfigError where work_dir is object storage
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
 
 
 def _sqlite_path(uri: str) -> Path | None:

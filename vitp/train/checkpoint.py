@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..config import ExperimentConfig
+from ..paths import RunPaths
 from ..safe_load import weights_only
 from ..tracking.redact import redact
 from .. import storage
@@ -319,11 +320,11 @@ def _all_gather(obj: Any) -> list[Any]:
 
 def storage_path(cfg: ExperimentConfig) -> str:
     """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (an absolute path or a URI)."""
-    return join(storage.abspath(cfg.work_dir), "runs")
+    return RunPaths.of(cfg.work_dir).runs
 
 
 def run_dir(cfg: ExperimentConfig) -> str:
-    return join(storage_path(cfg), cfg.run_name)
+    return RunPaths.of(cfg.work_dir).run(cfg.run_name)
 
 
 def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:

@@ -17,6 +17,7 @@ import ray
 
 from .. import storage
 from ..config import ExperimentConfig
+from ..paths import RunPaths
 from .fewshot_lsr import SHOTS, fewshot_accuracy, num_classes_of, read_split, shot_indices
 
 SEEDS = 3  # as `vitp fewshot` and big_vision
@@ -36,7 +37,7 @@ def dataset_roots(cfg: ExperimentConfig) -> dict[str, str]:
     out = {}
     for entry in (e.strip() for e in cfg.train.fewshot_datasets):
         if entry:
-            root = entry if "/" in entry else storage.join(cfg.work_dir, "shards", entry)
+            root = entry if "/" in entry else RunPaths.of(cfg.work_dir).shards(entry)
             out[storage.basename(root.rstrip("/"))] = root
     return out
 

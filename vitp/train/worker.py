@@ -12,6 +12,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import ray.train
@@ -25,6 +26,7 @@ from ..data.executor import pace_streaming_executor
 from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit_rows, iter_device_batches,
                            train_rows_per_epoch)
 from ..data.position import with_world
+from ..paths import staging_root as staging_root_dir
 from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
@@ -160,11 +162,27 @@ def checkpoint_io(rank_bytes: int, save_s: float, persist_s: float, device) -> d
             "perf/ckpt_blocked_s": slowest["save"] + slowest["persist"]}
 
 
-def train_per_worker(config: dict[str, Any]) -> None:
-    """Runs on each Ray Train worker: build, restore, stream shards, train, report, checkpoint.
+@dataclass
+class _Rank:
+    """What one Train worker built at its start: the config for the world running now (the recipe's
+    global batch re-derived), its engine, and on rank 0 the MLflow logger."""
 
-    `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None}.
-    """
+    recipe: ExperimentConfig
+    cfg: ExperimentConfig
+    rank: int
+    world: int
+    device: torch.device
+    engine: Any
+    logger: RunLogger | None
+    mlflow_run_id: str | None
+    epoch_rows: int  # training rows in one epoch of the shards
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            print(f"[{self.cfg.run_name}] {line}", flush=True)
+
+
+def _setup(config: dict[str, Any]) -> _Rank:
     pace_streaming_executor()  # its data pipelines wait, not spin, while training is slower
     recipe = ExperimentConfig.from_dict(config["cfg"])
     ctx = ray.train.get_context()
@@ -172,135 +190,159 @@ def train_per_worker(config: dict[str, Any]) -> None:
     cfg = for_world(recipe, world)  # the recipe's global batch on the workers running now
     device = device_for(cfg)
     engine, _, _ = build_model_and_engine(cfg, world)
+    mlflow = config.get("mlflow") or {}
+    logger = None
+    if rank == 0 and mlflow:  # never waits on MLflow: metrics are spooled on this node, sent by a thread
+        logger = RunLogger.attach(mlflow["uri"], mlflow["run_id"], timeout_s=cfg.tracking.log_timeout_s,
+                                  spool_max_mb=cfg.tracking.spool_max_mb)
+    return _Rank(recipe, cfg, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(cfg))
 
-    state = ckpt.TrainState()
+
+def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
+    """The training state to go on from (the newest complete checkpoint's, else a fresh one), the
+    data position brought to the world running now; True when a checkpoint was restored."""
+    cfg, state = r.cfg, ckpt.TrainState()
     restored, where = _pick_checkpoint(cfg, ray.train.get_checkpoint())
     if restored is not None:
         with restored.as_directory() as d:
-            state = ckpt.load(engine, d)
+            state = ckpt.load(r.engine, d)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
-        if rank == 0:
-            print(f"[{cfg.run_name}] resumed from {where} at step {state.step}", flush=True)
+        r.say(f"resumed from {where} at step {state.step}")
     elif cfg.train.resume == "must":
         raise RuntimeError(
             f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "
             "check the run name / work_dir, or use train.resume=auto"
         )
-    epoch_rows = train_rows_per_epoch(cfg)
-    state.worlds = with_world(state.worlds, world, state.samples_seen)  # what RankStreams read
-    state.unit_rows = state.unit_rows or default_unit_rows(epoch_rows, state.worlds[0][0])
-    p = cfg.parallel
-    if rank == 0 and (p.grad_accum, p.micro_batch) != (recipe.parallel.grad_accum, recipe.parallel.micro_batch):
-        print(f"[{cfg.run_name}] {world} worker(s): micro batch {p.micro_batch} x grad_accum "
-              f"{p.grad_accum} x {world} = global batch {p.global_batch} (as the recipe's "
-              f"{recipe.parallel.micro_batch} x {recipe.parallel.grad_accum} x "
-              f"{recipe.parallel.num_workers})", flush=True)
+    state.worlds = with_world(state.worlds, r.world, state.samples_seen)  # what RankStreams read
+    state.unit_rows = state.unit_rows or default_unit_rows(r.epoch_rows, state.worlds[0][0])
+    return state, restored is not None
 
-    logger = None
-    if rank == 0 and config.get("mlflow"):
-        # never waits on MLflow: metrics are spooled on this node and sent by a thread
-        logger = RunLogger.attach(config["mlflow"]["uri"], config["mlflow"]["run_id"],
-                                  timeout_s=cfg.tracking.log_timeout_s,
-                                  spool_max_mb=cfg.tracking.spool_max_mb)
 
-    if logger:
-        logger.log_metrics({"parallel/workers": world, "parallel/grad_accum": p.grad_accum,
-                            "parallel/micro_batch": p.micro_batch,
-                            **({"train/resumed_from": state.step} if restored is not None else {})},
-                           step=state.step)
+def _announce(r: _Rank, state: ckpt.TrainState, resumed: bool) -> None:
+    """The batch arithmetic where the world differs from the recipe's, and the parallel layout
+    (plus the step resumed from) as metrics at the starting step."""
+    p, rp = r.cfg.parallel, r.recipe.parallel
+    if (p.grad_accum, p.micro_batch) != (rp.grad_accum, rp.micro_batch):
+        r.say(f"{r.world} worker(s): micro batch {p.micro_batch} x grad_accum {p.grad_accum} x {r.world} = "
+              f"global batch {p.global_batch} (as the recipe's {rp.micro_batch} x {rp.grad_accum} x "
+              f"{rp.num_workers})")
+    if r.logger:
+        r.logger.log_metrics({"parallel/workers": r.world, "parallel/grad_accum": p.grad_accum,
+                              "parallel/micro_batch": p.micro_batch,
+                              **({"train/resumed_from": state.step} if resumed else {})}, step=state.step)
 
-    # This rank's stream starts right after what it consumed before the restored checkpoint
-    # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
-    recorder = SampleRecorder(cfg, rank, state.step) if cfg.train.record_samples else None
-    stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
-                                 device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)
 
-    def eval_batches():
-        shard = ray.train.get_dataset_shard("val")
-        return iter_device_batches(shard, cfg.parallel.micro_batch, device, mean=cfg.data.mean,
-                                   std=cfg.data.std, drop_last=False)
+class _Reporter:
+    """A rank's hooks into the loop: progress lines and metrics at each log interval, checkpoints
+    staged on this node and reported to Ray Train, the roll-back after non-finite steps, the
+    preemption watch and the few-shot probes."""
 
-    # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
-    # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
-    staging_root = os.path.join(tempfile.gettempdir(), "vitp-ckpt-staging")
-    staging = os.path.join(staging_root, cfg.run_name)
-    storage.rmtree(staging, staging_root)
+    def __init__(self, r: _Rank, state: ckpt.TrainState, recorder: SampleRecorder | None):
+        self.r, self.recorder = r, recorder
+        # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
+        # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
+        staging_root = staging_root_dir()
+        self.staging = os.path.join(staging_root, r.cfg.run_name)
+        storage.rmtree(self.staging, staging_root)
+        self.t_start, self.start_step = time.time(), state.step
+        self.watch = PreemptionWatch(r.device, r.say)
+        self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None
+        # train.fewshot_every: weights copied at those steps, scored by an actor off the training path
+        self.probes = FewshotProbes(r.cfg, r.engine, r.rank, r.logger, r.say) if r.cfg.train.fewshot_every else None
 
-    t_start, start_step = time.time(), state.step
+    def hooks(self, has_val: bool) -> LoopHooks:
+        return LoopHooks(on_log=self.on_log, on_checkpoint=self.on_checkpoint,
+                         eval_batches=self.eval_batches if has_val else None, checkpoint_now=self.watch,
+                         restore=self.restore, on_fewshot=self.probes.snapshot if self.probes else None)
 
-    def say(line: str) -> None:
-        if rank == 0:
-            print(f"[{cfg.run_name}] {line}", flush=True)
+    def eval_batches(self) -> Iterator[Batch]:
+        cfg = self.r.cfg
+        return iter_device_batches(ray.train.get_dataset_shard("val"), cfg.parallel.micro_batch, self.r.device,
+                                   mean=cfg.data.mean, std=cfg.data.std, drop_last=False)
 
-    watch = PreemptionWatch(device, say)
-    sampler = SystemSampler() if logger and cfg.tracking.system_metrics else None
-
-    # train.fewshot_every: weights copied at those steps, scored by an actor off the training path
-    probes = FewshotProbes(cfg, engine, rank, logger, say) if cfg.train.fewshot_every else None
-
-    def on_log(step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
-        if rank == 0:
-            print(_progress_line(cfg, step, metrics, t_start, start_step), flush=True)
-            if logger:
-                logger.log_metrics({**metrics, **(sampler.sample() if sampler else {})}, step=step)
-            if probes:
-                probes.poll()  # results that are in, logged at their snapshot's step
+    def on_log(self, step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
+        r = self.r
+        if r.rank == 0:
+            print(_progress_line(r.cfg, step, metrics, self.t_start, self.start_step), flush=True)
+            if r.logger:
+                r.logger.log_metrics({**metrics, **(self.sampler.sample() if self.sampler else {})}, step=step)
+            if self.probes:
+                self.probes.poll()  # results that are in, logged at their snapshot's step
         if "val/top1" in metrics and not checkpoint_due:
             # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
             ray.train.report({"step": step, **metrics})
 
-    def on_checkpoint(step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
-        st.epoch, st.epoch_offset = divmod(st.samples_seen, max(epoch_rows, 1))
-        if recorder:  # before the checkpoint can count as complete: a rank killed right after it
-            recorder.flush(step)  # must not lose the record of the steps that checkpoint covers
+    def on_checkpoint(self, step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
+        r = self.r
+        st.epoch, st.epoch_offset = divmod(st.samples_seen, max(r.epoch_rows, 1))
+        if self.recorder:  # before the checkpoint can count as complete: a rank killed right after it
+            self.recorder.flush(step)  # must not lose the record of the steps that checkpoint covers
+        io = self._save_and_report(step, st, metrics)
+        self.watch.checkpoint_s = io["perf/ckpt_blocked_s"]
+        r.say(f"checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, {io['perf/ckpt_write_mb_s']:.1f} MB/s to "
+              f"storage, training blocked {io['perf/ckpt_blocked_s']:.2f} s")
+        if r.logger:
+            preempted = self.watch.steps and self.watch.steps[-1] == step
+            r.logger.log_metrics({**io, **({"train/preempt_checkpoint": 1.0} if preempted else {})}, step=step)
+        self.watch.park()
+
+    def _save_and_report(self, step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> dict[str, float]:
+        """Save into a staging dir on this node, report it to Ray Train (which persists it to the
+        run's storage), remove the staged copy; the checkpoint I/O of all ranks."""
+        r = self.r
         t0 = time.perf_counter()
-        os.makedirs(staging, exist_ok=True)
-        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-", dir=staging)
+        os.makedirs(self.staging, exist_ok=True)
+        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{r.rank}-", dir=self.staging)
         try:
-            ckpt.save(engine, local, st, cfg.to_dict() if rank == 0 else None,
-                      mlflow_run_id=(config.get("mlflow") or {}).get("run_id"), metrics=metrics)
+            ckpt.save(r.engine, local, st, r.cfg.to_dict() if r.rank == 0 else None,
+                      mlflow_run_id=r.mlflow_run_id, metrics=metrics)
             t1 = time.perf_counter()
-            ray.train.report({"step": step, **metrics},
-                             checkpoint=ray.train.Checkpoint.from_directory(local),
+            ray.train.report({"step": step, **metrics}, checkpoint=ray.train.Checkpoint.from_directory(local),
                              checkpoint_dir_name=f"checkpoint_{step:08d}")
             written = sum(storage.file_sizes(local).values())
         finally:
-            storage.rmtree(local, staging)
-        io = checkpoint_io(written, t1 - t0, time.perf_counter() - t1, device)
-        watch.checkpoint_s = io["perf/ckpt_blocked_s"]
-        if rank == 0:
-            print(f"[{cfg.run_name}] checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, "
-                  f"{io['perf/ckpt_write_mb_s']:.1f} MB/s to storage, training blocked "
-                  f"{io['perf/ckpt_blocked_s']:.2f} s", flush=True)
-            if logger:
-                logger.log_metrics({**io, **({"train/preempt_checkpoint": 1.0} if watch.steps and
-                                             watch.steps[-1] == step else {})}, step=step)
-        watch.park()
+            storage.rmtree(local, self.staging)
+        return checkpoint_io(written, t1 - t0, time.perf_counter() - t1, r.device)
 
-    if state.step == 0 and cfg.model.head == "finetune":
-        # The transfer head starts at zero: record the largest |logit| of the first batch.
-        stream = _peek_init_logits(engine, stream, logger)
-
-    def restore() -> int | None:
+    def restore(self) -> int | None:
         """Non-finite steps in a row: model and optimizer back to the newest complete checkpoint
         (the data goes on from here), its step; None when there is none."""
-        path = ckpt.latest_complete_checkpoint(cfg)
+        path = ckpt.latest_complete_checkpoint(self.r.cfg)
         if path is None:
             return None
         fs, inner = storage.filesystem(path)
         with ray.train.Checkpoint(inner, filesystem=fs).as_directory() as d:
-            return ckpt.load(engine, d).step
+            return ckpt.load(self.r.engine, d).step
 
-    has_val = "val" in config.get("datasets", ["val"])
-    hooks = LoopHooks(on_log=on_log, on_checkpoint=on_checkpoint,
-                      eval_batches=eval_batches if has_val else None, checkpoint_now=watch,
-                      restore=restore, on_fewshot=probes.snapshot if probes else None)
+    def close(self) -> None:
+        if self.probes:
+            self.probes.close()
+        if self.r.logger:
+            self.r.logger.close(timeout_s=30)  # bounded; what is unsent stays spooled for the driver's end()
+
+
+def train_per_worker(config: dict[str, Any]) -> None:
+    """Runs on each Ray Train worker: build, restore, stream shards, train, report, checkpoint.
+
+    `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None, "datasets"}.
+    """
+    r = _setup(config)
+    state, resumed = _restore(r)
+    _announce(r, state, resumed)
+    # This rank's stream starts right after what it consumed before the restored checkpoint
+    # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
+    cfg = r.cfg
+    recorder = SampleRecorder(cfg, r.rank, state.step) if cfg.train.record_samples else None
+    stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
+                                 r.device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)
+    reporter = _Reporter(r, state, recorder)
+    if state.step == 0 and cfg.model.head == "finetune":
+        # The transfer head starts at zero: record the largest |logit| of the first batch.
+        stream = _peek_init_logits(r.engine, stream, r.logger)
     try:
-        run_loop(cfg, engine, stream, state, hooks, rank, world)
-        if probes and rank == 0:
-            probes.finish()  # the queued probes, before the run's metrics are flushed
+        run_loop(cfg, r.engine, stream, state, reporter.hooks("val" in config.get("datasets", ["val"])),
+                 r.rank, r.world)
+        if reporter.probes and r.rank == 0:
+            reporter.probes.finish()  # the queued probes, before the run's metrics are flushed
     finally:
-        if probes:
-            probes.close()
-        if logger:
-            logger.close(timeout_s=30)  # bounded; what is unsent stays spooled for the driver's end()
+        reporter.close()

@@ -23,6 +23,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
 from ..names import check_name
+from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
@@ -269,8 +270,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     _keep_credentials_out_of_trial_actors()
-    sweeps_root = storage.join(spec.work_dir, "sweeps")
-    path = storage.join(sweeps_root, spec.name)
+    path = RunPaths.of(spec.work_dir).sweep(spec.name)
     # Tune keeps its state through the same filesystem (S3 endpoint) as the rest of the pipeline
     fs, inner = storage.filesystem(path)
     if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
