@@ -1,13 +1,13 @@
 """The options several `vitp` commands share, declared once: recipe + --set, --address, --tracking-uri.
 
 Also `config_from(args)`: the one place a command turns its recipe, --set and typed flags into a
-validated config (`recipe_config(args)`: the same, unvalidated).
+validated config (`recipe_config(args)`: the same, unvalidated); `on_ray`: the Ray prelude (connect, shards).
 Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from vitp import recipes
 from vitp.config import ExperimentConfig, set_values, validate
@@ -98,3 +98,15 @@ def recipe_config(args: argparse.Namespace) -> ExperimentConfig:
 def config_from(args: argparse.Namespace, check_paths: bool = True) -> ExperimentConfig:
     """recipe_config validated: the one validation of a command (local paths made absolute)."""
     return validate(recipe_config(args), check_paths=check_paths)
+
+
+def on_ray(args: argparse.Namespace, cfg: ExperimentConfig, shards_for: Iterable[ExperimentConfig] | None = None) -> None:
+    """The prelude of every command that runs on Ray: connect to `--address` (or start a local Ray)
+    for `cfg`, then make sure the shards of `shards_for` (default: `cfg`'s own; [] for none) exist,
+    preprocessed once here before any worker or trial reads them."""
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
+
+    connect_ray(cfg, args.address)
+    for each in [cfg] if shards_for is None else shards_for:
+        ensure_shards(each)

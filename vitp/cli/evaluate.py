@@ -10,7 +10,7 @@ import os
 import sys
 
 from vitp import storage
-from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value
+from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value, on_ray
 from vitp.errors import InputError
 from vitp.paths import RunPaths
 from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
@@ -20,15 +20,12 @@ from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own 
 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
-    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from vitp.model.weights import check_source
     from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
 
     cfg = config_from(args)
     check_source(args.source)  # before Ray starts: a wrong --from fails once, here
-    connect_ray(cfg, args.address)
-    ensure_shards(cfg)
+    on_ray(args, cfg)
     result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)
     for key, value in result.items():
         if key.startswith("fewshot/"):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from vitp import recipes
-from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, recipe_config,
+from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, on_ray, recipe_config,
                                typed_changes)
 from vitp.config import ExperimentConfig, parse_value, set_values, validate
 from vitp.config.files import is_experiment_file
@@ -181,11 +181,10 @@ def _add_plan(sub) -> Handler:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from vitp.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
 
     cfg = config_from(args)
-    connect_ray(cfg, args.address)
+    on_ray(args, cfg, shards_for=[])
     run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
     return 0
 
@@ -200,13 +199,12 @@ def _add_synth(sub) -> Handler:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
 
     if args.overwrite and args.resume:
         raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
     cfg = config_from(args)
-    connect_ray(cfg, args.address)
+    on_ray(args, cfg, shards_for=[])
     summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 
@@ -227,13 +225,10 @@ def _add_preprocess(sub) -> Handler:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
-    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
     cfg = config_from(args)
-    connect_ray(cfg, args.address)
-    ensure_shards(cfg)
+    on_ray(args, cfg)
     summary = run_training(cfg, tracking=not args.no_tracking)
     _print_summary(summary, ("train/loss",))
     print(f"  export:     vitp export {summary.checkpoint}")
@@ -258,15 +253,12 @@ def _add_pretrain(sub) -> Handler:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
-    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
     user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
     cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
     cfg = validate(cfg)
-    connect_ray(cfg, args.address)
-    ensure_shards(cfg)
+    on_ray(args, cfg)
     summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
     _print_summary(summary, ("val/top1", "val/loss"))
     return 0
@@ -286,8 +278,6 @@ def _add_finetune(sub) -> Handler:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
-    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
@@ -305,9 +295,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = build_spec(name, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)
-    connect_ray(base, args.address)
-    for cfg in dataset_configs(spec):  # shards once, before trials race for them
-        ensure_shards(cfg)
+    on_ray(args, base, shards_for=dataset_configs(spec))  # shards once, before trials race for them
     summary = run_sweep(spec, resume=args.resume)
     print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
     for dataset, best in summary["best"].items():
