@@ -41,3 +41,30 @@ def test_a_dataset_source_keeps_no_password(tracking_uri, experiment):
         log_dataset(run.client, run.run_id, "shards", "https://bob:s3cr%2Ft/k@data.example.com/shards", "0123")
     (d,) = MlflowClient(tracking_uri).get_run(run.run_id).inputs.dataset_inputs
     assert "s3cr" not in d.dataset.source and "bob:***@data.example.com/shards" in d.dataset.source
+
+
+def test_a_run_page_pasted_from_the_mlflow_ui_is_a_recipe_for_a_run_like_it(mlflow_server, tmp_path):
+    """`vitp CMD http://HOST:PORT/#/experiments/E/runs/RUN_ID`: the run is read from the server the
+    page names (no --tracking-uri, no MLFLOW_TRACKING_URI), its logged config under a name of its own."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from vitp.config import ExperimentConfig
+    from vitp.recipes import resolve
+
+    cfg = resolve("debug", ["optim.lr=0.03", f"work_dir={tmp_path}"], check_paths=False)
+    logger = RunLogger.start(mlflow_server.uri, "like-a-page", cfg.run_name)
+    logger.log_config(cfg.to_dict())
+    logger.end()
+    experiment_id = MlflowClient(mlflow_server.uri).get_run(logger.run_id).info.experiment_id
+    page = f"{mlflow_server.uri}/#/experiments/{experiment_id}/runs/{logger.run_id}"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    vitp = [shutil.which("vitp")] if shutil.which("vitp") else [sys.executable, "-m", "vitp.cli"]
+    p = subprocess.run([*vitp, "config", page], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr
+    got = ExperimentConfig.from_dict(json.loads(p.stdout))
+    assert got.tracking.run_name == f"{cfg.run_name}-like-{logger.run_id[:8]}"
+    assert got.optim.lr == 0.03 and got.to_dict()["train"] == cfg.to_dict()["train"]

@@ -7,6 +7,7 @@ Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, Callable, Iterable
 
 from vitp import recipes
@@ -30,7 +31,8 @@ def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str
     p.add_argument("recipe", nargs="?" if optional else None,
                    help="recipe name (`vitp config --list`), your experiment file (.yaml/.json: "
                         "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one), or "
-                        "runs:/RUN_ID for a new run like that MLflow run")
+                        "runs:/RUN_ID or the run's page in the MLflow UI (http://HOST:PORT/#/experiments/"
+                        "E/runs/RUN_ID) for a new run like that MLflow run")
     add_set(p, **({"help": set_help} if set_help else {}))
 
 
@@ -66,12 +68,25 @@ def typed_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUN_PREFIX = "runs:/"  # MLflow's own way to name a run: `vitp pretrain runs:/RUN_ID` runs one like it
+# A run's page as the MLflow UI addresses it (the server's URL, with any path prefix, before "#")
+RUN_PAGE = re.compile(r"^(?P<server>https?://[^#]+?)/?#/experiments/[^/]+/runs/(?P<run>[0-9A-Za-z]+)/?(?:[/?].*)?$")
+
+
+def run_reference(recipe: str) -> tuple[str, str | None] | None:
+    """(run id, the server a run page names, else None) when `recipe` names an MLflow run:
+    runs:/RUN_ID or the run's page in the MLflow UI; None for a recipe name or a file."""
+    if recipe.startswith(RUN_PREFIX):
+        return recipe[len(RUN_PREFIX):].strip("/"), None
+    page = RUN_PAGE.match(recipe)
+    return (page["run"], page["server"]) if page else None
 
 
 def recipe_from_run(args: argparse.Namespace) -> None:
-    """A recipe given as runs:/RUN_ID becomes an experiment file made from that run's logged
-    config (tracking.lineage.run_as_experiment), in a folder removed when vitp exits."""
-    if not str(getattr(args, "recipe", None) or "").startswith(RUN_PREFIX):
+    """A recipe that names an MLflow run (run_reference) becomes an experiment file made from that
+    run's logged config (tracking.lineage.run_as_experiment), in a folder removed when vitp exits.
+    The run is read from the server its page names, else --tracking-uri, else MLFLOW_TRACKING_URI."""
+    ref = run_reference(str(getattr(args, "recipe", None) or ""))
+    if ref is None:
         return
     import atexit
     import os
@@ -81,13 +96,14 @@ def recipe_from_run(args: argparse.Namespace) -> None:
     from vitp.errors import ConfigError
     from vitp.tracking.lineage import run_as_experiment  # lazy: mlflow
 
-    uri = getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
+    run_id, server = ref
+    uri = server or getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         raise ConfigError(f"{args.recipe}: the run is read from MLflow: give --tracking-uri URI or set "
                           "MLFLOW_TRACKING_URI (the server or store the run is in)")
     folder = tempfile.mkdtemp(prefix="vitp-like-")
     atexit.register(shutil.rmtree, folder, True)
-    args.recipe = run_as_experiment(uri, args.recipe[len(RUN_PREFIX):].strip("/"), folder)
+    args.recipe = run_as_experiment(uri, run_id, folder)
 
 
 def recipe_config(args: argparse.Namespace) -> ExperimentConfig:
