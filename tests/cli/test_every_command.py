@@ -482,6 +482,20 @@ class Scenario:
     def sets(items: list[str]) -> list[str]:
         return [a for item in items for a in ("--set", item)]
 
+    def experiment_file(self, name: str, recipe: str, items: list[str]) -> Path:
+        """The user's own experiment file: `recipe:` and KEY=VALUE items as YAML sections (values
+        typed as YAML reads them), the way a user writes one."""
+        import yaml
+
+        data: dict = {"recipe": recipe}
+        for item in items:
+            key, _, value = item.partition("=")
+            section, _, field = key.rpartition(".")
+            (data.setdefault(section, {}) if section else data)[field] = yaml.safe_load(value)
+        path = self.base / name
+        path.write_text(yaml.safe_dump(data))
+        return path
+
     def _synth(self) -> Run:
         return self.vitp("synth", "debug", *self.sets([f"work_dir={self.work}", "data.synth_images_per_class=16"]))
 
@@ -491,9 +505,11 @@ class Scenario:
 
     def _pretrain(self) -> Run:
         self.need("preprocess")
-        r = self.vitp("pretrain", "debug", *self.sets(self.pretrain_sets() + [
-            "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
-            "optim.warmup_steps=1"]))
+        # the experiment in the user's file, one more change on the command line (--set wins)
+        exp = self.experiment_file("pretrain.yaml", "debug", self.pretrain_sets() + [
+            "train.steps=400", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
+            "optim.warmup_steps=1"])
+        r = self.vitp("pretrain", str(exp), "--set", "train.steps=4")
         if r.rc == 0:
             self.facts["checkpoint"] = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)
             self.facts["pretrain_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
@@ -505,7 +521,8 @@ class Scenario:
 
     def _finetune(self) -> Run:
         self.need("export")
-        r = self.vitp("finetune", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()))
+        exp = self.experiment_file("finetune.yaml", "debug_finetune", self.finetune_sets())
+        r = self.vitp("finetune", str(exp), "--from", str(self.export))
         if r.rc == 0:
             self.facts["finetune_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
         return r
@@ -515,10 +532,9 @@ class Scenario:
         return self.vitp("fewshot", "debug_finetune", "--from", str(self.export), *self.sets(self.finetune_sets()[:2]))
 
     def _sweep(self) -> Run:
-        self.need("export")
-        return self.vitp("sweep", "debug_finetune", "--name", self.SWEEP, "--from", str(self.export),
-                    "--from", "scratch", "--space", "optim.lr=0.1",
-                    *self.sets(self.finetune_sets() + ['tune.space={"optim.lr": [0.1]}']))
+        self.need("finetune")  # its experiment file
+        return self.vitp("sweep", str(self.base / "finetune.yaml"), "--name", self.SWEEP, "--from", str(self.export),
+                         "--from", "scratch", "--space", "optim.lr=0.1", "--set", 'tune.space={"optim.lr": [0.1]}')
 
     def tracking_client(self):
         from mlflow.tracking import MlflowClient
@@ -560,6 +576,21 @@ class TestChain:
         (dataset,) = run.inputs.dataset_inputs  # the shards, as MLflow's Dataset column shows them
         assert dataset.dataset.name == "imagefolder" and str(scenario.shards) in dataset.dataset.source
         assert run.data.tags["mlflow.source.name"] == "vitp pretrain debug"
+
+    def test_a_logged_run_is_the_recipe_of_a_run_like_it(self, scenario):
+        """`vitp config runs:/RUN_ID`: the pre-training's logged config, the same as the user's
+        experiment file resolves to (plus --set train.steps=4), under a run name of its own."""
+        scenario.need("pretrain")
+        run_id = scenario.facts["pretrain_run"]
+        mine = json.loads(ok(scenario.vitp("config", str(scenario.base / "pretrain.yaml"), "--set",
+                                           "train.steps=4")).out)
+        r = vitp("config", f"runs:/{run_id}", env={**scenario.env, "MLFLOW_TRACKING_URI": scenario.uri})
+        scenario.printed.append(r.out + r.err)
+        like = json.loads(ok(r).out)
+        logged_name = scenario.tracking_client().get_run(run_id).info.run_name
+        assert like["tracking"]["run_name"] == f"{logged_name}-like-{run_id[:8]}"
+        like["tracking"]["run_name"] = mine["tracking"]["run_name"]
+        assert like == mine
 
     def test_pretrain_console_says_each_thing_once(self, scenario):
         """What the user reads: every progress line once (Train's print patch logged each twice),
