@@ -87,8 +87,8 @@ def test_checkpoint_resume_continues_exactly(tmp_path, world, stage):
     out = launch(workers.resume_run, world, stage, 8, 4, str(tmp_path / "ck"))[0]
     assert out["step"] == 4
     assert len(out["resumed"]) == len(out["full"]) == 8
-    for a, b in zip(out["full"], out["resumed"]):
-        assert abs(a - b) < 1e-5, f"resumed curve {out['resumed']} != uninterrupted {out['full']}"
+    # bitwise: both curves run the same kernels on the same data, the resumed one from the saved state
+    assert out["resumed"] == out["full"], f"resumed curve {out['resumed']} != uninterrupted {out['full']}"
     ok, _ = ckpt.verify(str(tmp_path / "ck"))
     assert ok
 
