@@ -158,3 +158,17 @@ def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, expo
         build_spec("s", base, "demo_fractals", [], points=[{"data.train_fraction": 0.0}])
     with pytest.raises(ConfigError, match="nope"):
         build_spec("s", base, "demo_fractals", [], points=[{"train.nope": 1}])
+
+
+def test_a_sweep_of_an_experiment_file_in_a_folder_names_its_trials_by_the_files_stem(tmp_path):
+    """`vitp sweep experiments/lr.yaml`: the trials' run names carry the file's stem (a run name is
+    one path component), the file's settings in every trial."""
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    exp = folder / "lr.yaml"
+    exp.write_text(f"recipe: debug_finetune\nwork_dir: {tmp_path}/w\ntrain: {{steps: 30}}\n")
+    base = with_overrides(str(exp))
+    spec = build_spec("s", base, str(exp), [], extra_space={"optim.lr": [0.5]})
+    (trial,) = _grid(spec)
+    cfg, _ = trial_config(spec, trial)
+    assert cfg.tracking.run_name == "s-lr-scratch-lr0.5" and cfg.train.steps == 30

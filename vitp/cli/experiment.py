@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from vitp import recipes
 from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, on_ray, recipe_config,
                                typed_changes)
 from vitp.config import ExperimentConfig, parse_value, set_values, validate
-from vitp.config.files import is_experiment_file
+from vitp.config.files import recipe_label
 from vitp.config.keydoc import key_table
 from vitp.errors import ConfigError, InputError
 from vitp.names import check_name
@@ -291,7 +290,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         # sources are paths: resolved here, where the user's working directory is known
         space[key] = [(abspath(v) if key == "source" else v) if key in AXES else parse_value(key, v)
                       for v in values.split(",") if v]
-    name = args.name or (Path(args.recipe).stem if is_experiment_file(args.recipe) else args.recipe)
+    name = args.name or recipe_label(args.recipe)
     spec = build_spec(name, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)

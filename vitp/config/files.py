@@ -19,6 +19,14 @@ def is_experiment_file(name: str) -> bool:
     return name.lower().endswith(EXTENSIONS)
 
 
+def recipe_label(recipe: str) -> str:
+    """How names (a sweep's, its trials') call a recipe: an experiment file by its stem
+    (experiments/lr-sweep.yaml, s3://b/lr-sweep.yaml -> lr-sweep), a built-in recipe by its name."""
+    if not is_experiment_file(recipe):
+        return recipe
+    return recipe.rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0]
+
+
 def parse_experiment(text: str, where: str) -> tuple[str, dict[str, Any]]:
     """(base recipe, {dotted key: value}) from a file's text. A config `vitp config` printed, or a
     run's config.json, loads back as it is; `set:` entries win over sections."""

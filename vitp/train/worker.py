@@ -26,7 +26,7 @@ from ..data.executor import pace_streaming_executor
 from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit_rows, iter_device_batches,
                            train_rows_per_epoch)
 from ..data.position import with_world
-from ..paths import staging_root as staging_root_dir
+from ..paths import staging_root
 from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
@@ -241,9 +241,9 @@ class _Reporter:
         self.r, self.recorder = r, recorder
         # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
         # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
-        staging_root = staging_root_dir()
-        self.staging = os.path.join(staging_root, r.cfg.run_name)
-        storage.rmtree(self.staging, staging_root)
+        root = staging_root()
+        self.staging = os.path.join(root, r.cfg.run_name)
+        storage.rmtree(self.staging, root)
         self.t_start, self.start_step = time.time(), state.step
         self.watch = PreemptionWatch(r.device, r.say)
         self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None

@@ -22,6 +22,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
+from ..config.files import recipe_label
 from ..names import check_name
 from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
@@ -173,7 +174,7 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConf
 def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
     """Stable, readable child-run name: the same trial always maps to the same name."""
     parts = [spec.name]
-    recipe = trial.get("recipe", spec.base_recipe)
+    recipe = recipe_label(trial.get("recipe", spec.base_recipe))
     parts.append(recipe.replace("finetune_", ""))
     src = trial.get("source", "scratch")
     parts.append("scratch" if src == "scratch" else "from-" + _short(src))
