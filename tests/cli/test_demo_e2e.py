@@ -6,6 +6,7 @@ the dataset input and the registered model (a screenshot is kept in test-artifac
 from __future__ import annotations
 
 import html
+import json
 import re
 import shutil
 import subprocess
@@ -45,6 +46,14 @@ def test_demo_quick_prints_the_comparison_reference_fewshot_and_plots(demo):
         assert f"{work}/{png}" in table and is_png(work / png)
     assert "status:  every stage succeeded" in table
     assert (work / "export" / "model.safetensors").is_file()
+    # what the demo measured, as a file (docs/demo.md quotes such files): the numbers it printed
+    saved = json.loads((work / "demo-result.json").read_text())
+    assert f"results: {work}/demo-result.json" in r.out and saved["quick"] and saved["seed"] == 0
+    assert set(saved["headline"]) == {"pre-trained", "scratch", "linear on raw pixels"}
+    for label, group in saved["headline"].items():
+        values = r"\s+".join(f"{v:.3f}" for v in group["values"])
+        assert re.search(rf"^  {label}\s+{values}\b", table, re.M), (label, group)
+    assert saved["verdict"]["margins"] and saved["failed"] == []
 
 
 def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:

@@ -6,6 +6,7 @@ table, low-data curve, MLflow. Orchestration only. docs/demo.md explains it.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ FRACTIONS = (0.05, 0.2, 1.0)  # the low-data curve on the same dataset
 SEEDS = 3
 MODEL_NAME = "vit-demo"  # the pre-trained model's name in the MLflow model registry
 MARGIN = 0.05  # what "beats" means in the verdict: this much top-1 in every seed
+RESULT_FILE = "demo-result.json"  # in the work dir: what the demo measured (demo_report.record)
 UI_ADDRESS = "http://127.0.0.1:5000"  # where the printed `mlflow ui` command serves
 
 # --quick: the same stages and the same headline comparison, smaller.
@@ -188,10 +190,13 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     out = stages.run("results", "seeds table and low-data curve from MLflow", report)
     result.update(out or {})
     result.update(seconds=time.time() - t0, timings=stages.timings, failed=stages.failed)
-    from vitp.cli.demo_report import print_summary  # the summary block
+    from vitp.cli.demo_report import print_summary, record  # the summary block, the result file
 
     result["verdict"] = print_summary(result, main=MAIN, margin=MARGIN, quick=quick,
                                       main_cfg=downstream(*MAIN))
+    path = storage.join(work, RESULT_FILE)
+    storage.write_bytes(path, json.dumps(record(result, MAIN, quick), indent=1).encode())
+    log(f"results: {path}")
     return result
 
 

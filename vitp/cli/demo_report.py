@@ -81,3 +81,20 @@ def print_summary(result: dict[str, Any], main: tuple[str, float], margin: float
         out("status:  every stage succeeded")
     out(f"demo finished in {result['seconds']:.0f}s")
     return v
+
+
+def record(result: dict[str, Any], main: tuple[str, float], quick: bool) -> dict[str, Any]:
+    """What the demo measured, for <work_dir>/demo-result.json (what docs/demo.md quotes comes from
+    these files): the headline per seed, every configuration's seeds aggregated, few-shot, the
+    raw-pixel reference, the verdict and the stage timings."""
+    recipe, fraction = main
+    groups = result.get("groups") or []
+    top = headline(groups, recipe, fraction)
+    keep = ("recipe", "dataset", "train_fraction", "source", "seeds", "values", "mean", "std")
+    return {"seed": result["seed"], "quick": quick, "main": {"recipe": recipe, "train_fraction": fraction},
+            "headline": {label: {k: g[k] for k in ("seeds", "values", "mean", "std")} for label, g in top.items()},
+            "verdict": result.get("verdict") or {}, "groups": [{k: g.get(k) for k in keep} for g in groups],
+            "fewshot": result.get("fewshot") or {},
+            "reference": [{"recipe": r, "train_fraction": f, "top1": v}
+                          for (r, f), v in (result.get("reference") or {}).items()],
+            "seconds": result["seconds"], "timings": result["timings"], "failed": result["failed"]}
