@@ -56,3 +56,63 @@ def test_every_vitp_line_in_the_docs_parses(path, line):
         build_parser().parse_args(words)
     except SystemExit as e:
         pytest.fail(f"{path.name}: `{line}` is refused by vitp's parser (exit {e.code})")
+
+
+# ------------------------------------------------------------------ results quoted in docs/demo.md
+
+RESULTS = ROOT / "docs" / "results"  # each file is a run's own demo-result.json, as `vitp demo` wrote it
+
+
+def _demo_result(name: str) -> dict:
+    import json
+
+    return json.loads((RESULTS / f"demo-{name}.json").read_text())
+
+
+def _group(saved: dict, source: str, fraction: float) -> dict:
+    (g,) = [g for g in saved["groups"] if g["recipe"] == saved["main"]["recipe"]
+            and g["source"] == source and g["train_fraction"] == fraction]
+    return g
+
+
+def _three(values) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def test_every_demo_result_quoted_in_the_docs_is_the_file_it_cites():
+    """docs/demo.md's table, low-data curve, few-shot range and stage times are the numbers in the
+    demo-result.json files it names (docs/results/), formatted as the demo prints them."""
+    from vitp.cli.demo_report import _duration
+
+    text = (ROOT / "docs" / "demo.md").read_text()
+    rows = re.findall(r"^\| `[^`]+` \(`docs/results/demo-(\w+)\.json`\) \| (.+) \|$", text, re.M)
+    assert sorted(name for name, _ in rows) == ["quick", "seed0", "seed1", "seed2"], rows
+    for name, cells in rows:
+        saved = _demo_result(name)
+        top = saved["headline"]
+        wall, pre, scratch, margins, pixels = (c.strip() for c in cells.split("|"))
+        assert wall == _duration(saved["seconds"]), name
+        mean = (f" ({top['pre-trained']['mean']:.3f} +- {top['pre-trained']['std']:.3f})"
+                if len(top["pre-trained"]["values"]) > 1 else "")
+        assert pre == _three(top["pre-trained"]["values"]) + mean, name
+        assert scratch == _three(top["scratch"]["values"]), name
+        assert margins == " ".join(f"{100 * m:+.1f}" for m in saved["verdict"]["margins"]), name
+        assert pixels == _three(top["linear on raw pixels"]["values"]), name
+
+    seeds = [_demo_result(f"seed{n}") for n in range(3)]
+    flat = " ".join(text.split())
+    curve = re.findall(r"(\d+) %: ([\d., ]+) / ([\d., ]+) / (\d\.\d{3})", flat)
+    assert [int(p) for p, *_ in curve] == [5, 20, 100], curve
+    for percent, pre, scratch, pixels in curve:
+        fraction = int(percent) / 100
+        assert pre == ", ".join(f"{_group(s, 'pre-trained', fraction)['mean']:.3f}" for s in seeds), percent
+        assert scratch == ", ".join(f"{_group(s, 'scratch', fraction)['mean']:.3f}" for s in seeds), percent
+        assert {f"{_group(s, 'linear on raw pixels', fraction)['mean']:.3f}" for s in seeds} == {pixels}, percent
+
+    low, high = re.search(r"\((\d\.\d\d)-(\d\.\d\d) at 5 images a class\)", flat).groups()
+    five = [s["fewshot"]["demo_fractals"]["fewshot/5shot_top1"] for s in seeds]
+    assert (low, high) == (f"{min(five):.2f}", f"{max(five):.2f}")
+
+    run, stages = re.search(r"Stage times of the `--seed (\d)` run: ([^.]+)\.", flat).groups()
+    timings = _demo_result(f"seed{run}")["timings"]
+    assert stages == ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), (stages, timings)

@@ -209,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_demo(sub) -> Handler:
     p = sub.add_parser("demo", help="the paper's point on this machine: pre-train, transfer, compare "
                                     "with training from scratch")
-    p.add_argument("--quick", action="store_true", help="a smaller run (under ~2.5 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="a smaller run (about 3 minutes on 2 cores)")
     p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the pre-training; the fine-tunes use SEED, SEED+1, SEED+2 (default 0)")
