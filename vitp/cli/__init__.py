@@ -120,6 +120,14 @@ def _quiet_stdout() -> int:
     return EXIT_BROKEN_PIPE
 
 
+def _run(args: argparse.Namespace) -> int:
+    check_versions()  # Ray, DeepSpeed, MLflow within the bounds the code was written for
+    recipe_from_run(args)  # runs:/RUN_ID -> that run's config, before any command reads it
+    code = args.handler(args)
+    sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,17 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(quiet_env())  # before any command imports ray.data
     quiet_loggers()
     if args.debug:  # no mapping: every error ends in its traceback
-        check_versions()
-        recipe_from_run(args)
-        code = args.handler(args)
-        sys.stdout.flush()
-        return code
+        return _run(args)
     try:
-        check_versions()  # Ray, DeepSpeed, MLflow within the bounds the code was written for
-        recipe_from_run(args)  # runs:/RUN_ID -> that run's config, before any command reads it
-        code = args.handler(args)
-        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
-        return code
+        return _run(args)
     except BrokenPipeError as e:
         if _stdout_is_closed():
             return _quiet_stdout()

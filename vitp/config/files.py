@@ -4,8 +4,10 @@ in a file is ever run (yaml.safe_load). Must not import torch or ray.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from .. import storage
 from ..errors import InputError
 from .schema import flatten
 
@@ -22,9 +24,7 @@ def is_experiment_file(name: str) -> bool:
 def recipe_label(recipe: str) -> str:
     """How names (a sweep's, its trials') call a recipe: an experiment file by its stem
     (experiments/lr-sweep.yaml, s3://b/lr-sweep.yaml -> lr-sweep), a built-in recipe by its name."""
-    if not is_experiment_file(recipe):
-        return recipe
-    return recipe.rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return os.path.splitext(storage.basename(recipe))[0] if is_experiment_file(recipe) else recipe
 
 
 def parse_experiment(text: str, where: str) -> tuple[str, dict[str, Any]]:
