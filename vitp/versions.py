@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import os
+import re
 
 from .errors import ConfigError
 
@@ -15,15 +16,20 @@ CHECKED = ("ray", "deepspeed", "mlflow")  # the libraries whose internals the co
 SKIP_ENV = "VITP_SKIP_VERSION_CHECK"
 
 
+# name, [extras], version specifiers, ;marker: the requirement strings pip writes into the metadata
+REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*([^;]*?)\s*(;.*)?$")
+
+
 def _bounds(requires: list[str]) -> dict[str, object]:
-    """{library: its SpecifierSet} for CHECKED, from requirement strings like 'ray[data]<2.61,>=2.52'."""
-    from packaging.requirements import Requirement
+    """{library: its SpecifierSet} for CHECKED, from requirement strings like 'ray[data]<2.61,>=2.52'
+    (packaging's specifiers; its full Requirement parser would double the check's start-up cost)."""
+    from packaging.specifiers import SpecifierSet
 
     out = {}
     for line in requires:
-        req = Requirement(line)
-        if req.name in CHECKED and not req.marker:  # extras' requirements carry a marker
-            out[req.name] = req.specifier
+        m = REQUIREMENT.match(line)
+        if m and m[1].lower() in CHECKED and not m[3]:  # extras' requirements carry a marker
+            out[m[1].lower()] = SpecifierSet(m[2])
     return out
 
 
