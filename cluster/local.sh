@@ -187,6 +187,10 @@ start_cluster() {
     export RAY_AUTH_MODE=disabled
     echo "cluster/local.sh: token authentication is off (pass --auth to turn it on)" >&2
   fi
+  # Every process of every node finds this cluster by RAY_ADDRESS, as KubeRay sets it in each Ray
+  # container: Ray's state API, which Train's placement-group cleaner asks every second, otherwise
+  # scans the machine and fails with a traceback when another Ray runs beside this one.
+  export RAY_ADDRESS="127.0.0.1:$port"
   # Every raylet here would hand out worker ports from the same default range (10002-19999);
   # 0/0 lets the OS pick each worker's port, so nodes on one machine never collide.
   local agent_port client_port

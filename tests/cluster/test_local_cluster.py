@@ -63,7 +63,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 def where():
     node = ray._private.worker._global_node
     return {"node": ray.get_runtime_context().get_node_id(), "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
-            "ray_tmp": node.get_temp_dir_path(), "endpoint": os.environ.get("AWS_ENDPOINT_URL")}
+            "ray_tmp": node.get_temp_dir_path(), "endpoint": os.environ.get("AWS_ENDPOINT_URL"),
+            "ray_address": os.environ.get("RAY_ADDRESS")}
 
 ray.init()
 probe = ray.remote(num_cpus=0)(where)
@@ -94,7 +95,8 @@ def _job_result(cluster, script, text: str, tag: str, *args: str) -> dict:
 
 def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
     """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
-    drivers run); the environment cluster/local.sh started in reaches every task on every node."""
+    drivers run); the environment cluster/local.sh started in reaches every task on every node, and
+    RAY_ADDRESS names this cluster there (Ray's state API finds it, not another Ray beside it)."""
     import os
 
     seen = _job_result(two_node_cluster, tmp_path / "probe.py", PROBE, "PROBE ")
@@ -105,6 +107,7 @@ def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, 
         node_dir = next(d for d in (head, worker) if t["cwd"] == str(d / "work"))
         assert (t["tmp"], t["ray_tmp"]) == (str(node_dir / "tmp"), str(node_dir / "ray")), t
         assert t["endpoint"] == os.environ["AWS_ENDPOINT_URL"]
+        assert t["ray_address"] == f"127.0.0.1:{two_node_cluster.port}", t
         by_dir[node_dir] = t["node"]
     assert len(by_dir) == 2 and len(set(by_dir.values())) == 2, seen
 
