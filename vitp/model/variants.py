@@ -48,10 +48,13 @@ class ViTSpec:
         return self.resnet_width * (4 * 2 ** (len(self.resnet) - 1) if self.resnet else 1)
 
 
-# name -> (depth, width, mlp_dim, heads). "mu" and "pico" are for tests and the debug recipe.
+# name -> (depth, width, mlp_dim, heads). "mu", "pico" and "nano" are for tests and the debug recipe;
+# "nano" is Ti's width at depth 2: the smallest model whose qkv and MLP weights ZeRO-3 partitions
+# (over its 1e5-element persistence threshold, vitp/model/memory.py).
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
     "mu": (1, 32, 128, 2),
     "pico": (2, 64, 128, 4),
+    "nano": (2, 192, 768, 3),
     "Ti": (12, 192, 768, 3),
     "S": (12, 384, 1536, 6),
     "M": (12, 512, 2048, 8),
