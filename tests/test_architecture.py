@@ -415,6 +415,12 @@ def test_torch_free_modules_at_runtime():
     _run_ok(code)
 
 
+def test_train_worker_module_leaves_mlflow_to_rank_0():
+    """What Train's controller and every rank load (vitp/train/worker.py, at module level) reaches no
+    MLflow: rank 0 imports it when it logs; elsewhere it was 0.8 s of CPU per process and start."""
+    _none(_reach_problems(graph(), ("vitp.train.worker",), {"mlflow"}), "vitp.train.worker reaches MLflow")
+
+
 def test_model_imports_no_ray_or_deepspeed():
     """model/ is plain torch: no ray/deepspeed, in its files or through what it imports."""
     _none(_reach_problems(graph(), ("vitp.model",), MODEL_FORBIDDEN), "model/ reaches Ray or DeepSpeed")

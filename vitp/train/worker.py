@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import ray.train
 import torch
@@ -27,7 +27,6 @@ from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit
                            train_rows_per_epoch)
 from ..data.position import with_world
 from ..paths import staging_root
-from ..tracking.runs import RunLogger
 from . import checkpoint as ckpt
 from .engine import device_for
 from .fewshot_probe import FewshotProbes
@@ -35,6 +34,9 @@ from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .step import all_reduce_max, all_reduce_sum
 from .sysmetrics import SystemSampler
+
+if TYPE_CHECKING:  # MLflow is imported by rank 0 only (_setup): other ranks never log
+    from ..tracking.runs import RunLogger
 
 
 def train_placeholder():
@@ -193,6 +195,8 @@ def _setup(config: dict[str, Any]) -> _Rank:
     mlflow = config.get("mlflow") or {}
     logger = None
     if rank == 0 and mlflow:  # never waits on MLflow: metrics are spooled on this node, sent by a thread
+        from ..tracking.runs import RunLogger
+
         logger = RunLogger.attach(mlflow["uri"], mlflow["run_id"], timeout_s=cfg.tracking.log_timeout_s,
                                   spool_max_mb=cfg.tracking.spool_max_mb)
     return _Rank(recipe, cfg, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(cfg))
