@@ -63,11 +63,21 @@ def vitp(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict[st
     return Run(args, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
 
+# A Ray worker process raises SystemExit from its SIGTERM handler (ray/_private/worker.py) when Ray
+# ends it; landing inside a weakref callback at shutdown, that is printed as "Exception ignored in:"
+# and a traceback ending in SystemExit. Ray's race at exit (seen once in CI after a demo whose every
+# stage succeeded), not an error of ours.
+IGNORED_EXIT = re.compile(r"^Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n"
+                          r"(?:(?:  [^\n]*)?\n)*?SystemExit: \d+$", re.M)
+
+
 def ok(r: Run) -> Run:
     """Exit 0 and no traceback of vitp's own (Ray forwards its actors' logs, tracebacks of its
-    internal actors included, as lines prefixed with "(ActorName pid=...)": those are not ours)."""
+    internal actors included, as lines prefixed with "(ActorName pid=...)": those are not ours;
+    neither is IGNORED_EXIT's)."""
     assert r.rc == 0, str(r)
-    assert not re.search(r"^Traceback", r.err, re.M), str(r)
+    err = IGNORED_EXIT.sub(lambda m: "" if "in sigterm_handler" in m.group(0) else m.group(0), r.err)
+    assert not re.search(r"^Traceback", err, re.M), str(r)
     return r
 
 
