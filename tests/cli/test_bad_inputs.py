@@ -69,6 +69,7 @@ CASES = [
     ("submit unknown.yaml", 2, "unknown.yaml: unknown key(s) nosuch"),
     ("jobs --address http://127.0.0.1:9", 3, "cannot reach the Ray jobs API at http://127.0.0.1:9"),
     ("mlflow-server --auth", 2, "basic auth needs an admin password: export MLFLOW_AUTH_ADMIN_PASSWORD"),
+    ("mlflow-server --auth --auth-cache-s -1", 2, "auth cache time -1 s is negative: give seconds >= 0"),
 ]
 
 

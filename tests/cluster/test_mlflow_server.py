@@ -26,6 +26,20 @@ def get(url, host=None, user=None, password=None):
         return e.code
 
 
+def patch(url, user, password, body) -> int:
+    """PATCH a JSON body with basic auth; the HTTP status."""
+    import json
+
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="PATCH",
+                                 headers={"Authorization": "Basic " + auth, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def _group_cmdlines(pgid: int) -> list[str]:
     """The command lines of every process in process group `pgid` (the server and its workers)."""
     import os
@@ -76,6 +90,15 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
         assert get(api, host="evil.example.com", user="admin", password=password) in (400, 403)
         ini = (tmp_path / "server.auth.ini").read_text()
         assert password not in ini and password not in handle.log_tail(200)
+        # a verified login is cached (AuthSettings.cache_ttl_s): no other password rides on it,
+        # and a password changed through the API is refused at once (one server worker here)
+        assert "auth_cache_ttl_seconds = 60" in ini
+        assert get(api, user="admin", password="wrong-password-123") == 401
+        changed = "a-changed-password-4h8d"
+        assert patch(f"{handle.uri}/api/2.0/mlflow/users/update-password", "admin", password,
+                     {"username": "admin", "password": changed, "current_password": password}) == 200
+        assert get(api, user="admin", password=password) == 401
+        assert get(api, user="admin", password=changed) == 200
     finally:
         handle.stop()
     assert not handle.alive()
@@ -83,11 +106,13 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
     # another bootstrap password, which only seeds an empty user store) keeps the admin's login
     assert (tmp_path / "auth.db").exists()
     handle = start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "art"), host="127.0.0.1",
-                          auth=AuthSettings(admin_password="another-long-password-9q2w"),
+                          auth=AuthSettings(admin_password="another-long-password-9q2w", cache_ttl_s=0),
                           log_path=tmp_path / "server2.log")
     try:
+        assert "auth_cache_ttl_seconds = 0" in (tmp_path / "server2.auth.ini").read_text()
         api = f"{handle.uri}/api/2.0/mlflow/experiments/search?max_results=1"
-        assert get(api, user="admin", password=password) == 200
+        assert get(api, user="admin", password=changed) == 200
+        assert get(api, user="admin", password=password) == 401
         assert get(api, user="admin", password="another-long-password-9q2w") == 401
     finally:
         handle.stop()

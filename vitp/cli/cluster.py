@@ -156,7 +156,7 @@ def cmd_mlflow_server(args: argparse.Namespace) -> int:
     handle = start_server(  # TrackingError (e.g. the old default admin password) -> exit 2
         args.backend_store_uri, args.artifacts_destination, host=args.host, port=args.port,
         allowed_hosts=allowed or None, workers=args.workers,
-        auth=AuthSettings() if args.auth else None, log_path=args.log,
+        auth=AuthSettings(cache_ttl_s=args.auth_cache_s) if args.auth else None, log_path=args.log,
     )
     print(f"mlflow server at {handle.uri} (backend {redact_text(args.backend_store_uri)}, artifacts "
           f"{args.artifacts_destination}, auth {'basic' if args.auth else 'off'}); log {handle.log_path}")
@@ -194,6 +194,11 @@ def _add_mlflow_server(sub) -> Handler:
                    help="comma-separated Host header values to accept (DNS-rebinding guard), "
                         "e.g. mlflow.example.com,mlflow.mlflow.svc")
     p.add_argument("--auth", action="store_true", help="basic auth (MLflow's basic-auth app)")
+    p.add_argument("--auth-cache-s", type=int, default=60, metavar="S",
+                   help="with --auth: trust a verified login for S seconds instead of hashing the "
+                        "password on every request (each hash costs about 0.2 s of server CPU); a "
+                        "password changed through the API is refused at once by the worker that "
+                        "changed it, by the other workers within S; 0 = hash every request")
     p.add_argument("--workers", type=int, default=2, help="server worker processes")
     p.add_argument("--log", help="server log file (default a temp file)")
     return cmd_mlflow_server

@@ -44,6 +44,12 @@ class AuthSettings:
     admin_username: str = "admin"
     database_uri: str = ""  # "" = auth.db beside a SQLite tracking store, else ./mlflow-server/auth.db
     default_permission: str = "READ"  # what a signed-in user may do to others' experiments
+    # How long a verified login is trusted without hashing the password again. Each check is a
+    # scrypt hash by design (about 0.2 s of server CPU on 2 cores): uncached, 200 metric posts
+    # took 45 s of server CPU, cached 2 s (benchmarks/tracking_auth.py, docs/security.md). A
+    # password change or user deletion made through the API takes effect at once on the worker
+    # that served it, on the others within this time. 0 = check every request.
+    cache_ttl_s: int = 60
 
 
 def check_admin_password(password: str | None) -> str:
@@ -101,6 +107,7 @@ def _auth_env(auth: AuthSettings, backend: str, log_file: Path, env: dict[str, s
             "database_uri": db,
             "admin_username": auth.admin_username,
             "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
+            "auth_cache_ttl_seconds": str(auth.cache_ttl_s),
         }
         ini = log_file.with_suffix(".auth.ini")
         with open(os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -216,7 +223,10 @@ def start_server(
             "login: turn on basic auth (vitp mlflow-server --auth, with MLFLOW_AUTH_ADMIN_PASSWORD "
             "set) or bind --host 127.0.0.1"
         )
-    if auth is not None:  # a missing or default password is refused before anything is written
+    if auth is not None:  # a bad setting, a missing or default password: refused before anything is written
+        if auth.cache_ttl_s < 0:
+            raise TrackingError(f"auth cache time {auth.cache_ttl_s} s is negative: give seconds >= 0 "
+                                "(0 checks the password on every request)")
         check_admin_password(auth.admin_password or {**os.environ, **(env or {})}.get("MLFLOW_AUTH_ADMIN_PASSWORD"))
     backend = normalise_uri(backend_store_uri)
     if backend.startswith("sqlite:"):
