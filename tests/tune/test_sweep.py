@@ -10,7 +10,10 @@ import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-FAST = ["--set=train.steps=40", "--set=train.eval_every=20", "--set=train.log_every=20"]
+# One Train worker per trial: what these tests check is Tune's and MLflow's side of a sweep, and
+# on the session's 4 logical CPUs two such trials run at once (vitp.tune.sweep.max_concurrent).
+FAST = ["--set=train.steps=40", "--set=train.eval_every=20", "--set=train.log_every=20",
+        "--set=parallel.num_workers=1"]
 
 
 @pytest.fixture(scope="module")
