@@ -8,10 +8,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import ray.exceptions
+
 from .step import all_reduce_max
 
 NO_DEADLINE_S = 120.0  # Ray Train's own fallback window when a drain gives no deadline
 SAFETY_S = 5.0  # besides twice the last checkpoint's and step's time
+TEARDOWN_WAIT_S = 120.0  # how long a rank waits to be stopped once its worker group is going
 
 
 class PreemptionWatch:
@@ -23,11 +26,12 @@ class PreemptionWatch:
     after it would be lost. If the node is still there a minute past the deadline (a
     cancelled drain), training goes on."""
 
-    def __init__(self, device, say: Callable[[str], None], poll=None):
+    def __init__(self, device, say: Callable[[str], None], poll=None, teardown_wait_s: float = TEARDOWN_WAIT_S):
         import ray.train
 
         self.device, self.say = device, say
         self.poll = poll or ray.train.get_preemption_info
+        self.teardown_wait_s = teardown_wait_s
         self.deadline: Optional[float] = None
         self.final = False
         self.checkpoint_s = 0.0  # the last checkpoint's time, set by the worker
@@ -37,7 +41,16 @@ class PreemptionWatch:
     def __call__(self, step: int) -> bool:
         now = time.time()
         self.step_s, self._t = max(0.5 * self.step_s, now - self._t), now
-        info = self.poll()
+        try:
+            info = self.poll()
+        except ray.exceptions.ActorDiedError:
+            # The poll asks Train's synchronization actor, which goes with the worker group: the
+            # group is being torn down (a Tune scheduler stopped the trial, the run restarts or
+            # was aborted) and Train stops this worker within seconds. Waiting for that keeps a
+            # traceback for a trial stopped on purpose off the console; a rank still running
+            # after teardown_wait_s raises after all.
+            time.sleep(self.teardown_wait_s)
+            raise
         if info is None or self.final:
             return False
         if self.deadline is None:
