@@ -253,8 +253,8 @@ def demo() -> ExperimentConfig:
     Hardware: 2 CPU cores, no GPU (2 Ray Train workers, gloo, DeepSpeed ZeRO-2, fp32).
     Expect:   100 classes x 100 fractals at 32 px, each drawn at a random pose, 600 steps of
               batch 256 (~15 epochs): loss from ln(100) = 4.6 to ~3.4; under 1.5 minutes on 2 cores.
-              Our choice, measured in docs/demo.md: batch 256 costs a quarter of batch 64's time
-              per image here (DeepSpeed's per-step overhead dominates a model this small).
+              Our choice (docs/demo.md): batch 256 trained at 1.5-3x batch 64's images/s here
+              (DeepSpeed's per-step overhead dominates a model this small).
     """
     cfg = debug()
     return replace(
