@@ -15,29 +15,26 @@ from .conftest import vitp
 pytestmark = pytest.mark.slow
 
 
-def get(url, host=None, user=None, password=None):
+def status(url, host=None, user=None, password=None, method="GET", body=None) -> int:
+    """The HTTP status of one request (basic auth when `user` is given, a JSON `body` if any)."""
+    import json
+
     headers = {"Host": host} if host else {}
     if user:
         headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    data = None if body is None else json.dumps(body).encode()
+    if data is not None:
+        headers["Content-Type"] = "application/json"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers, method=method),
+                                    timeout=10) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
 
 
-def patch(url, user, password, body) -> int:
-    """PATCH a JSON body with basic auth; the HTTP status."""
-    import json
-
-    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="PATCH",
-                                 headers={"Authorization": "Basic " + auth, "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+def get(url, host=None, user=None, password=None) -> int:
+    return status(url, host, user, password)
 
 
 def _group_cmdlines(pgid: int) -> list[str]:
@@ -95,8 +92,9 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
         assert "auth_cache_ttl_seconds = 60" in ini
         assert get(api, user="admin", password="wrong-password-123") == 401
         changed = "a-changed-password-4h8d"
-        assert patch(f"{handle.uri}/api/2.0/mlflow/users/update-password", "admin", password,
-                     {"username": "admin", "password": changed, "current_password": password}) == 200
+        assert status(f"{handle.uri}/api/2.0/mlflow/users/update-password", user="admin", password=password,
+                      method="PATCH", body={"username": "admin", "password": changed,
+                                            "current_password": password}) == 200
         assert get(api, user="admin", password=password) == 401
         assert get(api, user="admin", password=changed) == 200
     finally:
