@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from vitp.net import free_port
 from vitp.tracking import RunLogger, TrackingError, start_server
-from vitp.tracking.spool import HEARTBEAT_TAG
+from vitp.tracking.spool import HEARTBEAT_TAG, SEND_INTERVAL_S
 from vitp.tracking.spoolfile import MetricSpool, spool_dir_for
 from vitp.tracking.stale import STALE_TAG, mark_stale_runs
 
@@ -101,11 +101,13 @@ def test_outage_spools_and_backfills_every_step_exactly_once(own_server, experim
 
 class LosingProxy:
     """TCP proxy to a real server that, while `lose` is set, forwards log-batch requests but throws
-    the server's answer away and hangs up: the values are stored, the client sees a failure."""
+    the server's answer away and hangs up: the values are stored, the client sees a failure.
+    `posts` counts the log-batch requests it forwarded."""
 
     def __init__(self, upstream_port):
         self.lose = threading.Event()
         self.lost = 0
+        self.posts = 0
         self._up = upstream_port
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -126,6 +128,7 @@ class LosingProxy:
         while data := _recv(client):
             if b"log-batch" in data:
                 state["lose"] = self.lose.is_set()
+                self.posts += 1
             upstream.sendall(data)
         upstream.close()
 
@@ -178,6 +181,28 @@ def test_lost_answers_are_not_sent_twice(experiment, tmp_path):
     finally:
         proxy.close()
         server.stop()
+
+
+def test_a_run_logging_every_step_posts_once_per_interval(mlflow_server, experiment, tmp_path):
+    """60 steps logged 50 ms apart reach the server in about one request per SEND_INTERVAL_S,
+    not one per step, and each step lands once."""
+    proxy = LosingProxy(mlflow_server.port)
+    try:
+        run = RunLogger.start(proxy.uri, experiment, "every-step", background=True,
+                              spool_dir=tmp_path / "spool", heartbeat_s=60.0)
+        t0 = time.monotonic()
+        for step in range(1, 61):
+            run.log_metrics(metrics(step), step=step)
+            time.sleep(0.05)
+        assert run.flush(30)
+        posts, elapsed = proxy.posts, time.monotonic() - t0
+        run.end("FINISHED")
+        assert_each_step_once(MlflowClient(mlflow_server.uri), run.run_id, range(1, 61))
+        # one post per interval over the time it took (on any machine), plus the heartbeat's, the
+        # first one (before the first interval) and the flush's
+        assert posts <= elapsed / SEND_INTERVAL_S + 3, (posts, elapsed)
+    finally:
+        proxy.close()
 
 
 def test_leftover_spool_of_a_dead_process_is_sent_once_by_the_next_start(mlflow_server, experiment, tmp_path):

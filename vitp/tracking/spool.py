@@ -2,6 +2,8 @@
 
 log_metrics appends a line and returns; the sender posts lines in order, one short HTTP attempt each,
 asking the server for each key's top step first and after any failure: each (metric, step) lands once.
+After a post it waits `send_interval_s`, so a run logging every step sends one request per interval,
+not one per step (a flush or close does not wait).
 A spool left by a dead process is adopted by the next start of its run. No torch, no ray.
 """
 from __future__ import annotations
@@ -26,6 +28,12 @@ from vitp.tracking.store import get_client, normalise_uri
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TAG = "vitp.heartbeat"  # unix seconds; refreshed by the sender, read by stale.py
+# What a metric may wait in the spool before it is posted: one post per interval, whatever the
+# logging rate. A run that logs every step at ~20 steps/s otherwise posts ~20 times a second, and the
+# tracking server's work competes with training (tests/train/test_mlflow_outage.py on 2 cores, one
+# run each: 14.5 steps/s before its outage with a post per step, 17.8 with one a second; up to 29
+# while the server was down).
+SEND_INTERVAL_S = 1.0
 
 
 class _OneShotRestStore(RestStore):
@@ -98,7 +106,8 @@ class MetricSender:
 
     def __init__(self, tracking_uri: str, run_id: str, known: dict[str, int] | None, *, timeout_s: float = 5.0,
                  spool_dir: str | os.PathLike | None = None, heartbeat_s: float = 30.0,
-                 retry_max_s: float = 15.0, spool_max_mb: float = SPOOL_MAX_MB):
+                 retry_max_s: float = 15.0, spool_max_mb: float = SPOOL_MAX_MB,
+                 send_interval_s: float = SEND_INTERVAL_S):
         self.client = SenderClient(tracking_uri, timeout_s)
         self.timeout_s = timeout_s
         self.run_id = run_id
@@ -108,9 +117,11 @@ class MetricSender:
         self._checked = set(self.known)  # keys whose top step is confirmed since the last failure
         self.heartbeat_s = heartbeat_s
         self.retry_max_s = retry_max_s
+        self.send_interval_s = send_interval_s
         self.last_error = ""
         self.left = 0
         self._wake = threading.Event()
+        self._hurry = threading.Event()  # a flush or close waits: post now, not after the interval
         self._sent = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -131,14 +142,17 @@ class MetricSender:
         while self.spool.pending_bytes() > 0:
             left = deadline - time.monotonic()
             if left <= 0:
+                self._hurry.clear()
                 return False
             if self._thread is None or not self._thread.is_alive():
                 if not self.drain():
                     time.sleep(min(left, 0.5))
                 continue
+            self._hurry.set()
             self._wake.set()
             with self._sent:
                 self._sent.wait(min(left, 0.5))
+        self._hurry.clear()
         return True
 
     def adopt(self) -> None:
@@ -153,6 +167,7 @@ class MetricSender:
         self.adopt()
         self.flush(timeout_s)
         self._stopping = True
+        self._hurry.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + 1.0)  # at most one request in flight
@@ -165,8 +180,10 @@ class MetricSender:
         return self.left == 0
 
     # ---------------------------------------------------------------- sender side
-    def drain(self) -> bool:
-        """Send everything spooled now; False at the first failure (the rest stays spooled)."""
+    def drain(self, until_empty: bool = True) -> bool:
+        """Send what is spooled; False at the first failure (the rest stays spooled). Not
+        `until_empty`: stop after a batch that was not full, so steps appended while it was being
+        posted wait for the next post instead of making one each."""
         while True:
             metrics, nbytes = self.spool.read(METRICS_PER_BATCH)
             if not nbytes:
@@ -192,6 +209,8 @@ class MetricSender:
                 self.last_error = ""
             with self._sent:
                 self._sent.notify_all()
+            if not until_empty and len(metrics) < METRICS_PER_BATCH:
+                return True
 
     def _new(self, metrics: list[Metric]) -> list[Metric]:
         """The metrics the server lacks, in step order, one per (key, step)."""
@@ -224,7 +243,7 @@ class MetricSender:
             self._wake.wait(wait)
             self._wake.clear()
             try:
-                ok = self.drain()
+                ok = self.drain(until_empty=self._hurry.is_set() or self._stopping)
             except Exception:  # noqa: BLE001 - e.g. the spool's disk failing: keep the thread, retry
                 log.exception("MLflow sender of run %s", self.run_id)
                 ok = False
@@ -233,6 +252,7 @@ class MetricSender:
                 last_beat = time.monotonic() if ok else last_beat
             if ok:
                 backoff, wait = 0.5, max(0.05, self.heartbeat_s - (time.monotonic() - last_beat))
+                self._hurry.wait(self.send_interval_s)  # what is appended meanwhile goes in one post
             else:
                 wait, backoff = backoff, min(backoff * 2, self.retry_max_s)
 

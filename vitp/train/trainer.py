@@ -6,11 +6,13 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import ray.train
 import torch
@@ -45,6 +47,29 @@ class TrainSummary:
     metrics: dict[str, Any]
     seconds: float
     already_finished: bool = False  # the run's final checkpoint existed: nothing was trained
+
+
+# An elastic run (parallel.min_workers) starts its worker group with as many workers as Ray's
+# autoscaling coordinator says are ready. That view is refreshed every 20 s, so just after a node is
+# lost (a preemption at its deadline) it can still count the node, and the group waits for a
+# placement that never comes: Ray Train's default of 60 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)
+# before it decides again, with no failure counted. One refresh later the view holds only what is
+# left. A value the user set in the environment wins.
+ELASTIC_START_TIMEOUT_S = 25
+_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+@contextmanager
+def _elastic_start_timeout(cfg: ExperimentConfig) -> Iterator[None]:
+    """Around `trainer.fit()`: Train passes the driver's value on to its controller."""
+    if not cfg.parallel.min_workers or _START_TIMEOUT_ENV in os.environ:
+        yield
+        return
+    os.environ[_START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(_START_TIMEOUT_ENV, None)
 
 
 def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] = None,
@@ -141,7 +166,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
               flush=True)
     trainer = build_trainer(cfg, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
-        result = trainer.fit()
+        with _elastic_start_timeout(cfg):
+            result = trainer.fit()
     except BaseException as e:
         if logger:
             killed = isinstance(e, KeyboardInterrupt) or _ended_killed(logger)
