@@ -118,9 +118,12 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     import shutil
+    from multiprocessing import util
 
     if getattr(config, "_vitp_tmpdir", None):  # made by pytest_configure above, for this worker only
-        shutil.rmtree(config._vitp_tmpdir, ignore_errors=True)
+        # at exit, after multiprocessing removed its own pymp-* folder in it (exitpriority -100):
+        # removed before, multiprocessing prints a FileNotFoundError traceback as the worker ends
+        util.Finalize(None, shutil.rmtree, args=(config._vitp_tmpdir, True), exitpriority=-101)
 
 
 class S3Server:

@@ -1,10 +1,8 @@
 """Off-thread metric logging: the sender thread that posts a run's spool (spoolfile.py), the heartbeat.
 
-log_metrics appends a line and returns; the sender posts lines in order, one short HTTP attempt each,
-asking the server for each key's top step first and after any failure: each (metric, step) lands once.
-After a post it waits `send_interval_s`, so a run logging every step sends one request per interval,
-not one per step (a flush or close does not wait).
-A spool left by a dead process is adopted by the next start of its run. No torch, no ray.
+log_metrics appends a line and returns; the sender posts lines in order, one post a second (SEND_INTERVAL_S;
+more while a backlog fills whole batches), asking the server each key's top step first and after any
+failure: each (metric, step) lands once. A spool left by a dead process is adopted by the next start of its run. No torch, no ray.
 """
 from __future__ import annotations
 
