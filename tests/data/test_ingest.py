@@ -1,8 +1,6 @@
 """Training ingest: equal batches per Train worker, no duplicates within an epoch, few left
 out (and different ones each epoch), deterministic augmentation, normalisation on the device."""
 import dataclasses
-import json
-import os
 import threading
 from collections import Counter
 
@@ -160,46 +158,32 @@ def test_read_tasks_sized_for_cpus_and_rows(ray_session):
     assert num_read_tasks(10 ** 7, 16) == 20_000
 
 
-def _record_keys_per_worker(config):
-    """Train worker: read this worker's shard, write the keys of every batch to a file."""
-    import ray.train
+def test_each_train_worker_gets_its_own_stream_of_whole_batches(shards):
+    """What Train's workers get: the streams RankStreams (the DataConfig the trainer passes Train)
+    hands each rank, consumed at once as the workers do (configure() is what Train calls; no
+    Train run is needed for it): each rank has whole batches for every step of the run, as host
+    and as device batches, and within an epoch no key reaches two ranks."""
+    from vitp.train.worker import RankStreams, train_placeholder
 
-    from vitp.data.ingest import iter_device_batches
+    cfg, _ = shards
+    streams = RankStreams(cfg.to_dict()).configure({"train": train_placeholder()}, WORLD, None, [None] * WORLD)
+    out: list = [None] * WORLD
 
-    rank = ray.train.get_context().get_world_rank()
-    it = ray.train.get_dataset_shard("train")
-    nb = 0
-    keys = []
-    for b in it.iter_batches(batch_size=config["batch"], drop_last=True):
-        keys.extend(str(k) for k in b["key"])
-        nb += 1
-    # the device path from a Train worker too (a second pass over this worker's shard)
-    nd = sum(1 for _ in iter_device_batches(it, config["batch"], "cpu"))
-    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
-        json.dump({"batches": nb, "device_batches": nd, "keys": keys}, f)
+    def consume(r):
+        it = streams[r]["train"]
+        batches = [list(zip(b["epoch"].tolist(), b["key"].tolist()))
+                   for b in it.iter_batches(batch_size=BATCH, drop_last=True)]
+        devices = sum(1 for _ in iter_device_batches(it, BATCH, "cpu"))  # a second pass, on the device path
+        out[r] = batches, devices
 
-
-def test_torch_trainer_workers_get_equal_batches(shards, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    cfg, res = shards
-    ds = build_train_dataset(cfg, num_epochs=1, unit_rows=16)
-    trainer = TorchTrainer(
-        _record_keys_per_worker,
-        train_loop_config={"batch": BATCH, "out": str(tmp_path)},
-        scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False,
-                                     resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="ingest"),
-        datasets={"train": ds},
-    )
-    trainer.fit()
-    out = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
-    assert out[0]["batches"] == out[1]["batches"] > 0
-    assert out[0]["device_batches"] == out[1]["device_batches"] > 0
-    keys = out[0]["keys"] + out[1]["keys"]
-    assert len(keys) == len(set(keys))
-    assert res["train"] - len(keys) < WORLD * BATCH
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(WORLD)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    steps_rows = cfg.train.steps * cfg.parallel.global_batch // WORLD  # what each rank trains on
+    for batches, devices in out:
+        assert len(batches) * BATCH >= steps_rows and devices == len(batches)
+    pairs = [p for batches, _ in out for b in batches for p in b]
+    assert len(pairs) == len(set(pairs))  # no (epoch, key) twice, within a rank or across ranks
 
 
 def _ordered_keys(ds) -> list[tuple[int, str]]:
