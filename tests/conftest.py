@@ -9,11 +9,16 @@ import pytest
 RAY_FIXTURES = {"ray_session", "two_node_cluster", "auth_cluster", "rehearsal"}
 
 
-@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only what runs is weighed
+@pytest.hookimpl(tryfirst=True)  # before -m deselection, which reads the marker
 def pytest_collection_modifyitems(items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+
+
+# after -m/-k deselection: only what runs is weighed
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_longest_files_first(items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # pytest -n --dist loadfile --no-loadscope-reorder hands out whole files in collection
         # order: the longest first, so no long file starts last while the other worker has run out
