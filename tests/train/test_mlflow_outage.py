@@ -1,5 +1,7 @@
 """The MLflow server goes away for 10 s in the middle of a training run and comes back on the
-same store: training does not slow down or stop, and the run ends with one value per step.
+same store: training does not slow down or stop, and the run ends with one value per step. The
+same run also has one step whose loss is NaN (train.nan_drill): skipped, counted, and logged
+without a loss (a NaN that persists: tests/train/test_nonfinite_ray.py).
 
 Real Ray Train (2 CPU workers, DeepSpeed, gloo) logging to a real `mlflow server` on 127.0.0.1.
 """
@@ -20,6 +22,7 @@ LOG_TIMEOUT_S = 1
 # The outage starts once 50 steps are logged and must end before the run does: at ~22 steps/s on
 # 2 cores it ends near step 300 of 800; a machine 2.5x as fast ends it near step 600.
 STEPS = 800
+NAN_STEP = 7  # train.nan_drill: this step's loss is NaN on every rank
 
 
 def _step_times(client, run_id):
@@ -39,6 +42,7 @@ def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_pat
     cfg = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}",
                             f"tracking.uri={server.uri}", f"train.steps={STEPS}", "train.log_every=1",
                             "train.eval_every=0", "train.checkpoint_every=1000", "tracking.run_name=outage",
+                            f"train.nan_drill={NAN_STEP}",
                             f"tracking.log_timeout_s={LOG_TIMEOUT_S}"])
     out, errors = [], []
 
@@ -72,9 +76,20 @@ def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_pat
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED"
         times = _step_times(client, run_id)
-        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/images_per_sec", "perf/step_time_s"):
-            steps = [m.step for m in client.get_metric_history(run_id, key)]
-            assert sorted(steps) == list(range(1, STEPS + 1)), f"{key}: a step is missing or twice"
+        every = list(range(1, STEPS + 1))
+        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/images_per_sec", "perf/step_time_s",
+                    "train/skipped_steps"):
+            steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+            # the skipped step has no loss (NaN is not logged), nor a grad norm if that was NaN too
+            if key == "train/loss" or (key == "train/grad_norm" and NAN_STEP not in steps):
+                every_but_nan = [s for s in every if s != NAN_STEP]
+                assert steps == every_but_nan, f"{key}: a step is missing or twice"
+            else:
+                assert steps == every, f"{key}: a step is missing or twice"
+        skipped = {m.step: m.value for m in client.get_metric_history(run_id, "train/skipped_steps")}
+        assert skipped[NAN_STEP - 1] == 0 and skipped[NAN_STEP] == 1 and skipped[STEPS] == 1
+        loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+        assert loss[STEPS] < loss[1]  # training went on after the skipped step
     finally:
         runner.join(timeout=1200)
         server.stop()
