@@ -421,6 +421,22 @@ def test_train_worker_module_leaves_mlflow_to_rank_0():
     _none(_reach_problems(graph(), ("vitp.train.worker",), {"mlflow"}), "vitp.train.worker reaches MLflow")
 
 
+def test_train_streams_load_no_torch():
+    """What Train's controller and dataset manager unpickle to hand out data (vitp/train/streams.py,
+    with the checkpoint lookup it makes) loads no torch or DeepSpeed: each worker-group start of a
+    run would pay torch's import there for nothing."""
+    code = ("import pickle, sys\n"
+            "from vitp.recipes import resolve\n"
+            "from vitp.train.streams import EvalDatasetFactory, RankStreams, train_placeholder\n"
+            "from vitp.train.checkpoint import data_position\n"
+            "cfg = resolve('debug', ['work_dir=/nonexistent-vitp-work'], check_paths=False)\n"
+            "pickle.loads(pickle.dumps((RankStreams(cfg.to_dict()), EvalDatasetFactory(cfg.to_dict()), train_placeholder)))\n"
+            "assert data_position(cfg) is None\n"
+            "bad = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules)\n"
+            "assert not bad, f'vitp.train.streams loaded {bad}'\n")
+    _run_ok(code)
+
+
 def test_model_imports_no_ray_or_deepspeed():
     """model/ is plain torch: no ray/deepspeed, in its files or through what it imports."""
     _none(_reach_problems(graph(), ("vitp.model",), MODEL_FORBIDDEN), "model/ reaches Ray or DeepSpeed")

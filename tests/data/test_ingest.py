@@ -163,7 +163,7 @@ def test_each_train_worker_gets_its_own_stream_of_whole_batches(shards):
     hands each rank, consumed at once as the workers do (configure() is what Train calls; no
     Train run is needed for it): each rank has whole batches for every step of the run, as host
     and as device batches, and within an epoch no key reaches two ranks."""
-    from vitp.train.worker import RankStreams, train_placeholder
+    from vitp.train.streams import RankStreams, train_placeholder
 
     cfg, _ = shards
     streams = RankStreams(cfg.to_dict()).configure({"train": train_placeholder()}, WORLD, None, [None] * WORLD)

@@ -13,7 +13,7 @@ from vitp.tracking import (
     TrackingError,
     find_runs,
 )
-from vitp.tracking.runs import MAX_PARAM_VALUE, TRUNCATION_NOTE
+from vitp.tracking.values import MAX_PARAM_VALUE, TRUNCATION_NOTE
 
 
 def steps(client, run_id, key):

@@ -159,8 +159,7 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
 
 
 @pytest.mark.e2e
-def test_driver_restart_resumes_on_object_storage_continues_and_a_new_name_starts_fresh(tmp_path, shards,
-                                                                                       ray_session, s3):
+def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards, ray_session, s3):
     """work_dir on the S3 server. The `vitp pretrain` driver SIGKILLed after a checkpoint in the
     bucket: started again, it resumes into the same MLflow run; checkpoints land in the bucket
     (URIs), each with its timings; the finished run started again trains nothing; raising

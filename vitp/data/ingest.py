@@ -305,7 +305,7 @@ def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = N
 
     Rows: {"image" uint8 (S, S, 3), "label" int64, "epoch" int64, "key" str}. Default
     num_epochs covers train.steps x parallel.global_batch rows. Training hands rank r its
-    stream through RankStreams (vitp.train.worker).
+    stream through RankStreams (vitp.train.streams).
     """
     return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
                    start_offset=start_offset, rank=rank, world=world, consumed=consumed,

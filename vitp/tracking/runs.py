@@ -1,12 +1,11 @@
 """MLflow runs: resume by id or name, step-deduplicated metrics (optionally spooled off-thread), status.
 
-An explicit MlflowClient, never mlflow's global active run (Train rank 0 and Tune trial drivers log
-from one process); store and client come from store.py, the spool from spool.py. No torch or ray.
-A SIGKILLed process leaves its run RUNNING: the next start() resumes it, or stale.py marks it KILLED.
+An explicit MlflowClient, never mlflow's global active run (Train rank 0 and Tune trial drivers log from
+one process); client from store.py, spool from spool.py, param and tag strings from values.py. No torch
+or ray. A SIGKILLed process leaves its run RUNNING: the next start() resumes it, or stale.py marks it KILLED.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,11 +17,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from vitp import storage
-from vitp.config import flatten
-from vitp.tracking.redact import redact, redact_value
+from vitp.tracking.redact import redact
 from vitp.tracking.spool import HEARTBEAT_TAG, MetricSender
 from vitp.tracking.spoolfile import SPOOL_MAX_MB, has_leftovers
 from vitp.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
+from vitp.tracking.values import METRICS_PER_BATCH, PARAMS_PER_BATCH, chunks, params_for_mlflow, tags_for_mlflow
 
 log = logging.getLogger(__name__)
 
@@ -34,59 +33,8 @@ TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 CONTINUABLE = ("train.steps", "train.pause_at", "parallel.num_workers", "parallel.min_workers", "parallel.grad_accum",
                "parallel.micro_batch")
 
-# mlflow's limits (mlflow.utils.validation); we truncate ourselves so the note says where the rest is.
-MAX_PARAM_VALUE = 6000
-MAX_TAG_VALUE = 8000
-PARAMS_PER_BATCH = 100
-METRICS_PER_BATCH = 1000
-TRUNCATION_NOTE = "...[truncated; full value in config.json]"
-
-
 class ParamConflictError(TrackingError, ValueError):
     """A resumed run already holds a different value for a param (MLflow params are immutable)."""
-
-
-# --------------------------------------------------------------------------------------
-# Value formatting
-# --------------------------------------------------------------------------------------
-
-
-def _to_str(value: Any) -> str:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, default=str)
-    return str(value)
-
-
-def _truncate(key: str, text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    log.warning("%s: value of %d characters truncated to %d for MLflow", key, len(text), limit)
-    return text[: limit - len(TRUNCATION_NOTE)] + TRUNCATION_NOTE
-
-
-def params_for_mlflow(cfg_dict: dict[str, Any]) -> dict[str, str]:
-    """The exact param strings log_config writes: flattened, redacted, truncated to MLflow's limit."""
-    flat = flatten(cfg_dict)
-    flat = redact(flat)
-    return {k: _truncate(k, _to_str(v), MAX_PARAM_VALUE) for k, v in flat.items()}
-
-
-def source_tags(command: str) -> dict[str, str]:
-    """MLflow's Source column for a run: the vitp command that made it (not argv: a Tune trial's
-    driver runs in a Ray worker)."""
-    return {"mlflow.source.name": command, "mlflow.source.type": "JOB"}
-
-
-def _tags_for_mlflow(tags: dict[str, Any]) -> dict[str, str]:
-    return {
-        str(k): _truncate(str(k), _to_str(redact_value(str(k), v)), MAX_TAG_VALUE)
-        for k, v in tags.items()
-    }
-
-
-def _chunks(items: list, n: int):
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 # --------------------------------------------------------------------------------------
@@ -168,13 +116,13 @@ class RunLogger:
 
         if run is None:
             created = client.create_run(
-                experiment_id, tags={**_tags_for_mlflow(all_tags), ATTEMPT_TAG: "1"}, run_name=run_name
+                experiment_id, tags={**tags_for_mlflow(all_tags), ATTEMPT_TAG: "1"}, run_name=run_name
             )
             logger = cls(client, created.info.run_id, experiment_id, run_name, False, {})
             return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known={})
 
         rid = run.info.run_id
-        tag_batch = _tags_for_mlflow(all_tags)
+        tag_batch = tags_for_mlflow(all_tags)
         # A Train worker attaching to the RUNNING run its driver opened is not a new attempt; a
         # resume by name (driver restart) or of an ended run (trial retry) is.
         attempt = int(run.data.tags.get(ATTEMPT_TAG, "1") or 1)
@@ -258,7 +206,7 @@ class RunLogger:
                         wanted[f"{key}.continued_at_{continued_at}"] = value
         self._check_conflicts(wanted, existing)
         new = [Param(k, v) for k, v in wanted.items() if k not in existing]
-        for batch in _chunks(new, PARAMS_PER_BATCH):
+        for batch in chunks(new, PARAMS_PER_BATCH):
             try:
                 self.client.log_batch(self.run_id, params=batch)
             except MlflowException as e:
@@ -311,7 +259,7 @@ class RunLogger:
                 log.warning("metric %s=%s at step %d is not finite: not logged", key, v, step)
                 continue
             batch.append(Metric(key, v, now, step))
-        for chunk in _chunks(batch, METRICS_PER_BATCH):
+        for chunk in chunks(batch, METRICS_PER_BATCH):
             if self._sender is None:
                 self.client.log_batch(self.run_id, metrics=chunk)
                 continue
@@ -337,8 +285,8 @@ class RunLogger:
     # ---------------------------------------------------------------- tags and artifacts
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Set (or overwrite) tags; credential-looking values are stored as "***"."""
-        items = [RunTag(k, v) for k, v in _tags_for_mlflow(tags).items()]
-        for chunk in _chunks(items, PARAMS_PER_BATCH):
+        items = [RunTag(k, v) for k, v in tags_for_mlflow(tags).items()]
+        for chunk in chunks(items, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, tags=chunk)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:

@@ -1,8 +1,8 @@
 """Checkpoints: the sharded DeepSpeed format with completion markers, RNG and data position, and
 the run directory they live in (<work_dir>/runs/<run name>/checkpoint_NNNNNNNN).
-
 An incomplete checkpoint is never restored; one of another world size is converted to DeepSpeed's
-universal layout first. No Ray: Ray Train moves these directories, this module reads and writes them.
+universal layout first. No Ray (Ray Train moves these directories); torch only where one is written
+or restored, so finding one (RankStreams, in Train's dataset manager) imports none.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..config import ExperimentConfig
 from ..paths import RunPaths
@@ -54,11 +53,15 @@ class TrainState:
 
 
 def _distributed() -> bool:
+    import torch  # lazy: the run-directory functions below are read without torch (RankStreams)
+
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _rank_world() -> tuple[int, int]:
     if _distributed():
+        import torch
+
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
@@ -73,6 +76,8 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     DeepSpeed's save is collective. The marker is written last, after this rank's files are
     flushed, so a rank killed mid-save leaves no marker and the checkpoint stays incomplete.
     """
+    import torch
+
     rank, world = _rank_world()
     os.makedirs(directory, exist_ok=True)
     before = set(storage.file_sizes(directory, skip_dirs=("complete",)))
@@ -186,6 +191,8 @@ def _check_loaded(path, directory: str, tag: str) -> None:
 
 
 def _restore_rng(directory: str, rank: int) -> None:
+    import torch
+
     rng_path = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
     if os.path.exists(rng_path):
         rng = torch.load(rng_path, weights_only=True)  # numpy's state: safe_load allows arrays
@@ -199,6 +206,8 @@ def _restore_rng(directory: str, rank: int) -> None:
 def _seed_rng(meta: dict[str, Any], rank: int) -> None:
     """A deterministic RNG for a rank of a new world: from (run seed, step, rank)."""
     seed = int(((meta.get("config") or {}).get("train") or {}).get("seed", 0))
+    import torch
+
     s = (seed * 1_000_003 + int(meta["step"]) * 7919 + rank) % 2**32
     random.seed(s)
     np.random.seed(s)
@@ -294,6 +303,8 @@ def _repair_zero3_load(optimizer, universal_dir: str) -> None:
        token, position embedding) would decay; each group gets its own back, as saved;
     2. every sub-group's Adam state gets the *same* `step` tensor, which torch's Adam increments
        in place once per group per step: bias correction would run ahead; each gets a copy."""
+    import torch
+
     for st in optimizer.state.values():
         if torch.is_tensor(st.get("step")):
             st["step"] = st["step"].clone()
@@ -308,6 +319,8 @@ def _repair_zero3_load(optimizer, universal_dir: str) -> None:
 
 
 def _all_gather(obj: Any) -> list[Any]:
+    import torch
+
     if not _distributed():
         return [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()

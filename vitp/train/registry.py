@@ -17,8 +17,8 @@ from ..console import quiet_output
 from ..errors import InputError
 from ..names import check_name
 from ..model.weights import mark_registered, read_config, source_info
-from ..tracking.runs import params_for_mlflow
 from ..tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
+from ..tracking.values import params_for_mlflow
 
 
 # MLflow warns, at class definition, that `predict` has no type hints (in a filter of its own

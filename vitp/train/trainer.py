@@ -30,13 +30,15 @@ from ..model.attention import write_rollout_pngs
 from ..model.vit import build_vit
 from ..model.weights import check_source
 from ..tracking.lineage import log_model_input, log_shards
-from ..tracking.runs import RunLogger, source_tags
+from ..tracking.runs import RunLogger
 from ..tracking.store import get_client, resolve_tracking_uri
+from ..tracking.values import source_tags
 from . import checkpoint as ckpt
 from .export import consolidate
 from .failures import Trainer, final_error
 from .spools import gather_spools
-from .worker import EvalDatasetFactory, RankStreams, train_per_worker, train_placeholder
+from .streams import EvalDatasetFactory, RankStreams, train_placeholder
+from .worker import train_per_worker
 
 
 @dataclass

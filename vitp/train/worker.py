@@ -5,7 +5,6 @@ Runs inside Ray Train; the driver (trainer.py) hands it a config dict. Must not 
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -17,14 +16,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import ray.train
 import torch
-from ray.data import DataContext
-from ray.train import DataConfig
 
 from .. import storage
 from ..config import ExperimentConfig, for_world
 from ..data.executor import pace_streaming_executor
-from ..data.ingest import (build_eval_dataset, build_train_dataset, default_unit_rows, iter_device_batches,
-                           train_rows_per_epoch)
+from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
 from ..data.position import with_world
 from ..paths import staging_root
 from . import checkpoint as ckpt
@@ -37,50 +33,6 @@ from .sysmetrics import SystemSampler
 
 if TYPE_CHECKING:  # MLflow is imported by rank 0 only (_setup): other ranks never log
     from ..tracking.runs import RunLogger
-
-
-def train_placeholder():
-    """Train's "train" dataset entry; RankStreams builds the streams the workers read."""
-    import ray.data
-
-    return ray.data.range(0)
-
-
-class RankStreams(DataConfig):
-    """How Train hands out data: rank r of W reads its own deterministic stream (every W-th
-    unit of each epoch's order, build_train_dataset(rank, world)), starting right after what
-    the run consumed before the newest complete checkpoint, with whatever worker counts it had
-    (data/position.py: the rest of an epoch begun with other counts is shared out first). So a
-    resumed attempt reads nothing twice and skips nothing; "val" is split as Train does."""
-
-    def __init__(self, cfg_dict: dict[str, Any]):
-        ordered = copy.deepcopy(DataContext.get_current().execution_options)
-        ordered.preserve_order = True  # a rank's stream in slot order: its position is a prefix
-        super().__init__(datasets_to_split=["val"], execution_options={"train": ordered})
-        self.cfg_dict = cfg_dict
-
-    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        rest = {k: v for k, v in datasets.items() if k != "train"}
-        out = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs) \
-            if rest else [{} for _ in range(world_size)]
-        if "train" in datasets:
-            DataContext.get_current().enable_progress_bars = False
-            cfg = ExperimentConfig.from_dict(self.cfg_dict)
-            resume = ckpt.data_position(cfg)
-            for r in range(world_size):
-                ds = build_train_dataset(cfg, rank=r, world=world_size, resume=resume)
-                ds.context.execution_options = self._resolve_execution_options("train")
-                out[r]["train"] = ds.iterator()
-        return out
-
-
-class EvalDatasetFactory:
-    def __init__(self, cfg_dict: dict[str, Any]):
-        self.cfg_dict = cfg_dict
-
-    def __call__(self):
-        DataContext.get_current().enable_progress_bars = False
-        return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
 
 
 class SampleRecorder:

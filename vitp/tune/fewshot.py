@@ -50,7 +50,7 @@ def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
 
     from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
     from ..tracking.lineage import log_shards
-    from ..tracking.runs import source_tags
+    from ..tracking.values import source_tags
 
     name = f"fewshot-{_source_name(weights, src)}-{dataset_name(cfg)}"
     tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg),

@@ -61,7 +61,7 @@ def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
     if tracking:
         from ..tracking import RunLogger, find_runs, resolve_tracking_uri  # lazy: mlflow (only with tracking)
         from ..tracking.lineage import log_shards
-        from ..tracking.runs import source_tags
+        from ..tracking.values import source_tags
         from ..tracking.store import quote, tag_filters
 
         uri = resolve_tracking_uri(cfg)

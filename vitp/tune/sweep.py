@@ -29,8 +29,8 @@ from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.compare import best_per_dataset
 from ..tracking.redact import is_secret_key
-from ..tracking.runs import source_tags
 from ..tracking.store import quote, tag_filters
+from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
 from .progress import USER_ERROR, SweepProgress, trial_error
 

@@ -1,0 +1,60 @@
+"""What Train's "train" and "val" datasets are: the per-rank training streams (RankStreams, the
+DataConfig the trainer hands Train) and the eval dataset factory. Unpickled in Train's controller and
+dataset manager, so it imports no torch: those processes would pay its import at every worker-group
+start for nothing.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ray.data import DataContext
+from ray.train import DataConfig
+
+from ..config import ExperimentConfig
+from ..data.ingest import build_eval_dataset, build_train_dataset
+from . import checkpoint as ckpt
+
+
+def train_placeholder():
+    """Train's "train" dataset entry; RankStreams builds the streams the workers read."""
+    import ray.data
+
+    return ray.data.range(0)
+
+
+class RankStreams(DataConfig):
+    """How Train hands out data: rank r of W reads its own deterministic stream (every W-th
+    unit of each epoch's order, build_train_dataset(rank, world)), starting right after what
+    the run consumed before the newest complete checkpoint, with whatever worker counts it had
+    (data/position.py: the rest of an epoch begun with other counts is shared out first). So a
+    resumed attempt reads nothing twice and skips nothing; "val" is split as Train does."""
+
+    def __init__(self, cfg_dict: dict[str, Any]):
+        ordered = copy.deepcopy(DataContext.get_current().execution_options)
+        ordered.preserve_order = True  # a rank's stream in slot order: its position is a prefix
+        super().__init__(datasets_to_split=["val"], execution_options={"train": ordered})
+        self.cfg_dict = cfg_dict
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        rest = {k: v for k, v in datasets.items() if k != "train"}
+        out = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs) \
+            if rest else [{} for _ in range(world_size)]
+        if "train" in datasets:
+            DataContext.get_current().enable_progress_bars = False
+            cfg = ExperimentConfig.from_dict(self.cfg_dict)
+            resume = ckpt.data_position(cfg)
+            for r in range(world_size):
+                ds = build_train_dataset(cfg, rank=r, world=world_size, resume=resume)
+                ds.context.execution_options = self._resolve_execution_options("train")
+                out[r]["train"] = ds.iterator()
+        return out
+
+
+class EvalDatasetFactory:
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.cfg_dict = cfg_dict
+
+    def __call__(self):
+        DataContext.get_current().enable_progress_bars = False
+        return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
