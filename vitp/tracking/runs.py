@@ -19,9 +19,9 @@ from mlflow.tracking import MlflowClient
 from vitp import storage
 from vitp.tracking.redact import redact
 from vitp.tracking.spool import HEARTBEAT_TAG, MetricSender
-from vitp.tracking.spoolfile import SPOOL_MAX_MB, has_leftovers
+from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, has_leftovers
 from vitp.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
-from vitp.tracking.values import METRICS_PER_BATCH, PARAMS_PER_BATCH, chunks, params_for_mlflow, tags_for_mlflow
+from vitp.tracking.values import PARAMS_PER_BATCH, chunks, params_for_mlflow, tags_for_mlflow
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What MLflow is sent: params and tags as strings within its limits (flattened, redacted, truncated
-with a note), batch sizes, a run's Source column. No torch or ray; no MLflow calls.
+with a note), a run's Source column. No torch or ray; no MLflow calls.
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 from vitp.config import flatten
 from vitp.tracking.redact import redact, redact_value
-from vitp.tracking.spoolfile import METRICS_PER_BATCH
 
 log = logging.getLogger(__name__)
 
