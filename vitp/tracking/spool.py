@@ -1,8 +1,8 @@
 """Off-thread metric logging: the sender thread that posts a run's spool (spoolfile.py), the heartbeat.
 
-log_metrics appends a line and returns; the sender posts lines in order, one post a second (SEND_INTERVAL_S;
+log_metrics appends a line and returns; the sender posts in order, one post a second (SEND_INTERVAL_S;
 more while a backlog fills whole batches), asking the server each key's top step first and after any
-failure: each (metric, step) lands once. A spool left by a dead process is adopted by the next start of its run. No torch, no ray.
+failure: each (metric, step) lands once. A dead process's spool goes with its run's next start. No torch/ray.
 """
 from __future__ import annotations
 
