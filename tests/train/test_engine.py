@@ -144,6 +144,8 @@ def test_the_newest_complete_checkpoint_is_picked_and_each_newer_one_passed_over
         (d / "meta.json").write_text(f'{{"world_size": 1, "step": {step}, "tag": "state", "train_state": {{}}}}')
         if complete:
             (d / "complete" / "rank_00000.json").write_text('{"files": {}}')
+    # Ray Train's own bookkeeping beside them is no checkpoint, and not worth a warning
+    (tmp_path / "runs" / "r" / "checkpoint_manager_snapshot.json").write_text("{}")
     warned = []
     got = ckpt.latest_complete_checkpoint(cfg, warn=warned.append)
     assert got == str(tmp_path / "runs" / "r" / "checkpoint_00000002")

@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import random
+import re
 import socket
 import tempfile
 import time
@@ -35,6 +36,12 @@ from ..storage import join
 # A checkpoint is complete only when meta.json and one marker per rank are present and every
 # file a marker lists exists with its recorded size.
 TAG = "state"
+CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}$")  # Ray Train's own files beside them do not match
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The directory name of the checkpoint at `step` (sorts by step)."""
+    return f"checkpoint_{step:08d}"
 
 
 @dataclass
@@ -346,9 +353,9 @@ def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
     `warn(line)` is told of each newer one passed over and why."""
     root = run_dir(cfg)
     for name in reversed(storage.listdir(root)):
-        path = join(root, name)
-        if not name.startswith("checkpoint_"):
+        if not CHECKPOINT_NAME.match(name):  # e.g. checkpoint_manager_snapshot.json
             continue
+        path = join(root, name)
         ok, reason = verify(path)
         if ok:
             return path

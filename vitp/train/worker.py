@@ -254,7 +254,7 @@ class _Reporter:
                       mlflow_run_id=r.mlflow_run_id, metrics=metrics)
             t1 = time.perf_counter()
             ray.train.report({"step": step, **metrics}, checkpoint=ray.train.Checkpoint.from_directory(local),
-                             checkpoint_dir_name=f"checkpoint_{step:08d}")
+                             checkpoint_dir_name=ckpt.checkpoint_dir_name(step))
             written = sum(storage.file_sizes(local).values())
         finally:
             storage.rmtree(local, self.staging)
