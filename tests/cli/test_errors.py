@@ -147,6 +147,21 @@ def test_help_imports_nothing_heavy():
     assert r.returncode == 0, r.stderr
 
 
+def test_a_bad_recipe_or_value_is_refused_before_anything_heavy_loads():
+    """Each command that trains or reads data resolves its config first: a typo costs a fraction
+    of a second, not the import of torch, Ray and MLflow (seconds on a small machine)."""
+    code = ("import sys, vitp.cli\n"
+            "for argv in (['pretrain', 'no_such'], ['finetune', 'debug_finetune', '--from', 'scratch',\n"
+            "             '--set', 'optim.lr=-1'], ['synth', 'no_such'], ['preprocess', 'no_such'],\n"
+            "             ['sweep', 'no_such'], ['fewshot', 'debug', '--from', 'x', '--set', 'train.steps=x']):\n"
+            "    assert vitp.cli.main(argv) == 2, argv\n"
+            "bad = [m for m in ('torch', 'ray', 'mlflow', 'pyarrow', 'deepspeed') if m in sys.modules]\n"
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("vitp ") == 6, r.stderr  # each refused in its one line
+
+
 def test_closed_stdout_ends_quietly():
     # The reader is gone before vitp writes a byte: the write must fail, and vitp stop quietly.
     p = subprocess.Popen([*VITP, "config", "debug"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)

@@ -21,10 +21,10 @@ from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitp.model.weights import check_source
-    from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
-
     cfg = config_from(args)
     check_source(args.source)  # before Ray starts: a wrong --from fails once, here
+    from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
+
     on_ray(args, cfg)
     result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)
     for key, value in result.items():

@@ -180,9 +180,9 @@ def _add_plan(sub) -> Handler:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    cfg = config_from(args)  # a bad recipe or value is refused before ray and pyarrow load
     from vitp.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    cfg = config_from(args)
     on_ray(args, cfg, shards_for=[])
     run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
     return 0
@@ -198,11 +198,11 @@ def _add_synth(sub) -> Handler:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
-
     if args.overwrite and args.resume:
         raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
     cfg = config_from(args)
+    from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
+
     on_ray(args, cfg, shards_for=[])
     summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
@@ -224,9 +224,9 @@ def _add_preprocess(sub) -> Handler:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    cfg = config_from(args)  # a bad recipe or value is refused before torch and ray load (seconds)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
-    cfg = config_from(args)
     on_ray(args, cfg)
     summary = run_training(cfg, tracking=not args.no_tracking)
     _print_summary(summary, ("train/loss",))
@@ -252,11 +252,11 @@ def _add_pretrain(sub) -> Handler:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
-
     user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
     cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
     cfg = validate(cfg)
+    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+
     on_ray(args, cfg)
     summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
     _print_summary(summary, ("val/top1", "val/loss"))
@@ -277,13 +277,13 @@ def _add_finetune(sub) -> Handler:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
-
     # the base recipe's config (its own RECIPE:KEY=VALUE too); build_spec validates every trial's
     # config: once, not here too
     base = set_values(recipes.with_overrides(args.recipe, recipes.overrides_for(args.recipe, args.overrides)),
                       typed_changes(args))
+    from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+
     space = {}
     for item in args.space:
         key, _, values = item.partition("=")
