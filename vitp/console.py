@@ -1,13 +1,17 @@
 """How much third-party output a user sees: `vitp --verbose` (env VITP_VERBOSE=1) shows it all;
 by default our lines, warnings and errors only; progress is a bar redrawn in place on a terminal,
-a line per report elsewhere. No pipeline imports (every layer uses it).
+a line per report elsewhere. Our library lines are `logging` records with time, level and rank,
+as text or JSON (`vitp --log-format json`, env VITP_LOG_FORMAT). No pipeline imports.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
+import json
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -16,6 +20,8 @@ from typing import Any, Callable, Iterator
 from .errors import UserError
 
 VERBOSE_ENV = "VITP_VERBOSE"
+LOG_FORMAT_ENV = "VITP_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
 
 
 def verbose() -> bool:
@@ -152,3 +158,76 @@ def progress(line: str, done: int, total: int, eta: str, log: Callable[[str], No
     else:
         log(line)
 
+
+
+# ------------------------------------------------------------------------------ library log lines
+
+_rank: int | None = None  # this process's world rank, once it is a Train worker
+
+
+def set_log_rank(rank: int | None) -> None:
+    """Name `rank` in this process's log records (a Train worker's world rank; None: the driver)."""
+    global _rank
+    _rank = rank
+
+
+def log_format() -> str:
+    """"text" or "json", from VITP_LOG_FORMAT (what `vitp --log-format` sets; any other value: text)."""
+    fmt = os.environ.get(LOG_FORMAT_ENV, "")
+    return fmt if fmt in LOG_FORMATS else "text"
+
+
+def log_env() -> dict[str, str]:
+    """The log format for every Ray process of a job (set only where it is not the default)."""
+    return {LOG_FORMAT_ENV: log_format()} if log_format() != "text" else {}
+
+
+# What LogFormatter puts before a text line's message (time, level, rank)
+TEXT_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ [A-Z]+ \[[^\]]+\] ")
+
+
+class LogFormatter(logging.Formatter):
+    """Text: `2026-11-28 03:05:01Z INFO [rank 0] message` (UTC; `driver` where there is no rank).
+    JSON: one object a line with time (ISO 8601, UTC), level, rank (null on the driver), logger
+    and message, plus the traceback of an exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        trace = self.formatException(record.exc_info) if record.exc_info else ""
+        if log_format() == "json":
+            entry = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                     "level": record.levelname, "rank": _rank, "logger": record.name,
+                     "message": record.getMessage()}
+            if trace:
+                entry["exception"] = trace
+            return json.dumps(entry)
+        who = "driver" if _rank is None else f"rank {_rank}"
+        line = f"{when:%Y-%m-%d %H:%M:%S}Z {record.levelname} [{who}] {record.getMessage()}"
+        return line + ("\n" + trace if trace else "")
+
+
+class _StdHandler(logging.Handler):
+    """INFO to sys.stdout, WARNING and above to sys.stderr, looked up at each record: the live
+    line's guard (and a test's capture) replace them after this handler is made."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # a closed stream must not end the work
+            self.handleError(record)
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of a vitp module. The first call gives the `vitp` logger its one handler (INFO;
+    DEBUG with `--verbose`), so a run prints its lines whether it is driven by `vitp` or from
+    Python; the records do not also reach the root logger (Ray installs handlers there)."""
+    top = logging.getLogger("vitp")
+    if not any(isinstance(h, _StdHandler) for h in top.handlers):
+        handler = _StdHandler()
+        handler.setFormatter(LogFormatter())
+        top.addHandler(handler)
+        top.propagate = False
+    top.setLevel(logging.DEBUG if verbose() else logging.INFO)
+    return logging.getLogger(name)

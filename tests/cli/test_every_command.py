@@ -532,7 +532,7 @@ class Scenario:
     def _finetune(self) -> Run:
         self.need("export")
         exp = self.experiment_file("finetune.yaml", "debug_finetune", self.finetune_sets())
-        r = self.vitp("finetune", str(exp), "--from", str(self.export))
+        r = self.vitp("finetune", str(exp), "--from", str(self.export), "--log-format", "json")
         if r.rc == 0:
             self.facts["finetune_run"] = re.search(r"^\s*MLflow run:\s+(\S+)", r.out, re.M).group(1)
         return r
@@ -609,6 +609,9 @@ class TestChain:
         lines = (r.out + r.err).splitlines()
         progress = [line for line in lines if re.search(r"\] step \d+/4 ", line)]
         assert [re.search(r"step (\d+)/4", line).group(1) for line in progress] == ["2", "4"], str(r)
+        # each a log line: time, level and the rank that wrote it; the driver's lines say so
+        assert all(re.search(r"\d\d:\d\d:\d\dZ INFO \[rank 0\] \[[^]]+\] step", line) for line in progress), progress
+        assert re.search(r"Z INFO \[driver\] \[[^]]+\] MLflow run \w+ \(new\)", r.out), str(r)
         warnings = [line for line in lines if re.search(r"\w+Warning: ", line)]
         assert len(warnings) == len(set(warnings)), "\n".join(warnings)
         for chatter in ("Reporting training result", "built successfully", "Token authentication",
@@ -652,7 +655,14 @@ class TestChain:
         assert is_png(out / "rollout.png") and is_png(out / "attention_distance.png")
 
     def test_finetune_from_the_export_records_its_lineage(self, scenario):
-        r = scenario.need("finetune")
+        r = scenario.need("finetune")  # with --log-format json
+        logged = [json.loads(line[line.index("{"):]) for line in r.out.splitlines()  # less Ray's "(pid=..) "
+                  if line.rstrip().endswith("}") and '"level": ' in line]
+        assert {e["rank"] for e in logged} == {None, 0}, r.out  # the driver's lines and rank 0's
+        assert all(set(e) == {"time", "level", "rank", "logger", "message"} and e["time"].endswith("Z")
+                   for e in logged), logged
+        assert any(e["rank"] == 0 and re.search(r"\] step \d+/\d+ ", e["message"]) for e in logged), logged
+        assert any(e["rank"] is None and " MLflow run " in e["message"] for e in logged), logged
         top1 = float(re.search(r"val/top1 (\d+\.\d+)", r.out).group(1))
         assert 0.0 <= top1 <= 1.0, str(r)
         ckpt = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)

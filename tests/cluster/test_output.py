@@ -33,6 +33,19 @@ def test_a_record_left_empty_is_not_printed():
     assert printed == [({"lines": ["[run] done"], "pid": 1}, {"ignore_prefix": True})]
 
 
+def _logged(message: str, rank: int = 0) -> str:
+    """`message` as a Train worker's log line reaches the driver (text format)."""
+    import logging
+
+    from vitp import console
+
+    console.set_log_rank(rank)
+    try:
+        return console.LogFormatter().format(logging.makeLogRecord({"msg": message, "levelname": "INFO"}))
+    finally:
+        console.set_log_rank(None)
+
+
 def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
     import io
 
@@ -42,14 +55,16 @@ def test_on_a_terminal_progress_redraws_one_line_that_other_output_ends():
     live = LiveLine(term)
     out = live.guard(term)  # what sys.stdout becomes
     show = OutputFilter(live).wrap(lambda data, **kw: out.write("\n".join(data["lines"]) + "\n"))
-    show({"lines": ["[run] step 5/20 loss 2.30 ETA 0h00m09s"]})
-    show({"lines": ["[run] step 10/20 loss 2.20 ETA 0h00m05s"]})
-    show({"lines": ["[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0"]})
+    show({"lines": [_logged("[run] step 5/20 loss 2.30 ETA 0h00m09s")]})
+    show({"lines": [_logged("[run] step 10/20 loss 2.20 ETA 0h00m05s")]})
+    evaluated = _logged("[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0")
+    show({"lines": [evaluated]})
     out.write("[run] done\n")
-    assert term.getvalue() == (
+    assert term.getvalue() == (  # the bar without the time, level and rank; the kept line with them
         "\r\x1b[K[#####...............] ETA 0h00m09s [run] step 5/20 loss 2.30 ETA 0h00m09s"
         "\r\x1b[K[##########..........] ETA 0h00m05s [run] step 10/20 loss 2.20 ETA 0h00m05s"
-        "\n[run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0\n[run] done\n")
+        f"\n{evaluated}\n[run] done\n")
+    assert evaluated.endswith(" INFO [rank 0] [run] step 20/20 loss 2.10 ETA 0h00m00s | val top1 0.400 loss 2.0")
 
 
 def test_driver_progress_is_a_line_in_logs_and_the_bar_on_a_terminal(monkeypatch):

@@ -154,7 +154,11 @@ def test_bad_input_zoo_nothing_lost(ray_session, tmp_path, capsys):
     assert all(r["detail"] for r in q)  # every quarantined row says why
     assert res["reasons"] == {"truncated": 1, "empty": 1, "not_an_image": 1, "too_large": 1,
                               "unreadable": 1, "bad_label": 1}
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    from vitp.console import TEXT_LOG_PREFIX
+
+    logged = capsys.readouterr().out.strip().splitlines()[-1]  # a log line: time, level, rank
+    summary = TEXT_LOG_PREFIX.sub("", logged)
+    assert summary != logged and " INFO [driver] " in logged
     assert summary.startswith(f"wrote 8 images in 1 shards") and "quarantined 6:" in summary
     assert "truncated=1" in summary and "images/s" in summary
 

@@ -207,7 +207,7 @@ def test_launched_ranks_take_the_launchers_environment_cwd_and_stdout_at_launch(
 @pytest.mark.slow  # three 2-rank launches
 def test_launch_retries_when_the_rendezvous_port_was_taken(tmp_path, capfd):
     assert launch(workers.port_taken_on_first_try, 2, str(tmp_path)) == [3.0, 3.0]
-    assert "rendezvous port taken" in capfd.readouterr().out
+    assert "WARNING [driver] rendezvous port taken" in capfd.readouterr().err
     # without retries the collision is the caller's error, naming the cause
     for f in tmp_path.iterdir():
         f.unlink()

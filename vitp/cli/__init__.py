@@ -13,7 +13,7 @@ import sys
 
 from vitp.cli import cluster, demo, evaluate, experiment
 from vitp.cli.args import Handler, recipe_from_run
-from vitp.console import VERBOSE_ENV, quiet_env, quiet_loggers
+from vitp.console import LOG_FORMAT_ENV, LOG_FORMATS, VERBOSE_ENV, quiet_env, quiet_loggers
 from vitp.errors import UserError
 from vitp.versions import check_versions
 
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for flag, text in global_flags.items():
         parser.add_argument(flag, action="store_true", help=f"{text} (before or after the command)")
+    log_format_help = ("vitp's log lines (time, level, rank, message) as text or as one JSON object a "
+                       f"line, for a cluster's log collector; also ${LOG_FORMAT_ENV}")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                        help=f"{log_format_help} (default text; before or after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Handler] = {}
     for group in (experiment, evaluate, cluster, demo):
@@ -75,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[name].formatter_class = _ShowDefaults
         for flag, text in global_flags.items():  # after the command too; absent, the top level's value stands
             sub.choices[name].add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+        sub.choices[name].add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
+                                       help=log_format_help)
     return parser
 
 
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
+    if args.log_format:  # this process and, through the environment, every Ray process of the job
+        os.environ[LOG_FORMAT_ENV] = args.log_format
     os.environ.update(quiet_env())  # before any command imports ray.data
     quiet_loggers()
     if args.debug:  # no mapping: every error ends in its traceback

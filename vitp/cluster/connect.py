@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import ray
 
 from ..config import ExperimentConfig
-from ..console import library_log_level, quiet_env, verbose
+from ..console import library_log_level, log_env, quiet_env, verbose
 from ..net import free_port
 from . import output
 
@@ -41,7 +41,7 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    env = quiet_env()
+    env = {**quiet_env(), **log_env()}
     os.environ.update(env)  # this process (Ray Data on the driver) and local Ray's workers
     # every Ray process of this job: Ray's and Ray Train's own INFO lines stay in the log files
     logging_config = None if verbose() else ray.LoggingConfig(log_level="WARNING")
@@ -50,7 +50,7 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         # YAML) may live elsewhere on the nodes: Ray Data's level instead (its INFO lines then
         # leave ray-data.log as well as the console)
         remote_env = {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}
-        if env:
+        if not verbose():
             remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
         ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
                  logging_config=logging_config, runtime_env={"env_vars": remote_env})

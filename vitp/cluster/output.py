@@ -9,7 +9,7 @@ import re
 import threading
 from typing import Any, Callable
 
-from ..console import LiveLine, start_live_line
+from ..console import TEXT_LOG_PREFIX, LiveLine, start_live_line
 
 # Lines from Ray, Ray Data and DeepSpeed that a user cannot act on.
 CHATTER = tuple(re.compile(p) for p in (
@@ -27,8 +27,9 @@ CHATTER = tuple(re.compile(p) for p in (
 # Deprecations raised inside installed libraries (torch calling its own deprecated API, Ray's
 # options): only the library's authors can act on them
 LIBRARY_DEPRECATION = re.compile(r"site-packages/.*: (\w*DeprecationWarning|FutureWarning): ")
-# A training progress line (vitp.train.worker): "[run] step N/M ... ETA 0h01m02s"; one that
-# also carries an evaluation ("| val top1 ...") is kept in the scrollback like any other line.
+# A training progress line (vitp.train.worker's log line, less its time, level and rank):
+# "[run] step N/M ... ETA 0h01m02s"; one that also carries an evaluation ("| val top1 ...") is
+# kept in the scrollback like any other line.
 PROGRESS = re.compile(r"^\[[^\]]+\] step (\d+)/(\d+) [^|]*\bETA (\S+)$")
 # "path:line: SomeWarning: message" as the warnings module prints it (the next line is the source)
 WARNING_LINE = re.compile(r"^\S+:\d+: (\w*Warning): (.*)$")
@@ -75,9 +76,10 @@ class OutputFilter:
             if self.live:
                 rest = []
                 for line in lines:
-                    m = PROGRESS.match(line)
+                    message = TEXT_LOG_PREFIX.sub("", line, count=1)
+                    m = PROGRESS.match(message)
                     if m:
-                        self.live.progress(line, int(m.group(1)), int(m.group(2)), m.group(3))
+                        self.live.progress(message, int(m.group(1)), int(m.group(2)), m.group(3))
                     else:
                         rest.append(line)
                 lines = rest

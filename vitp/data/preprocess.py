@@ -18,13 +18,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..console import progress
+from ..console import get_logger, progress
 from ..errors import InputError
 from ..storage import filesystem, join, open_input
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image, encode_jpeg, resize_center_crop
 from .sources import Plan, classes_from_labels, expand_unit, image_column, read_bytes
 from .synth import class_system, render
+
+_log = get_logger(__name__)
 
 # process_rows keeps these item columns and adds the stored image (or why there is none)
 KEEP_FIELDS = ("key", "label", "split", "h", "group")
@@ -237,13 +239,14 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
                num_classes: Optional[int] = None, overwrite: bool = False, resume: bool = False,
                max_pixels: int = DEFAULT_MAX_PIXELS, synth_seed: int = 0, train_fraction: float = 1.0,
                rows_per_task: int = 128,
-               manifest_extra: Optional[dict] = None, log: Callable[[str], None] = print) -> dict:
+               manifest_extra: Optional[dict] = None, log: Callable[[str], None] | None = None) -> dict:
     """Run the whole preprocess and return the summary (also the manifest's `counts`).
 
     The driver lists directories/files (the plan), then Ray Data: listing tasks -> items ->
     group by shard -> per shard one task reads, decodes and writes it to `out_dir`. Only
     per-block counts and per-shard records come back here; no image bytes.
     """
+    log = log or _log.info
     import ray  # lazy: ray (the per-row functions are used without it)
     from ray.data.context import ShuffleStrategy
 
@@ -324,6 +327,7 @@ def _inputs_of(records) -> int:
 def _finish(out_dir, fs, base, records, classes, ncls, n_in, plan, decode, t0, manifest_extra, log):
     """Reconcile the records, merge the quarantine parts (in a Ray task), write classes.json
     and, last, the manifest."""
+    log = log or _log.info
     import ray  # lazy: ray
 
     recs = sorted(records.values(), key=lambda r: r["group"])

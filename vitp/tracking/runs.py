@@ -138,7 +138,7 @@ class RunLogger:
             history = client.get_metric_history(rid, key)
             if history:
                 last_steps[key] = max(m.step for m in history)
-        log.info("resuming MLflow run %s (%s), attempt %d", rid, run.info.run_name, attempt)
+        log.debug("resuming MLflow run %s (%s), attempt %d", rid, run.info.run_name, attempt)
         logger = cls(client, rid, experiment_id, run.info.run_name or run_name, True, last_steps)
         return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=last_steps)
 

@@ -233,7 +233,7 @@ class MetricSpool:
             self.append(step, ts, lines[step, ts])
             top.update({k: step for k in lines[step, ts]})
         if top:
-            log.info("adopted %d leftover metric values (steps up to %d) into %s",
+            log.debug("adopted %d leftover metric values (steps up to %d) into %s",
                      len(seen), max(top.values()), self.path)
         return top
 

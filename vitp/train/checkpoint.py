@@ -21,11 +21,14 @@ from typing import Any
 import numpy as np
 
 from ..config import ExperimentConfig
+from ..console import get_logger
 from ..paths import RunPaths
 from ..safe_load import weights_only
 from ..tracking.redact import redact
 from .. import storage
 from ..storage import join
+
+log = get_logger(__name__)
 
 # Layout of one checkpoint directory (the merge of every rank's files):
 #     state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
@@ -283,8 +286,8 @@ def _load_resized(engine, directory: str, meta: dict[str, Any], load_optimizer: 
     out = results[leader][0]
     seconds = time.perf_counter() - t0
     if rank == 0:
-        print(f"checkpoint of {meta['world_size']} ranks -> {world} ranks: converted to universal "
-              f"in {seconds:.1f} s", flush=True)
+        log.info("checkpoint of %d ranks -> %d ranks: converted to universal in %.1f s",
+                 meta["world_size"], world, seconds)
     try:
         with _universal_flag(engine, True):
             path, _ = engine.load_checkpoint(out, tag=meta["tag"], load_optimizer_states=load_optimizer,

@@ -16,9 +16,12 @@ import numpy as np
 import ray
 
 from .. import storage
+from ..console import get_logger
 from ..config import ExperimentConfig
 from ..paths import RunPaths
 from .fewshot_lsr import SHOTS, fewshot_accuracy, num_classes_of, read_split, shot_indices
+
+_log = get_logger(__name__)
 
 SEEDS = 3  # as `vitp fewshot` and big_vision
 # The actor reserves no logical CPU: 0.25 left Ray Data's readers (whole-CPU tasks) one slot short
@@ -168,8 +171,8 @@ class FewshotProbes:
     log finished results in step order; `close()` ends the actor."""
 
     def __init__(self, cfg: ExperimentConfig, engine, rank: int, logger=None,
-                 say: Callable[[str], None] = print):
-        self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say
+                 say: Callable[[str], None] | None = None):
+        self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say or _log.info
         self.roots = dataset_roots(cfg)
         self.actor = None
         self.pending: collections.deque = collections.deque()  # (step, ObjectRef) in step order

@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from ..console import get_logger
 from ..net import free_port
+
+log = get_logger(__name__)
 
 # Imported once in the forkserver before any rank is forked from it: a 2-rank launch of a function that
 # imports both took 3.5 s spawned, 0.03 s forked (2.4 s for the first, which starts the forkserver).
@@ -75,8 +78,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
             if retries == port_retries or "address already in use" not in str(e).lower():
                 raise
             retries += 1
-            print(f"rendezvous port taken before rank 0 bound it; retrying on another ({e!s:.200})",
-                  flush=True)
+            log.warning("rendezvous port taken before rank 0 bound it; retrying on another (%.200s)", e)
 
 
 def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, port: int) -> list[Any]:

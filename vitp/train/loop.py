@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..config import ExperimentConfig, drill_steps
+from ..console import get_logger
 from ..model import memory
 from ..model.flops import training_flops
 from ..model.loading import adapt_state_dict, load_grouped
@@ -26,6 +27,8 @@ from .engine import build_engine, partitioned_construction, return_freed_host_me
 from .objective import objective_for
 from .export import load_weights
 from .step import StepResult, all_reduce_sum, evaluate, group, memory_gb, train_step
+
+log = get_logger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -110,7 +113,7 @@ class NonFiniteGuard:
 
     def _say(self, line: str) -> None:
         if self.rank == 0:
-            print(line, flush=True)
+            log.info(line)
 
 
 def seed_everything(seed: int) -> None:

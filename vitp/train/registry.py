@@ -13,12 +13,14 @@ import torch
 from mlflow.entities import Metric
 
 from .. import storage
-from ..console import quiet_output
+from ..console import get_logger, quiet_output
 from ..errors import InputError
 from ..names import check_name
 from ..model.weights import mark_registered, read_config, source_info
 from ..tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
 from ..tracking.values import params_for_mlflow
+
+_log = get_logger(__name__)
 
 
 # MLflow warns, at class definition, that `predict` has no type hints (in a filter of its own
@@ -47,9 +49,10 @@ def _signature(image_size: int, classes: int):
 
 
 def register_export(export_dir: str, name: str, tracking_uri: str | None = None,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
+                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Log `export_dir` as a model of the run that trained it and register it under `name`;
     returns {name, version, model_id, model_uri, run_id}. InputError if it is not an export."""
+    log = log or _log.info
     check_name("--register", name)
     info = source_info(export_dir)
     if info.kind != "export":

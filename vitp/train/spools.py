@@ -62,5 +62,5 @@ def _gather(run_id: str) -> int:
             log.warning("metric spools of run %s on node %s copied but not removed: %s", run_id, node[:8], e)
     count = sum(len(f) for f in copied.values())
     if count:
-        log.info("gathered %d metric spool file(s) of run %s from %d node(s)", count, run_id, len(copied))
+        log.debug("gathered %d metric spool file(s) of run %s from %d node(s)", count, run_id, len(copied))
     return count

@@ -7,7 +7,6 @@ must not run training steps itself.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from ray.train.torch import TorchConfig
 
 from .. import storage
 from ..config import ExperimentConfig, absolute_paths
-from ..console import library_log_level
+from ..console import get_logger, library_log_level
 from ..data.commands import require_labels
 from ..data.ingest import dataset_name, normalize, peek_rows, shards_dir, shards_name
 from ..data.shards import read_manifest
@@ -39,6 +38,8 @@ from .failures import Trainer, final_error
 from .spools import gather_spools
 from .streams import EvalDatasetFactory, RankStreams, train_placeholder
 from .worker import train_per_worker
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -131,7 +132,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)
         require_labels(cfg, root, read_manifest(root))  # no classifier on unlabelled shards
     existing = ckpt.latest_complete_checkpoint(
-        cfg, warn=lambda line: print(f"[{cfg.run_name}] warning: {line}", file=sys.stderr, flush=True))
+        cfg, warn=lambda line: log.warning("[%s] %s", cfg.run_name, line))
     if existing and cfg.train.resume == "never":
         raise FileExistsError(
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
@@ -141,11 +142,11 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     if meta and meta["step"] >= (cfg.train.pause_at or cfg.train.steps):
         return _already_finished(cfg, existing, meta, tracking, t0)
     if existing:
-        print(f"[{cfg.run_name}] continuing from {existing} (same run name)", flush=True)
+        log.info("[%s] continuing from %s (same run name)", cfg.run_name, existing)
         planned = ((meta.get("config") or {}).get("train") or {}).get("steps")
         if planned is not None and planned != cfg.train.steps:
-            print(f"[{cfg.run_name}] train.steps {planned} -> {cfg.train.steps}: the LR schedule is "
-                  f"re-planned to end at step {cfg.train.steps}", flush=True)
+            log.info("[%s] train.steps %s -> %s: the LR schedule is re-planned to end at step %s",
+                     cfg.run_name, planned, cfg.train.steps, cfg.train.steps)
     logger = None
     mlflow_info = None
     if tracking:
@@ -164,8 +165,8 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         if (extra_tags or {}).get("source_model_id"):  # started from a registered model
             log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
-        print(f"[{cfg.run_name}] MLflow run {logger.run_id} ({'resumed' if logger.resumed else 'new'}) at {uri}",
-              flush=True)
+        log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
+                 "resumed" if logger.resumed else "new", uri)
     trainer = build_trainer(cfg, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
         with _elastic_start_timeout(cfg):
@@ -208,10 +209,10 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     Its MLflow run is left as it is when already FINISHED (end time and attempt unchanged); one
     still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED.
     """
-    print(f"[{cfg.run_name}] already {'paused' if meta['step'] < cfg.train.steps else 'finished'}: "
-          f"{checkpoint} is step {meta['step']} of {cfg.train.steps}; nothing to train (raise "
-          "train.pause_at / train.steps to continue it, or choose a new --set tracking.run_name=... "
-          "to train again)", flush=True)
+    log.info("[%s] already %s: %s is step %d of %d; nothing to train (raise train.pause_at / "
+             "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
+             cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", checkpoint,
+             meta["step"], cfg.train.steps)
     run_id = None
     if tracking:
         uri = resolve_tracking_uri(cfg)
@@ -243,7 +244,7 @@ def _log_rollouts(logger, cfg: ExperimentConfig, checkpoint: str, count: int = 4
                                            originals=rows["stored"]):
                 logger.log_artifact(path, "attention")
     except Exception as e:  # the run itself succeeded; say why the pictures are missing
-        print(f"[{cfg.run_name}] attention rollouts not logged: {e}", flush=True)
+        log.warning("[%s] attention rollouts not logged: %s", cfg.run_name, e)
 
 
 def _log_analysis(logger, cfg: ExperimentConfig, checkpoint: str, step: int, count: int = 4) -> None:
@@ -262,9 +263,9 @@ def _log_analysis(logger, cfg: ExperimentConfig, checkpoint: str, step: int, cou
             ("distance_corr", pos["distance_corr"]), ("neighbour_sim", pos["neighbour_similarity"]),
             ("other_sim", pos["other_similarity"])) if v is not None}, step)
         for line in summary_lines(report):
-            print(f"[{cfg.run_name}] {line}", flush=True)
+            log.info("[%s] %s", cfg.run_name, line)
     except Exception as e:  # the run itself succeeded; say why the report is missing
-        print(f"[{cfg.run_name}] Figure 7 analysis not logged: {e}", flush=True)
+        log.warning("[%s] Figure 7 analysis not logged: %s", cfg.run_name, e)
 
 
 def _mlflow_run_of(uri: str, meta: dict[str, Any]):

@@ -18,6 +18,7 @@ import ray.train
 import torch
 
 from .. import storage
+from ..console import get_logger, set_log_rank
 from ..config import ExperimentConfig, for_world
 from ..data.executor import pace_streaming_executor
 from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
@@ -30,6 +31,8 @@ from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .step import all_reduce_max, all_reduce_sum
 from .sysmetrics import SystemSampler
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:  # MLflow is imported by rank 0 only (_setup): other ranks never log
     from ..tracking.runs import RunLogger
@@ -133,7 +136,7 @@ class _Rank:
 
     def say(self, line: str) -> None:
         if self.rank == 0:
-            print(f"[{self.cfg.run_name}] {line}", flush=True)
+            log.info("[%s] %s", self.cfg.run_name, line)
 
 
 def _setup(config: dict[str, Any]) -> _Rank:
@@ -141,6 +144,7 @@ def _setup(config: dict[str, Any]) -> _Rank:
     recipe = ExperimentConfig.from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    set_log_rank(rank)
     cfg = for_world(recipe, world)  # the recipe's global batch on the workers running now
     device = device_for(cfg)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -219,7 +223,7 @@ class _Reporter:
     def on_log(self, step: int, metrics: dict[str, float], checkpoint_due: bool) -> None:
         r = self.r
         if r.rank == 0:
-            print(_progress_line(r.cfg, step, metrics, self.t_start, self.start_step), flush=True)
+            log.info(_progress_line(r.cfg, step, metrics, self.t_start, self.start_step))
             if r.logger:
                 r.logger.log_metrics({**metrics, **(self.sampler.sample() if self.sampler else {})}, step=step)
             if self.probes:

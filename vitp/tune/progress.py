@@ -11,9 +11,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from ray.tune import Callback
 
-from ..console import progress
+from ..console import get_logger, progress
 from ..tracking import find_runs
 from ..tracking.store import get_client, quote
+
+_log = get_logger(__name__)
 
 STOPPED_BY_TAG = "vitp.stopped_by"  # who ended a run early: "asha" (the scheduler), ...
 STOPPED_AT_TAG = "vitp.stopped_at_step"
@@ -44,11 +46,11 @@ class SweepProgress(Callback):
     def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
                  experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
                  planned_steps: Callable[[Mapping[str, Any]], int] | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] | None = None):
         self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.planned_steps = planned_steps
-        self.scheduler, self.log = scheduler, log
+        self.scheduler, self.log = scheduler, log or _log.info
         self.started: dict[str, float] = {}
         self.durations: list[float] = []
         self.ended = 0
@@ -58,7 +60,7 @@ class SweepProgress(Callback):
         return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, log=print, run_name=lambda config: "?", planned_steps=None)
+        self.__dict__.update(state, log=_log.info, run_name=lambda config: "?", planned_steps=None)
 
     def _eta(self) -> str:
         left = self.total - self.ended

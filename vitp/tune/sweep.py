@@ -14,13 +14,14 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
+from ..console import get_logger
 from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
 from ..config.files import recipe_label
 from ..names import check_name
@@ -33,6 +34,8 @@ from ..tracking.store import quote, tag_filters
 from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
 from .progress import USER_ERROR, SweepProgress, trial_error
+
+_log = get_logger(__name__)
 
 AXES = ("recipe", "source")  # trial keys that are not config fields
 
@@ -265,8 +268,9 @@ def _keep_credentials_out_of_trial_actors() -> None:
         class_cache.ENV_VARS_TO_PROPAGATE = {n for n in names if not is_secret_key(n)}
 
 
-def run_sweep(spec: SweepSpec, resume: bool = False, log=print) -> dict[str, Any]:
+def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
+    log = log or _log.info
     # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
