@@ -74,8 +74,9 @@ browser:
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)
 
-# The inner loop (~1 min): config, model, data decoding, storage, tracking, CLI parsing; no Ray
-# (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow.
+# The inner loop (~70 s): config, model, data decoding, storage, tracking on SQLite, CLI parsing; no
+# Ray (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow (tests on
+# the real MLflow server are, by the same hook).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" $(XDIST) $(PYTEST_ARGS)
 

@@ -7,6 +7,9 @@ import pytest
 # marked `ray` here, so `make test-fast` (-m "not ray ...") leaves it out without anyone having to
 # remember the marker.
 RAY_FIXTURES = {"ray_session", "two_node_cluster", "auth_cluster", "rehearsal"}
+# The session's real `mlflow server` (tests/tracking/conftest.py) costs a server start: a test on it
+# is marked `slow` the same way, and `make test-fast` keeps the SQLite twin of each parametrized one.
+SERVER_FIXTURES = {"mlflow_server"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection, which reads the marker
@@ -14,6 +17,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or "server" in params.values():
+            item.add_marker(pytest.mark.slow)
 
 
 # after -m/-k deselection: only what runs is weighed

@@ -1,5 +1,6 @@
 """The suite's own selection: a test that uses a Ray fixture (tests/conftest.py's RAY_FIXTURES) is
-marked `ray` before `-m` deselects, so `make test-fast` (-m "... and not ray") leaves it out."""
+marked `ray`, and one on the session's real MLflow server `slow`, before `-m` deselects, so
+`make test-fast` (-m "... and not slow and not ray") leaves them out (a SQLite twin stays)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = "tests/cluster/test_connect.py"  # its one test, marked `ray` only through its fixture
 
 
-def _collected(marks: str) -> set[str]:
+def _collected(marks: str, probe: str = PROBE) -> set[str]:
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
-                        "-p", "no:cacheprovider", "-m", marks, PROBE],
+                        "-p", "no:cacheprovider", "-m", marks, probe],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode in (0, 5), p.stdout[-3000:] + p.stderr[-3000:]  # 5: every test deselected
     return {line.split("::")[1] for line in p.stdout.splitlines() if "::" in line}
@@ -20,3 +21,11 @@ def test_a_test_using_a_ray_fixture_is_left_out_by_not_ray():
     name = "test_a_local_ray_beside_another_is_the_one_its_processes_find"
     assert _collected("ray") == {name}
     assert _collected("not ray") == set()
+
+
+def test_a_test_on_the_real_mlflow_server_is_slow_and_its_sqlite_twin_is_not():
+    probe = "tests/tracking/test_runs.py"  # its tests take tracking_uri: one per store
+    fast, everything = _collected("not slow", probe), _collected("", probe)
+    twins = {t for t in fast if t.endswith("[sqlite]")}
+    assert twins and not [t for t in fast if "[server]" in t], fast
+    assert {t.replace("[sqlite]", "[server]") for t in twins} <= everything - fast

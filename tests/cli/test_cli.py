@@ -90,6 +90,7 @@ def test_every_commands_help_names_its_defaults():
     assert shown >= 15, shown
 
 
+@pytest.mark.slow  # the whole command in a subprocess (MLflow, torch): make test, not test-fast
 def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch):
     """`vitp CMD runs:/RUN_ID`: the run's logged config.json, under a run name of its own (the same
     command again continues that one, never the original); a missing run or store is one line."""
@@ -122,6 +123,7 @@ def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch
     assert r.returncode == 2 and "give --tracking-uri URI or set MLFLOW_TRACKING_URI" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # the whole command in a subprocess (MLflow, torch): make test, not test-fast
 def test_predict_gives_each_image_the_models_top_classes(tmp_path):
     """`vitp predict EXPORT IMAGES...`: per image, the classes the model ranks highest with their
     probabilities, as the model computes them on the image cropped the way evaluation crops it;
