@@ -159,7 +159,6 @@ def progress(line: str, done: int, total: int, eta: str, log: Callable[[str], No
         log(line)
 
 
-
 # ------------------------------------------------------------------------------ library log lines
 
 _rank: int | None = None  # this process's world rank, once it is a Train worker
