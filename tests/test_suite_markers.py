@@ -29,3 +29,30 @@ def test_a_test_on_the_real_mlflow_server_is_slow_and_its_sqlite_twin_is_not():
     twins = {t for t in fast if t.endswith("[sqlite]")}
     assert twins and not [t for t in fast if "[server]" in t], fast
     assert {t.replace("[sqlite]", "[server]") for t in twins} <= everything - fast
+
+
+def test_durations_replace_the_entries_of_every_file_the_logs_ran(tmp_path, monkeypatch, capsys):
+    import json
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import durations
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "tests").mkdir()
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / "tests" / name).write_text("")
+    table = tmp_path / "tests" / "durations.json"
+    table.write_text(json.dumps({"tests/test_a.py::test_renamed_since": 9, "tests/test_a.py::test_kept": 9,
+                                 "tests/test_b.py::test_not_run_this_time": 7, "tests/test_gone.py::test_x": 5}))
+    log = tmp_path / "run.log"
+    log.write_text("12.50s call     tests/test_a.py::test_kept\n"
+                   "0.40s setup    tests/test_a.py::test_kept\n"
+                   "3.00s call     tests/test_a.py::test_bad[config debug --set optim.lr=nan]\n"
+                   "0.30s call     tests/test_a.py::test_quick\n")
+    monkeypatch.setattr(durations, "PATH", table)
+    durations.main([str(log)])
+    assert json.loads(table.read_text()) == {
+        "tests/test_a.py::test_kept": 13,  # setup + call
+        "tests/test_a.py::test_bad[config debug --set optim.lr=nan]": 3,  # an id with spaces, whole
+        "tests/test_b.py::test_not_run_this_time": 7}  # a file the log did not run keeps its entries
