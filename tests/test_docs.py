@@ -60,7 +60,9 @@ def test_every_vitp_line_in_the_docs_parses(path, line):
 
 # ------------------------------------------------------------------ results quoted in docs/demo.md
 
-RESULTS = ROOT / "docs" / "results"  # each file is a run's own demo-result.json, as `vitp demo` wrote it
+# demo-*.json: a run's own demo-result.json, as `vitp demo` wrote it; figure7-*.json: `vitp analyze`'s
+# analysis.json of an export plus its run's last val/top1
+RESULTS = ROOT / "docs" / "results"
 
 
 def _demo_result(name: str) -> dict:
@@ -116,3 +118,23 @@ def test_every_demo_result_quoted_in_the_docs_is_the_file_it_cites():
     run, stages = re.search(r"Stage times of the `--seed (\d)` run: ([^.]+)\.", flat).groups()
     timings = _demo_result(f"seed{run}")["timings"]
     assert stages == ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), (stages, timings)
+
+
+def test_the_figure_7_table_is_the_files_it_cites():
+    """docs/hybrid_and_mpp.md's plain-vs-hybrid table: each row's attention distances, position-
+    embedding correlation and val top-1 are the numbers in the docs/results/ file the row names
+    (`vitp analyze`'s analysis.json of that export, plus the run's val/top1)."""
+    import json
+
+    text = (ROOT / "docs" / "hybrid_and_mpp.md").read_text()
+    rows = re.findall(r"^\s*\| `(\S+)` \(`docs/results/(figure7-\w+\.json)`\) \| (.+) \|$", text, re.M)
+    assert [variant for variant, _, _ in rows] == ["pico/8", "R8+pico/8"], rows
+    for variant, name, cells in rows:
+        saved = json.loads((RESULTS / name).read_text())
+        heads, first, second, corr, top1 = (c.strip() for c in cells.split("|"))
+        pixels, means = saved["attention_distance"]["pixels"], saved["attention_distance"]["layer_mean"]
+        assert saved["model"]["variant"] == variant, name
+        assert heads == ", ".join(f"{p:.1f}" for p in pixels[0]), name
+        assert (first, second) == (f"{means[0]:.1f}", f"{means[1]:.1f}"), name
+        assert corr == f"{saved['pos_embed']['distance_corr']:.3f}", name
+        assert top1 == f"{saved['val_top1']:.3f}", name
