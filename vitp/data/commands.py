@@ -24,10 +24,9 @@ _log = get_logger(__name__)
 
 
 def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] = _log.info) -> dict:
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
     into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.data.synth_seed."""
-    log = log or _log.info
     d = cfg.data
     out = out_dir or RunPaths.of(cfg.work_dir).synth
     if storage.listdir(out) and not overwrite:
@@ -49,11 +48,10 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
 
 def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False,
-                   rows_per_task: int = 128, log: Callable[[str], None] | None = None) -> dict:
+                   rows_per_task: int = 128, log: Callable[[str], None] = _log.info) -> dict:
     """Source (cfg.data.source, cfg.data.path) -> shards at shards_dir(cfg); returns the summary
     dict (input, written, quarantined, reasons, shards, bytes, images_per_sec) and prints it.
     resume=True finishes an unfinished run there, writing only the shards it lacks."""
-    log = log or _log.info
     d = cfg.data
     out = out_dir or shards_dir(cfg)
     t0 = time.time()
@@ -78,11 +76,10 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
 
 
-def ensure_shards(cfg, log: Callable[[str], None] | None = None) -> str:
+def ensure_shards(cfg, log: Callable[[str], None] = _log.info) -> str:
     """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
     (synthetic fractals, scikit-learn's digits), are made now; unlabelled shards only for a
     self-supervised objective (`require_labels`); every listed shard present (`check_shard_files`)."""
-    log = log or _log.info
     root = shards_dir(cfg)
     try:
         manifest = sh.read_manifest(root)

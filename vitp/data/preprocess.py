@@ -239,14 +239,13 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
                num_classes: Optional[int] = None, overwrite: bool = False, resume: bool = False,
                max_pixels: int = DEFAULT_MAX_PIXELS, synth_seed: int = 0, train_fraction: float = 1.0,
                rows_per_task: int = 128,
-               manifest_extra: Optional[dict] = None, log: Callable[[str], None] | None = None) -> dict:
+               manifest_extra: Optional[dict] = None, log: Callable[[str], None] = _log.info) -> dict:
     """Run the whole preprocess and return the summary (also the manifest's `counts`).
 
     The driver lists directories/files (the plan), then Ray Data: listing tasks -> items ->
     group by shard -> per shard one task reads, decodes and writes it to `out_dir`. Only
     per-block counts and per-shard records come back here; no image bytes.
     """
-    log = log or _log.info
     import ray  # lazy: ray (the per-row functions are used without it)
     from ray.data.context import ShuffleStrategy
 
@@ -327,7 +326,6 @@ def _inputs_of(records) -> int:
 def _finish(out_dir, fs, base, records, classes, ncls, n_in, plan, decode, t0, manifest_extra, log):
     """Reconcile the records, merge the quarantine parts (in a Ray task), write classes.json
     and, last, the manifest."""
-    log = log or _log.info
     import ray  # lazy: ray
 
     recs = sorted(records.values(), key=lambda r: r["group"])

@@ -171,8 +171,8 @@ class FewshotProbes:
     log finished results in step order; `close()` ends the actor."""
 
     def __init__(self, cfg: ExperimentConfig, engine, rank: int, logger=None,
-                 say: Callable[[str], None] | None = None):
-        self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say or _log.info
+                 say: Callable[[str], None] = _log.info):
+        self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say
         self.roots = dataset_roots(cfg)
         self.actor = None
         self.pending: collections.deque = collections.deque()  # (step, ObjectRef) in step order

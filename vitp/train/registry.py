@@ -49,10 +49,9 @@ def _signature(image_size: int, classes: int):
 
 
 def register_export(export_dir: str, name: str, tracking_uri: str | None = None,
-                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    log: Callable[[str], None] = _log.info) -> dict[str, Any]:
     """Log `export_dir` as a model of the run that trained it and register it under `name`;
     returns {name, version, model_id, model_uri, run_id}. InputError if it is not an export."""
-    log = log or _log.info
     check_name("--register", name)
     info = source_info(export_dir)
     if info.kind != "export":

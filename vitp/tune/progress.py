@@ -46,11 +46,11 @@ class SweepProgress(Callback):
     def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
                  experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
                  planned_steps: Callable[[Mapping[str, Any]], int] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] = _log.info):
         self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.planned_steps = planned_steps
-        self.scheduler, self.log = scheduler, log or _log.info
+        self.scheduler, self.log = scheduler, log
         self.started: dict[str, float] = {}
         self.durations: list[float] = []
         self.ended = 0

@@ -268,9 +268,8 @@ def _keep_credentials_out_of_trial_actors() -> None:
         class_cache.ENV_VARS_TO_PROPAGATE = {n for n in names if not is_secret_key(n)}
 
 
-def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] = _log.info) -> dict[str, Any]:
     """Run (or with resume=True continue) the sweep; returns a summary with the best per dataset."""
-    log = log or _log.info
     # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
