@@ -1,7 +1,8 @@
 """The MLflow server goes away for 10 s in the middle of a training run and comes back on the
 same store: training does not slow down or stop, and the run ends with one value per step. The
 same run also has one step whose loss is NaN (train.nan_drill): skipped, counted, and logged
-without a loss (a NaN that persists: tests/train/test_nonfinite_ray.py).
+without a loss (a NaN that persists: tests/train/test_nonfinite_ray.py); and few-shot probes on
+digits every FEWSHOT_EVERY steps (ZeRO-2, the debug recipe's: tests/train/fewshot_probes.py).
 
 Real Ray Train (2 CPU workers, DeepSpeed, gloo) logging to a real `mlflow server` on 127.0.0.1.
 """
@@ -11,6 +12,8 @@ import time
 import pytest
 
 from vitp.recipes import resolve
+
+from .fewshot_probes import check_probes, probe_settings
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -23,6 +26,7 @@ LOG_TIMEOUT_S = 1
 # 2 cores it ends near step 300 of 800; a machine 2.5x as fast ends it near step 600.
 STEPS = 800
 NAN_STEP = 7  # train.nan_drill: this step's loss is NaN on every rank
+FEWSHOT_EVERY = STEPS // 2  # two probes (the second on the final weights), wherever the outage falls
 
 
 def _step_times(client, run_id):
@@ -30,20 +34,22 @@ def _step_times(client, run_id):
     return {m.step: m.timestamp / 1000 for m in client.get_metric_history(run_id, "train/loss")}
 
 
-def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_path):
+def test_training_goes_on_through_a_tracking_server_outage(corpora, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from vitp.net import free_port
     from vitp.tracking.server import start_server
     from vitp.train.trainer import run_training
 
+    work, fractals, digits = corpora
     store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()
     server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-1.log")
-    cfg = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}",
+    cfg = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={fractals}",
                             f"tracking.uri={server.uri}", f"train.steps={STEPS}", "train.log_every=1",
                             "train.eval_every=0", "train.checkpoint_every=1000", "tracking.run_name=outage",
                             f"train.nan_drill={NAN_STEP}",
-                            f"tracking.log_timeout_s={LOG_TIMEOUT_S}"])
+                            f"tracking.log_timeout_s={LOG_TIMEOUT_S}",
+                            *probe_settings(FEWSHOT_EVERY, tmp_path, f"{work}/shards/digits")])
     out, errors = [], []
 
     def train():
@@ -90,6 +96,7 @@ def test_training_goes_on_through_a_tracking_server_outage(debug_shards, tmp_pat
         assert skipped[NAN_STEP - 1] == 0 and skipped[NAN_STEP] == 1 and skipped[STEPS] == 1
         loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
         assert loss[STEPS] < loss[1]  # training went on after the skipped step
+        check_probes(cfg, out[0], digits)
     finally:
         runner.join(timeout=1200)
         server.stop()
