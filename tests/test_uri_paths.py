@@ -1,11 +1,10 @@
 """Every reader and writer of exports, imports, checkpoints, plots and shards on storage URIs:
 a real S3 API (moto on 127.0.0.1, the `s3` fixture) and file:// URIs. Exports written and read
 back, imports from a URI, `vitp export` / `attention` from and to URIs, synth + preprocess into
-URI shards; few-shot and fine-tune `--from` a URI (e2e: they start Ray Train / Ray Data)."""
+URI shards. Few-shot and fine-tuning `--from` an export and on shards in the bucket are the
+rehearsal's stages 5 and 6 (tests/cluster/test_rehearsal.py)."""
 import dataclasses
 import io
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -237,44 +236,3 @@ def test_synth_and_preprocess_into_uri_shards(ray_session, store):
     storage.write_bytes(storage.join(shards, "manifest.json"), b"<html>AccessDenied</html>")
     with pytest.raises(InputError, match="manifest.json: not a shards manifest"):
         read_manifest(shards)
-
-
-# ------------------------------------------------------- few-shot and fine-tune from a URI
-
-
-def _vitp(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "MLFLOW_TRACKING"))}
-    vitp = os.path.join(os.path.dirname(sys.executable), "vitp")
-    return subprocess.run([vitp, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-
-
-@pytest.mark.e2e
-@pytest.mark.ray
-@pytest.mark.slow
-# S3 only: file:// sources take the same readers, which the export and attention tests run on both
-@pytest.mark.parametrize("store", ["s3"], indirect=True)
-def test_fewshot_and_finetune_from_a_uri_export(store, trained, tmp_path):
-    """The export and the digits shards live on the URI; the run's work_dir is local."""
-    _, ex_local = trained
-    export = storage.join(store, "export")
-    storage.upload_dir(ex_local, export)
-    sets = ["--set", f"work_dir={tmp_path / 'work'}", "--set", f"data.shards={storage.join(store, 'shards', 'digits')}"]
-    r = _vitp("fewshot", "debug_finetune", "--from", export, *sets, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = {line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("fewshot/")}
-    assert got == {f"fewshot/{k}shot_top1" for k in (1, 5, 10, 25)}, r.stdout
-    assert storage.exists(storage.join(store, "shards", "digits", "manifest.json"))
-
-    short = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "optim.warmup_steps=1"]
-    r = _vitp("finetune", "debug_finetune", "--from", export, *sets,
-              *(a for kv in short for a in ("--set", kv)), cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "val/top1" in r.stdout, r.stdout
-    from mlflow.tracking import MlflowClient
-
-    from vitp.recipes import with_overrides
-    from vitp.tracking.store import resolve_tracking_uri
-
-    run_id = next(line.split()[-1] for line in r.stdout.splitlines() if "MLflow run:" in line)
-    client = MlflowClient(resolve_tracking_uri(with_overrides("debug", [f"work_dir={tmp_path / 'work'}"])))
-    assert client.get_run(run_id).data.tags["source"] == export

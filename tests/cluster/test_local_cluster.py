@@ -163,6 +163,8 @@ def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_nod
     assert mlflow.get_run(seen["run_id"]).info.status == "FINISHED"
 
 
+# The run's checkpoint interval; MLflow goes down once rank 0 has logged SENT_BEFORE_OUTAGE steps.
+CHECKPOINT_EVERY, SENT_BEFORE_OUTAGE = 50, 60
 RANK0_JOB = r'''
 import functools, json, sys
 import ray, ray.train
@@ -170,18 +172,19 @@ from vitp import recipes
 from vitp.data.commands import ensure_shards
 from vitp.train.trainer import run_training
 
-uri, work, steps = sys.argv[1:]
+uri, work, shards, steps, checkpoint_every = sys.argv[1:]
 ray.init()
 here = ray.get_runtime_context().get_node_id()
 other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
 # The one Train worker (rank 0) on the node that is not the driver's: Train's per-worker label
 # selector, set here because where rank 0 runs is otherwise Ray's choice.
 ray.train.ScalingConfig = functools.partial(ray.train.ScalingConfig, label_selector=[{"ray.io/node-id": other}])
-cfg = recipes.resolve("debug", [f"work_dir={work}", f"tracking.uri={uri}", "tracking.run_name=rank0-elsewhere",
-                                "parallel.num_workers=1", "parallel.grad_accum=2", "parallel.cpus_per_worker=2", f"train.steps={steps}",
-                                "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100",
+cfg = recipes.resolve("debug", [f"work_dir={work}", f"data.shards={shards}", f"tracking.uri={uri}",
+                                "tracking.run_name=rank0-elsewhere", "parallel.num_workers=1", "parallel.grad_accum=2",
+                                "parallel.cpus_per_worker=2", f"train.steps={steps}", "train.log_every=1",
+                                "train.eval_every=0", f"train.checkpoint_every={checkpoint_every}",
                                 "train.max_failures=1", "tracking.log_timeout_s=2", "tracking.system_metrics=false"])
-ensure_shards(cfg)
+ensure_shards(cfg)  # the test session's: already there
 summary = run_training(cfg, with_val=False)
 print("RANK0 " + json.dumps({"run_id": summary.mlflow_run_id, "node": other, "step": summary.metrics["step"]}))
 '''
@@ -202,11 +205,13 @@ def _spooled_steps(spool_root) -> int:
 
 
 @pytest.mark.e2e
-def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_no_step(two_node_cluster, tmp_path):
-    """A real Train run whose only worker, rank 0, runs on the non-head node. MLflow goes down after
-    step 120; rank 0 spools on past the next checkpoint and is SIGKILLed with those steps never sent;
-    MLflow comes back; Train restarts the worker from that checkpoint, so the steps before it are
-    not trained again. Every step's train/loss is in MLflow exactly once and the run is FINISHED."""
+def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_no_step(two_node_cluster, debug_shards,
+                                                                                       tmp_path):
+    """A real Train run whose only worker, rank 0, runs on the non-head node (on the session's debug
+    shards). MLflow goes down after step SENT_BEFORE_OUTAGE; rank 0 spools on past the next
+    checkpoint and is SIGKILLed with those steps never sent; MLflow comes back; Train restarts the
+    worker from that checkpoint, so the steps before it are not trained again. Every step's
+    train/loss is in MLflow exactly once and the run is FINISHED."""
     import json
     import os
     import signal
@@ -219,23 +224,25 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
     from vitp.net import free_port
     from vitp.tracking.server import start_server
 
-    steps = 800  # margin: the outage and the kill must come before the run ends, on a fast machine too
+    # margin: the outage and the kill (near step 110 or 160) must come before the run ends, also at
+    # 40 steps/s (about 15 on 2 cores here)
+    steps = 400
     store, port = f"sqlite:///{tmp_path}/mlflow.db", free_port()
     server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-1.log")
     script = tmp_path / "rank0.py"
     script.write_text(RANK0_JOB)
     jobs = JobSubmissionClient(two_node_cluster.address)
     job = jobs.submit_job(entrypoint=" ".join([sys.executable, str(script), server.uri, str(tmp_path / "work"),
-                                               str(steps)]))
+                                               debug_shards, str(steps), str(CHECKPOINT_EVERY)]))
     mlflow = MlflowClient(server.uri)
 
     def logged(run_id) -> list[int]:
         return [m.step for m in mlflow.get_metric_history(run_id, "train/loss")]
 
     deadline, run_id = time.time() + 400, None
-    while run_id is None or len(logged(run_id)) < 120:  # past the checkpoint at step 100
+    while run_id is None or len(logged(run_id)) < SENT_BEFORE_OUTAGE:  # past the first checkpoint
         assert not jobs.get_job_status(job).is_terminal(), jobs.get_job_logs(job)[-3000:]
-        assert time.time() < deadline, "the run never logged 120 steps"
+        assert time.time() < deadline, f"the run never logged {SENT_BEFORE_OUTAGE} steps"
         exp = mlflow.get_experiment_by_name("vit-pipeline-debug")
         runs = mlflow.search_runs([exp.experiment_id], "attributes.run_name = 'rank0-elsewhere'") if exp else []
         run_id = runs[0].info.run_id if runs else None
@@ -245,7 +252,7 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
     spool_root = two_node_cluster.node_dirs[1] / "tmp" / "vitp-mlflow-spool" / run_id
     # past the next checkpoint: the restarted worker resumes from it, so steps sent+1..checkpoint
     # are trained once only, and reach MLflow only if the dead rank 0's spool does
-    target, deadline = (sent // 100 + 1) * 100 + 10, time.time() + 300
+    target, deadline = (sent // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY + 10, time.time() + 300
     while _spooled_steps(spool_root) < target:
         assert not jobs.get_job_status(job).is_terminal(), "the run ended during the outage (raise steps)"
         assert time.time() < deadline, f"rank 0 spooled no step {target} under {spool_root}"
