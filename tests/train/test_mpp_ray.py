@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 STEPS = 100  # the loss must be below half of ln 512 by then (measured 2.42, docs/hybrid_and_mpp.md)
 
 
-def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, ray_session):
+def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits_shards):
     import torch
 
     from vitp.data.commands import ensure_shards, run_preprocess
@@ -54,10 +54,11 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, ray_se
     print(f"masked-colour top-1 {val:.3f}, most common colour's share {majority:.3f}")
     assert val > majority + 0.05, (val, majority)
 
-    cfg, tags = finetune_config(with_overrides("debug_finetune", [f"work_dir={tmp_path}"]), summary.checkpoint)
+    digits = with_overrides("debug_finetune", [f"work_dir={tmp_path}", f"data.shards={digits_shards}"])
+    cfg, tags = finetune_config(digits, summary.checkpoint)
     cfg = validate(cfg)
     assert cfg.train.objective == "classify" and cfg.model.head == "finetune"
-    ensure_shards(cfg, log=lambda s: None)
+    ensure_shards(cfg, log=lambda s: None)  # the session's digits shards: nothing to do
     ft = run_training(cfg, extra_tags=tags)
     top1 = client.get_metric_history(ft.mlflow_run_id, "val/top1")[-1].value
     assert np.isfinite(top1) and top1 > 0.2, top1  # digits, chance 0.1
