@@ -34,6 +34,23 @@ _VENV_BIN = os.path.join(sys.prefix, "bin")
 if os.path.isfile(os.path.join(_VENV_BIN, "ninja")) and os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 
+
+def import_deepspeed():
+    """`import deepspeed`, without the MLflow import DeepSpeed's autotuner makes for its own
+    (unused here) logging: every Train rank paid 1-5 CPU-s for it at start-up, and only rank 0
+    logs (vitp.tracking imports MLflow there itself). The autotuner catches the ImportError that a
+    None in sys.modules gives; the entry is gone again once DeepSpeed is imported."""
+    block = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if block:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
+    finally:
+        if block:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 # --------------------------------------------------------------------------- DeepSpeed config
 
 
@@ -161,8 +178,7 @@ def init_distributed(use_gpu: bool) -> None:
     Under Ray Train the group already exists (gloo on CPU, NCCL on GPU). Run alone — the GPU
     benchmark, a debug session — we make a world of one on 127.0.0.1.
     """
-    import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
-
+    deepspeed = import_deepspeed()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # DeepSpeed's own comm layer wraps the existing group (deepspeed.initialize would do the
         # same; zero.Init, which runs before it, needs it to see the real world size)
@@ -194,8 +210,7 @@ def build_engine(model: torch.nn.Module, cfg: ExperimentConfig, world_size: int 
 
     `universal` only changes loading (see build_ds_config); checkpoint.load switches it on for
     its one load when a checkpoint needs it, so an engine built without it can resume resized."""
-    import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
-
+    deepspeed = import_deepspeed()
     init_distributed(cfg.parallel.use_gpu)
     world = torch.distributed.get_world_size()
     if world_size is not None and world_size != world:
@@ -216,8 +231,7 @@ def partitioned_construction(cfg: ExperimentConfig, world_size: int | None = Non
     """ZeRO-3: modules built inside are partitioned as each is constructed
     (`deepspeed.zero.Init`); yields `gather(params)`, DeepSpeed's GatheredParameters with rank 0
     as the writer, for initialising or loading one group of parameters at a time."""
-    import deepspeed  # lazy: deepspeed (slow import; build_ds_config needs none)
-
+    deepspeed = import_deepspeed()
     init_distributed(cfg.parallel.use_gpu)
     ds_config = build_ds_config(cfg, world_size or torch.distributed.get_world_size())
     # no dtype=: DeepSpeed 0.19 then takes it from the config's bf16/fp16 flags; an explicit one
