@@ -421,6 +421,16 @@ def test_train_worker_module_leaves_mlflow_to_rank_0():
     _none(_reach_problems(graph(), ("vitp.train.worker",), {"mlflow"}), "vitp.train.worker reaches MLflow")
 
 
+def test_spool_tasks_load_no_mlflow():
+    """What the per-node spool tasks at every run's end import (vitp/train/spools.py; their
+    functions live in vitp/tracking/spoolfile.py) loads no MLflow: a fresh Ray worker importing
+    all of it there was 2.3 s of CPU on the run's last path. Only `read`, in the sender, needs it."""
+    code = ("import sys\n"
+            "import vitp.train.spools\n"
+            "assert 'mlflow' not in sys.modules, 'vitp.train.spools loaded mlflow'\n")
+    _run_ok(code)
+
+
 def test_train_streams_load_no_torch():
     """What Train's controller and dataset manager unpickle to hand out data (vitp/train/streams.py,
     with the checkpoint lookup it makes) loads no torch or DeepSpeed: each worker-group start of a

@@ -1,7 +1,8 @@
 """A run's metric spool file: JSON lines on local disk, one file per process, flock-ed while it lives.
 
 Owns creating, appending, reading, adopting and handing over spool files (spool.py sends them).
-A line is in a file whole or not at all; a file is visible only once locked. No torch, no ray.
+A line is in a file whole or not at all; a file is visible only once locked. No torch, no ray,
+and MLflow only where lines become metrics (`read`): the per-node spool tasks import this module.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-
-from mlflow.entities import Metric
+from typing import TYPE_CHECKING
 
 from vitp.paths import spool_root
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
 
 try:
     import fcntl
@@ -181,6 +184,8 @@ class MetricSpool:
     def read(self, max_values: int = METRICS_PER_BATCH) -> tuple[list[Metric], int]:
         """The metrics of the next unsent whole lines (at most max_values unless one line has
         more) and how many bytes they take."""
+        from mlflow.entities import Metric  # lazy: only the sender needs it (see the module doc)
+
         metrics: list[Metric] = []
         used = 0
         for line in self._unsent(_READ_CHUNK).splitlines(keepends=True):
