@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitp.data.decode import (DecodeError, crop_resize, decode_image, inception_crop_box,
+from vitp.data.decode import (TORCH_CROP_MIN_SIZE, DecodeError, crop_resize, decode_image, inception_crop_box,
                                   random_crop_box, resize_center_crop)
 
 
@@ -146,6 +146,7 @@ def test_crop_resize_matches_pillow_and_flips():
     """The torch uint8 antialiased path (whole-pixel boxes) computes Pillow's bilinear resize:
     on a smooth image every pixel agrees within 1 level, for down- and upscaling crops, and
     flip is the mirror image; `out` receives the result in place."""
+    assert 64 >= TORCH_CROP_MIN_SIZE  # the size below takes the torch path
     y, x = np.mgrid[0:96, 0:120].astype(np.float64)
     img = np.stack([x * 2.1, y * 2.6, (x + y) * 1.1], -1).clip(0, 255).astype(np.uint8)
     for box in [(0, 0, 120, 96), (10, 4, 90, 80), (30, 20, 50, 44), (5, 9, 101, 57)]:
@@ -162,6 +163,29 @@ def test_crop_resize_matches_pillow_and_flips():
     box = (0.5, 1.25, 60.5, 61.25)
     ref = np.asarray(Image.fromarray(img).resize((32, 32), Image.BILINEAR, box=box))
     assert (crop_resize(img, box, 32, flip=False) == ref).all()
+
+
+def test_small_crops_are_pillows_and_load_no_torch():
+    """Below TORCH_CROP_MIN_SIZE a whole-pixel crop is Pillow's resize, bit for bit (flip and `out`
+    included), and a process that only makes such crops (a Ray Data reader of small images)
+    never imports torch."""
+    import subprocess
+    import sys
+
+    size = TORCH_CROP_MIN_SIZE // 2
+    img = np.random.default_rng(3).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    for box in [(0, 0, 50, 40), (3, 5, 40, 31), (20, 10, 30, 18)]:
+        ref = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR, box=box))
+        out = np.zeros((size, size, 3), np.uint8)
+        assert crop_resize(img, box, size, flip=True, out=out) is out
+        assert (out == ref[:, ::-1]).all(), box
+    code = ("import sys, numpy as np\n"
+            "from vitp.data.decode import TORCH_CROP_MIN_SIZE, crop_resize\n"
+            "img = np.zeros((40, 50, 3), np.uint8)\n"
+            "crop_resize(img, (3, 5, 40, 31), TORCH_CROP_MIN_SIZE - 1, flip=True)\n"
+            "assert 'torch' not in sys.modules, 'a small crop imported torch'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_alpha_and_16_bit_conversions_equal_the_float64_formula_in_blocks_of_rows():

@@ -190,23 +190,31 @@ def resize_center_crop(img: np.ndarray, size: int, resample=Image.BICUBIC) -> np
     return np.asarray(Image.fromarray(img).resize((size, size), resample=resample, box=box))
 
 
+# The smallest output (px) that crop_resize sends through torch's kernel: below it Pillow is as
+# fast or faster (torch pays ~0.1 ms a call: Pillow 52 vs 77 us at 32 px, about even at 64, 891
+# vs 288 us at 224 px, one core: benchmarks/crop_kernels.py), and a Ray Data reader process that
+# never takes the torch path never imports torch (2 CPU-s each, 218 MB resident after it).
+TORCH_CROP_MIN_SIZE = 64
+
+
 def crop_resize(img: np.ndarray, box: tuple[float, float, float, float], size: int,
                 flip: bool, resample=Image.BILINEAR, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Crop `box` (x0, y0, x1, y1) out of (H, W, 3) and resize to (size, size, 3) in one pass;
     written into `out` (a contiguous (size, size, 3) uint8 array) when given.
 
     Whole-pixel boxes with bilinear resampling (every inception crop, and random crops of
-    images already >= `size`) take torch's uint8 antialiased bilinear kernel: the same
-    triangle filter as Pillow's, about 4x faster on one core (0.13 vs 0.53 ms for a 224 px
-    crop), channels-last in and out, and the flip rides on the copy out. It crops first and
+    images already >= `size`) take torch's uint8 antialiased bilinear kernel from
+    TORCH_CROP_MIN_SIZE up: the same triangle filter as Pillow's, about 3x faster on one core
+    at 224 px, channels-last in and out, and the flip rides on the copy out. It crops first and
     then resizes (as torchvision does), where Pillow's box resize also reads pixels just
     outside the box: on smooth content they agree within a level; on noisy content the
     border rows differ, most for small crops scaled up a lot (8 px -> 224 px). Fractional
-    boxes (upscaled random crops) and other filters go through Pillow.
+    boxes (upscaled random crops), other filters and smaller outputs go through Pillow.
     """
     if out is None:
         out = np.empty((size, size, 3), dtype=np.uint8)
-    if resample == Image.BILINEAR and all(float(v).is_integer() for v in box):
+    if (resample == Image.BILINEAR and size >= TORCH_CROP_MIN_SIZE
+            and all(float(v).is_integer() for v in box)):
         import torch  # lazy: torch (only this fast path needs it; preprocess workers never do)
 
         if min(img.strides) < 0:  # torch takes no negative strides (e.g. a flipped view)
