@@ -38,7 +38,8 @@ def per_image_us(size: int, crops: int, rounds: int, seed: int) -> tuple[float, 
     rng = np.random.default_rng(seed)
     stored = round(size * 256 / 224)
     images = [rng.integers(0, 256, (stored, stored, 3), dtype=np.uint8) for _ in range(8)]
-    boxes = [tuple(float(round(v)) for v in inception_crop_box(rng, stored, stored, 0.08)) for _ in range(crops)]
+    boxes = [tuple(float(round(v)) for v in inception_crop_box(rng, stored, stored, 0.08))
+             for _ in range(crops)]
     flips = rng.random(crops) < 0.5
     out = np.empty((size, size, 3), np.uint8)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitp.data.decode import (TORCH_CROP_MIN_SIZE, DecodeError, crop_resize, decode_image, inception_crop_box,
-                                  random_crop_box, resize_center_crop)
+from vitp.data.decode import (TORCH_CROP_MIN_SIZE, DecodeError, crop_resize, decode_image,
+                              inception_crop_box, random_crop_box, resize_center_crop)
 
 
 def enc(im, fmt, **kw):
@@ -165,7 +165,7 @@ def test_crop_resize_matches_pillow_and_flips():
     assert (crop_resize(img, box, 32, flip=False) == ref).all()
 
 
-def test_small_crops_are_pillows_and_load_no_torch():
+def test_small_crops_take_pillow_and_load_no_torch():
     """Below TORCH_CROP_MIN_SIZE a whole-pixel crop is Pillow's resize, bit for bit (flip and `out`
     included), and a process that only makes such crops (a Ray Data reader of small images)
     never imports torch."""
