@@ -32,16 +32,18 @@ def _one_setting(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, ROOT)
     from vitp.data.commands import run_preprocess
-    from vitp.recipes import resolve
+    from vitp.recipes import resolve, with_overrides
     from vitp.train.trainer import run_training
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     root = tempfile.mkdtemp(prefix="vitp-overhead-")
     run_preprocess(resolve("debug", [f"data.shards={root}/shards"]), log=lambda s: None)
+    warmup = min(args.steps, with_overrides("debug").optim.warmup_steps)  # --steps below it is valid
     for i in range(args.repeats):
         cfg = resolve("debug", [f"work_dir={root}", f"data.shards={root}/shards", f"tracking.run_name=r{i}",
                                 f"train.steps={args.steps}", "train.checkpoint_every=4", "train.log_every=1",
-                                "train.eval_every=0", f"parallel.num_workers={args.workers}",
+                                "train.eval_every=0", f"optim.warmup_steps={warmup}",
+                                f"parallel.num_workers={args.workers}",
                                 f"parallel.grad_accum={2 // args.workers}", f"parallel.zero_stage={args.zero}"])
         t0 = time.time()
         run_training(cfg)
