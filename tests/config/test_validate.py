@@ -16,7 +16,7 @@ def _invalid(**overrides):
     ({"data.image_size": 30}, ["data.image_size=30", "patch size 8", "multiple of 8"]),
     ({"parallel.global_batch": 64}, ["global_batch 64 != micro 16 x accum 1 x world 2 = 32",
                                     "parallel.grad_accum=2"]),
-    ({"parallel.global_batch": 48}, ["global_batch 48", "set parallel.global_batch=32"]),
+    ({"parallel.global_batch": 48}, ["global_batch 48", "set parallel.micro_batch=12 and parallel.grad_accum=2"]),
     ({"parallel.zero_stage": 4}, ["parallel.zero_stage=4", "0, 1, 2 or 3"]),
     ({"parallel.offload_params": "true"}, ["offload_params", "zero_stage=3"]),
     ({"model.variant": "Q/16"}, ["model.variant='Q/16'", "B/<patch>"]),
@@ -94,3 +94,46 @@ def test_a_worker_count_or_micro_batch_set_alone_keeps_the_global_batch():
                 check_paths=False)
     with pytest.raises(ConfigError, match=rf"parallel.global_batch {recipe.global_batch} != micro {recipe.micro_batch} "):
         resolve("h14_i21k", ["parallel.num_workers=48"], check_paths=False)
+
+
+def test_num_workers_alone_validates_on_every_gpu_recipe_with_the_micro_batch_lowered_only_if_needed():
+    """Any worker count that divides the global batch is a valid `--set parallel.num_workers=N` on
+    the GPU recipes: grad_accum is derived, and where micro x workers outgrows the global batch the
+    micro batch goes down (what fits in memory never grows); a count that does not divide is
+    refused with one that would."""
+    from vitp.recipes import RECIPES, get_recipe, resolve
+
+    for name in RECIPES:
+        recipe = get_recipe(name).parallel
+        if not recipe.use_gpu:
+            continue
+        for world in (1, 2, 4, 8, 16, 32, 64, 128):
+            p = resolve(name, [f"parallel.num_workers={world}"], check_paths=False).parallel
+            assert p.micro_batch * p.grad_accum * world == p.global_batch == recipe.global_batch, (name, world, p)
+            assert p.micro_batch <= recipe.micro_batch, (name, world, p)
+            if recipe.micro_batch * world <= recipe.global_batch:  # the recipe's micro batch still fits
+                assert p.micro_batch == recipe.micro_batch, (name, world, p)
+    # worked by hand: 512 / 16 workers = 32 a step (micro 64 would be 1024); 4096 / 64 = 64 (micro 128: 8192)
+    cifar = resolve("finetune_cifar10", ["parallel.num_workers=16"], check_paths=False).parallel
+    assert (cifar.micro_batch, cifar.grad_accum) == (32, 1)
+    b16 = resolve("b16_i21k", ["parallel.num_workers=64"], check_paths=False).parallel
+    assert (b16.micro_batch, b16.grad_accum) == (64, 1)
+    with pytest.raises(ConfigError, match="run a worker count that divides 4096"):
+        resolve("b16_i21k", ["parallel.num_workers=24"], check_paths=False)
+    with pytest.raises(ConfigError, match=r"parallel.global_batch 4096 != micro 96 .*set parallel.micro_batch=64 and "
+                                          r"parallel.grad_accum=1"):  # a micro batch the user set is theirs
+        resolve("b16_i21k", ["parallel.num_workers=64", "parallel.micro_batch=96"], check_paths=False)
+
+
+def test_an_elastic_world_keeps_the_global_batch_without_growing_the_micro_batch():
+    from vitp.config.validate import for_world
+    from vitp.recipes import with_overrides
+
+    cfg = with_overrides("debug", ["parallel.global_batch=96", "parallel.micro_batch=16", "parallel.grad_accum=1",
+                                   "parallel.num_workers=6"])
+    p = for_world(cfg, 4).parallel  # 16 x 4 = 64 does not divide 96; 12 x 4 x 2 does (24 x 4 would grow it)
+    assert (p.num_workers, p.micro_batch, p.grad_accum) == (4, 12, 2)
+    p = for_world(cfg, 3).parallel  # 16 x 3 x 2: the micro batch kept
+    assert (p.num_workers, p.micro_batch, p.grad_accum) == (3, 16, 2)
+    with pytest.raises(ConfigError, match="cannot be split over 5 workers"):
+        for_world(cfg, 5)

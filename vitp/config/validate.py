@@ -150,10 +150,11 @@ def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
     if min(p.num_workers, p.micro_batch, p.grad_accum) > 0:
         product = p.micro_batch * p.grad_accum * p.num_workers
         if product != p.global_batch:
-            fix_accum = p.global_batch / (p.micro_batch * p.num_workers)
+            split = split_batch(p.global_batch, p.micro_batch, p.num_workers)
             hint = (
-                f"set parallel.grad_accum={int(fix_accum)}" if fix_accum.is_integer() and fix_accum >= 1
-                else f"set parallel.global_batch={product}"
+                f"set parallel.grad_accum={split[1]}" if split and split[0] == p.micro_batch
+                else f"set parallel.micro_batch={split[0]} and parallel.grad_accum={split[1]}" if split
+                else f"run a worker count that divides {p.global_batch}, or set parallel.global_batch={product}"
             )
             problems.append(
                 f"parallel.global_batch {p.global_batch} != micro {p.micro_batch} x accum "
@@ -180,38 +181,46 @@ def _parallel_problems(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def split_batch(global_batch: int, micro_batch: int, world: int) -> tuple[int, int] | None:
+    """(micro, accum) with micro x accum x world = global_batch: the given micro batch if it
+    divides, else the largest one below it that does (a micro batch is what fits in memory, so it
+    never grows); None when no micro batch of at least 1 does."""
+    for micro in range(micro_batch, 0, -1):
+        if global_batch % (micro * world) == 0:
+            return micro, global_batch // (micro * world)
+    return None
+
+
 def for_world(cfg: ExperimentConfig, world: int) -> ExperimentConfig:
-    """`cfg` for `world` running workers with the recipe's global batch kept: grad_accum is
-    re-derived (micro_batch kept), else micro_batch (grad_accum kept); ConfigError when
-    neither divides. Unchanged when world = parallel.num_workers (or the product holds)."""
+    """`cfg` for `world` running workers with the recipe's global batch kept (split_batch: grad_accum
+    re-derived, the micro batch lowered only where it must be); ConfigError when no split exists.
+    Unchanged when world = parallel.num_workers (or the product holds)."""
     p = cfg.parallel
     if p.micro_batch * p.grad_accum * world == p.global_batch:
         return cfg
-    for micro, accum in ((p.micro_batch, p.global_batch / (p.micro_batch * world)),
-                         (p.global_batch / (p.grad_accum * world), p.grad_accum)):
-        if float(micro).is_integer() and float(accum).is_integer() and micro >= 1 and accum >= 1:
-            return cfg.replace(parallel=dataclasses.replace(
-                p, num_workers=world, micro_batch=int(micro), grad_accum=int(accum)))
+    split = split_batch(p.global_batch, p.micro_batch, world) if world > 0 else None
+    if split:
+        return cfg.replace(parallel=dataclasses.replace(
+            p, num_workers=world, micro_batch=split[0], grad_accum=split[1]))
     raise ConfigError(
-        f"the global batch {p.global_batch} cannot be kept on {world} workers with micro batch "
-        f"{p.micro_batch} or grad_accum {p.grad_accum}: choose a worker count that divides "
-        f"{p.global_batch // p.micro_batch}, or set parallel.micro_batch to a divisor of "
-        f"{p.global_batch // world}" if p.global_batch % world == 0 else
         f"the global batch {p.global_batch} cannot be split over {world} workers: run a worker "
         f"count that divides it (parallel.num_workers / parallel.min_workers)")
 
 
 def derive_grad_accum(cfg: ExperimentConfig, set_keys: set[str]) -> ExperimentConfig:
     """After `--set parallel.num_workers=N` (or micro_batch / global_batch) without grad_accum: the
-    accumulation that keeps global = micro x accum x workers, when it divides. A grad_accum the user
-    set is theirs (validate says what does not add up), and so is a product that holds already."""
+    accumulation that keeps global = micro x accum x workers, with the recipe's micro batch lowered
+    (split_batch) where only that divides; a micro batch or grad_accum the user set is theirs
+    (validate says what does not add up), and so is a product that holds already."""
     p = cfg.parallel
     batch_keys = {"parallel.num_workers", "parallel.micro_batch", "parallel.global_batch"}
-    per_step = p.micro_batch * p.num_workers
-    if ("parallel.grad_accum" in set_keys or not batch_keys & set_keys or per_step <= 0
-            or per_step * p.grad_accum == p.global_batch or p.global_batch % per_step):
+    if ("parallel.grad_accum" in set_keys or not batch_keys & set_keys or min(p.micro_batch, p.num_workers) <= 0
+            or p.micro_batch * p.num_workers * p.grad_accum == p.global_batch):
         return cfg
-    return cfg.replace(parallel=dataclasses.replace(p, grad_accum=p.global_batch // per_step))
+    split = split_batch(p.global_batch, p.micro_batch, p.num_workers)
+    if not split or ("parallel.micro_batch" in set_keys and split[0] != p.micro_batch):
+        return cfg
+    return cfg.replace(parallel=dataclasses.replace(p, micro_batch=split[0], grad_accum=split[1]))
 
 
 def drill_steps(spec: str) -> range:
