@@ -302,6 +302,41 @@ def test_ours_to_timm_and_back_same_logits(tmp_path):
         torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
 
 
+def test_a_fine_tuned_export_is_timms_own_vision_transformer_with_the_same_logits(tmp_path):
+    """`vitp export --format timm`'s file of a fine-tuning-head model loads strictly into timm's
+    VisionTransformer built from the variant's numbers (not our naming checked against itself),
+    which computes our logits; the same file imports back to a model with them."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from safetensors.torch import load_file, save_file
+    from timm_compat import import_timm
+
+    from vitp.model.variants import decode_variant
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    m = perturb(ViT("pico/8", image_size=32, num_classes=6))
+    x = ours(images(seed=7))
+    with torch.no_grad():
+        ref = m(x)
+    exp = tmp_path / "export"
+    exp.mkdir()
+    save_file(m.state_dict(), str(exp / "model.safetensors"))
+    timm_file = export_timm(str(exp), str(tmp_path / "timm" / "vit.safetensors"))
+    spec = decode_variant("pico/8")
+    theirs = VisionTransformer(img_size=32, patch_size=spec.patch, embed_dim=spec.width, depth=spec.depth,
+                               num_heads=spec.heads, mlp_ratio=spec.mlp_dim / spec.width, num_classes=6).eval()
+    theirs.load_state_dict(load_file(timm_file), strict=True)  # every key, every shape
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), ref, atol=ATOL, rtol=0)  # two implementations: ATOL above
+        back = load_model(import_weights(timm_file, str(tmp_path / "back")))(x)
+    assert torch.equal(back, ref)  # renamed weights into our own model: the same kernels, bit for bit
+
+
 def test_timm_features_we_lack_are_rejected():
     sd = to_timm(ViT("mu/4", image_size=16, num_classes=2).state_dict())
     sd["fc_norm.weight"] = torch.ones(32)
