@@ -53,9 +53,39 @@ def test_every_vitp_line_in_the_docs_parses(path, line):
     words = [w for w in words if w not in (">", "|")][:next((i for i, w in enumerate(words) if w in (">", "|")),
                                                             len(words))]
     try:
-        build_parser().parse_args(words)
+        args = build_parser().parse_args(words)
     except SystemExit as e:
         pytest.fail(f"{path.name}: `{line}` is refused by vitp's parser (exit {e.code})")
+    _check_config(path, line, args)
+
+
+def _shown_error(path: Path, line: str) -> str | None:
+    """The error the doc prints under `$ line` (its `vitp CMD: ...` lines), or None if none."""
+    m = re.search(re.escape(line) + r"\n(vitp [\w-]+: .*(?:\n  .*)*)", path.read_text())
+    return m.group(1) if m else None
+
+
+def _check_config(path: Path, line: str, args) -> None:
+    """Every `--set`/`--space` key is one the schema has, and a line naming a recipe resolves with
+    its `--set`s (no data paths read) or fails as the doc shows under it, message for message."""
+    from vitp.config.overrides import field_type
+    from vitp.errors import ConfigError
+    from vitp.recipes import RECIPES, resolve
+
+    for pair in [*(getattr(args, "overrides", None) or []), *(getattr(args, "space", None) or [])]:
+        try:
+            field_type(pair.split("=", 1)[0].strip())
+        except ConfigError as e:
+            pytest.fail(f"{path.name}: `{line}`: {e}")
+    if getattr(args, "recipe", None) not in RECIPES:
+        return
+    try:
+        resolve(args.recipe, getattr(args, "overrides", None) or [], check_paths=False)
+        refused = None
+    except ConfigError as e:
+        refused = f"vitp {args.command}: {e}"
+    shown = _shown_error(path, line)
+    assert refused == shown, f"{path.name}: `{line}` gives\n{refused}\nwhere the doc shows\n{shown}"
 
 
 # ------------------------------------------------------------------ results quoted in docs/demo.md
