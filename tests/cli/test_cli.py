@@ -43,8 +43,8 @@ def test_debug_and_verbose_are_taken_before_or_after_the_command(where, monkeypa
 def test_config_errors_exit_2_with_message():
     r = run("config", "debug", "--set", "optim.lrr=1")
     assert r.returncode == 2 and "optim.lr" in r.stderr and "Traceback" not in r.stderr
-    r = run("config", "debug", "--set", "parallel.global_batch=100")
-    assert r.returncode == 2 and "global_batch 100 != micro 16" in r.stderr
+    r = run("config", "debug", "--set", "parallel.global_batch=33")
+    assert r.returncode == 2 and "global_batch 33 != micro 16" in r.stderr
     # a recipe is read without its paths: a cluster recipe's corpus and shards are not on this machine
     r = run("config", "b16_i21k", "--set", "data.path=/no/such/corpus")
     assert r.returncode == 0 and json.loads(r.stdout)["data"]["path"] == "/no/such/corpus", r.stderr
@@ -121,6 +121,35 @@ def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     r = run("config", f"runs:/{logger.run_id}")
     assert r.returncode == 2 and "give --tracking-uri URI or set MLFLOW_TRACKING_URI" in r.stderr, r.stderr
+
+
+def test_config_file_and_like_are_spellings_of_the_recipe(tmp_path, capsys, monkeypatch):
+    """--config FILE is the experiment file given as RECIPE, --like RUN (a bare id, runs:/ID) the
+    run given as runs:/ID; two of them, or none where a command needs one, is one line, exit 2."""
+    from vitp.cli import main
+    from vitp.recipes import resolve
+    from vitp.tracking.runs import RunLogger
+
+    def config(*argv):
+        assert main(["config", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    f = tmp_path / "exp.yaml"
+    f.write_text("recipe: debug\noptim:\n  lr: 0.02\n")
+    assert config("--config", str(f)) == config(str(f)) and config(str(f))["optim"]["lr"] == 0.02
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = RunLogger.start(uri, "like", "r")
+    logger.log_config(resolve("debug", ["train.steps=33"], check_paths=False).to_dict())
+    logger.end()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    as_run = config(f"runs:/{logger.run_id}")
+    assert as_run["train"]["steps"] == 33
+    assert config("--like", logger.run_id) == config("--like", f"runs:/{logger.run_id}") == as_run
+    for argv, needle in ((["config", "debug", "--config", str(f)], "give one of RECIPE, --config FILE and --like RUN"),
+                         (["pretrain", "--set", "train.steps=3"], "no recipe: give a RECIPE name")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitp {argv[0]}: ") and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow  # the whole command in a subprocess (MLflow, torch): make test, not test-fast

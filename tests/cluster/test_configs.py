@@ -166,6 +166,10 @@ def test_set_overrides_go_into_every_recipe_command():
     assert [c.overrides for c in calls] == [["x=1"], []]  # compare takes no --set
     calls = parse_entrypoint("python -m vitp.cli sweep debug_finetune --from s3://b/x --space optim.lr=1,2")
     assert [(c.subcommand, c.recipe) for c in calls] == [("sweep", "debug_finetune")]
+    calls = parse_entrypoint("vitp pretrain --config s3://b/exp.yaml --set a=1 && vitp finetune --like=0a1b2c "
+                             "&& vitp fewshot --like runs:/9f8e")  # RECIPE's other spellings
+    assert [(c.recipe, c.overrides) for c in calls] == [("s3://b/exp.yaml", ["a=1"]), ("runs:/0a1b2c", []),
+                                                         ("runs:/9f8e", [])]
 
 
 def test_submit_never_echoes_secret_env_values(tmp_path):

@@ -12,7 +12,7 @@ import select
 import sys
 
 from vitp.cli import cluster, demo, evaluate, experiment
-from vitp.cli.args import Handler, recipe_from_run
+from vitp.cli.args import Handler, pick_recipe, recipe_from_run
 from vitp.console import LOG_FORMAT_ENV, LOG_FORMATS, VERBOSE_ENV, quiet_env, quiet_loggers
 from vitp.errors import UserError
 from vitp.versions import check_versions
@@ -128,6 +128,7 @@ def _quiet_stdout() -> int:
 
 def _run(args: argparse.Namespace) -> int:
     check_versions()  # Ray, DeepSpeed, MLflow within the bounds the code was written for
+    pick_recipe(args)  # RECIPE, --config FILE or --like RUN
     recipe_from_run(args)  # runs:/RUN_ID -> that run's config, before any command reads it
     code = args.handler(args)
     sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

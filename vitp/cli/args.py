@@ -7,11 +7,11 @@ Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any, Callable, Iterable
 
 from vitp import recipes
 from vitp.config import ExperimentConfig, set_values, validate
+from vitp.config.files import like_recipe, run_reference
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -27,13 +27,34 @@ def add_set(p: argparse.ArgumentParser, help: str = "override a config field, e.
 
 
 def add_recipe(p: argparse.ArgumentParser, optional: bool = False, set_help: str | None = None) -> None:
-    """The positional RECIPE (see `vitp config --list`) and its --set overrides."""
-    p.add_argument("recipe", nargs="?" if optional else None,
+    """The positional RECIPE (see `vitp config --list`), its spellings --config FILE and --like RUN
+    (pick_recipe makes them the recipe), and its --set overrides."""
+    p.add_argument("recipe", nargs="?",
                    help="recipe name (`vitp config --list`), your experiment file (.yaml/.json: "
                         "`recipe: NAME` plus the keys it changes; `vitp config NAME` prints one), or "
                         "runs:/RUN_ID or the run's page in the MLflow UI (http://HOST:PORT/#/experiments/"
                         "E/runs/RUN_ID) for a new run like that MLflow run")
+    p.add_argument("--config", dest="config_file", metavar="FILE", help="your experiment file, in place of RECIPE")
+    p.add_argument("--like", metavar="RUN", help="a new run like this MLflow run (its id, runs:/ID or its page "
+                                                 "in the MLflow UI), in place of RECIPE")
+    p.set_defaults(recipe_required=not optional)
     add_set(p, **({"help": set_help} if set_help else {}))
+
+
+def pick_recipe(args: argparse.Namespace) -> None:
+    """RECIPE, --config FILE or --like RUN (a bare run id becomes runs:/ID): one of them, into
+    args.recipe; ConfigError for two, or for none where the command needs one."""
+    from vitp.errors import ConfigError
+
+    like = getattr(args, "like", None)
+    like = like_recipe(like) if like else None
+    given = [v for v in (getattr(args, "recipe", None), getattr(args, "config_file", None), like) if v]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(map(repr, given))}: give one of RECIPE, --config FILE and --like RUN")
+    if given:
+        args.recipe = given[0]
+    elif getattr(args, "recipe_required", False):
+        raise ConfigError("no recipe: give a RECIPE name (`vitp config --list`), --config FILE or --like RUN")
 
 
 def add_address(p: argparse.ArgumentParser, jobs_api: bool = False) -> None:
@@ -65,20 +86,6 @@ def typed_changes(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "scheduler", None):
         changes["tune.scheduler"] = args.scheduler
     return changes
-
-
-RUN_PREFIX = "runs:/"  # MLflow's own way to name a run: `vitp pretrain runs:/RUN_ID` runs one like it
-# A run's page as the MLflow UI addresses it (the server's URL, with any path prefix, before "#")
-RUN_PAGE = re.compile(r"^(?P<server>https?://[^#]+?)/?#/experiments/[^/]+/runs/(?P<run>[0-9A-Za-z]+)/?(?:[/?].*)?$")
-
-
-def run_reference(recipe: str) -> tuple[str, str | None] | None:
-    """(run id, the server a run page names, else None) when `recipe` names an MLflow run:
-    runs:/RUN_ID or the run's page in the MLflow UI; None for a recipe name or a file."""
-    if recipe.startswith(RUN_PREFIX):
-        return recipe[len(RUN_PREFIX):].strip("/"), None
-    page = RUN_PAGE.match(recipe)
-    return (page["run"], page["server"]) if page else None
 
 
 def recipe_from_run(args: argparse.Namespace) -> None:

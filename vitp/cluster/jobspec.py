@@ -14,6 +14,7 @@ from itertools import islice
 from typing import Any
 
 from vitp import recipes
+from vitp.config.files import like_recipe
 from vitp.errors import ConfigError, InputError
 from vitp.tracking.redact import REDACTED, is_secret_key, redact_text
 
@@ -198,6 +199,9 @@ def parse_entrypoint(entrypoint: str) -> list[VitpCall]:
                 datasets = [d.strip() for d in value.split(",") if d.strip()]
             elif a == "--recipe" and sub == "compare":
                 recipe = next(rest, None)  # `vitp compare --recipe R` reads R's MLflow store
+            elif a.split("=", 1)[0] in ("--config", "--like") and sub in RECIPE_COMMANDS:  # RECIPE's spellings
+                value = a.split("=", 1)[1] if "=" in a else next(rest, "")
+                recipe = value if a.startswith("--config") else like_recipe(value)
             elif a in _VALUE_OPTIONS:
                 next(rest, None)
             elif not a.startswith("-") and recipe is None and sub in RECIPE_COMMANDS:

@@ -5,6 +5,7 @@ in a file is ever run (yaml.safe_load). Must not import torch or ray.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from .. import storage
@@ -49,3 +50,22 @@ def parse_experiment(text: str, where: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(dotted, dict) or not all(isinstance(k, str) for k in dotted):
         raise InputError(f"{where}: `set:` maps dotted keys to values; {FORMAT}")
     return recipe, {**flatten(data), **dotted}
+
+
+RUN_PREFIX = "runs:/"  # MLflow's own way to name a run: `vitp pretrain runs:/RUN_ID` runs one like it
+# A run's page as the MLflow UI addresses it (the server's URL, with any path prefix, before "#")
+RUN_PAGE = re.compile(r"^(?P<server>https?://[^#]+?)/?#/experiments/[^/]+/runs/(?P<run>[0-9A-Za-z]+)/?(?:[/?].*)?$")
+
+
+def run_reference(recipe: str) -> tuple[str, str | None] | None:
+    """(run id, the server a run page names, else None) when `recipe` names an MLflow run:
+    runs:/RUN_ID or the run's page in the MLflow UI; None for a recipe name or a file."""
+    if recipe.startswith(RUN_PREFIX):
+        return recipe[len(RUN_PREFIX):].strip("/"), None
+    page = RUN_PAGE.match(recipe)
+    return (page["run"], page["server"]) if page else None
+
+
+def like_recipe(run: str) -> str:
+    """`--like RUN`'s recipe text: a run id becomes runs:/RUN_ID; runs:/ and run pages stay as given."""
+    return run if run_reference(run) else RUN_PREFIX + run
