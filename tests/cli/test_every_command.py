@@ -159,16 +159,15 @@ def test_model_and_plan_print_the_memory_model():
     assert f"--set parallel.zero_stage={best['zero_stage']}" in text
     one_line_error(vitp("plan", "H/14", "--gpus", "1", "--gpu-mem", "0.1"), "plan", 2, "does not fit")
     one_line_error(vitp("plan", "H/14", "--gpus", "3"), "plan", 2, "--global-batch 4096 does not split over --gpus 3")
-    # the printed line pastes onto a recipe as it is: the batch triangle holds on the planned GPUs
-    from vitp.recipes import resolve
+    # the printed line pastes onto `vitp config h14_i21k` as it is: the batch triangle holds on the planned GPUs
+    from vitp.config import ExperimentConfig
 
     for gpus, mem in ((1, "16"), (32, "80")):
         text = ok(vitp("plan", "H/14", "--gpus", str(gpus), "--gpu-mem", mem)).out
         line = next(line for line in text.splitlines() if line.strip().startswith("--set "))
         words = shlex.split(line)
         assert words[::2] == ["--set"] * (len(words) // 2)
-        cfg = resolve("h14_i21k", words[1::2], check_paths=False)
-        p = cfg.parallel
+        p = ExperimentConfig.from_dict(json.loads(ok(vitp("config", "h14_i21k", *words)).out)).parallel  # pasted
         assert p.num_workers == gpus and p.micro_batch * p.grad_accum * gpus == p.global_batch == 4096
         assert p.micro_batch <= json.loads(ok(vitp("plan", "H/14", "--gpus", str(gpus), "--gpu-mem", mem,
                                                    "--json")).out)[0]["micro_batch"]

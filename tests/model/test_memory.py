@@ -78,6 +78,30 @@ def test_plan_picks_settings_that_fit_and_the_cheapest_first(gpu_mem):
     assert not settings[0].offload, "offload only when nothing else fits"
 
 
+def test_plan_charges_zero_1_and_2_no_communication_over_data_parallel_and_zero_3_half_again():
+    """The ZeRO paper's communication volumes: stages 1 and 2 move what data parallelism moves (a
+    reduce-scatter and an all-gather are one all-reduce), stage 3 1.5x that. At the same micro-batch
+    the plan ranks stage 1 and 2 with stage 0 (a tie broken towards the lower stage) and stage 3
+    half again dearer; where stage 1 fits a larger micro-batch than stage 0, it comes first."""
+    for gpus, mem in ((8, 80), (8, 40), (32, 80)):
+        by = {(s.zero_stage, s.checkpointing, s.offload): s for s in memory.plan("L/16", gpus=gpus, gpu_mem_gb=mem)}
+        for ckpt in (False, True):
+            base = by.get((0, ckpt, False))
+            for stage in (1, 2, 3):
+                s = by.get((stage, ckpt, False))
+                if base is None or s is None or s.micro_batch != base.micro_batch:
+                    continue
+                ratio = s.cost / base.cost
+                assert (ratio < 1.05 if stage < 3 else ratio > 1.45), (gpus, mem, ckpt, stage, ratio)
+                assert s.cost > base.cost  # the tie goes to the stage with less machinery
+            z0, z1 = by.get((0, ckpt, False)), by.get((1, ckpt, False))
+            if z0 and z1 and z1.micro_batch > z0.micro_batch:
+                assert z1.cost < z0.cost, (gpus, mem, ckpt)
+    compared = {(gpus, mem) for gpus, mem in ((8, 80), (8, 40), (32, 80))
+                if any(s.zero_stage == 1 for s in memory.plan("L/16", gpus=gpus, gpu_mem_gb=mem))}
+    assert compared, "no plan with a ZeRO-1 setting to compare"
+
+
 def test_plan_is_empty_when_nothing_fits():
     assert memory.plan("H/14", gpus=1, gpu_mem_gb=0.1) == []
 
