@@ -194,6 +194,12 @@ def test_predict_gives_each_image_the_models_top_classes(tmp_path):
         assert [t["prob"] for t in row["top"]] == pytest.approx(probs[want].tolist(), abs=1e-5)
     text = run("predict", export, paths[0], "--top", "2")
     assert text.returncode == 0 and text.stdout.startswith(f"{paths[0]}: class {rows[0]['top'][0]['class']} ")
+    # the class names an export records (vitp export reads them from the training shards)
+    names = [f"kind-{i}" for i in range(cfg.model.num_classes)]
+    named = write_export(str(tmp_path / "named"), model.state_dict(), cfg.to_dict(), {"classes": names})
+    top = rows[0]["top"][0]
+    text = run("predict", named, paths[0], "--top", "2")
+    assert text.returncode == 0 and text.stdout.startswith(f"{paths[0]}: {names[top['class']]} (class {top['class']}) ")
 
     r = run("predict", export, paths[0], str(tmp_path / "missing.png"))
     assert r.returncode == 2 and r.stderr.strip() == (f"vitp predict: {tmp_path / 'missing.png'}: no such image "

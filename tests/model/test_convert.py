@@ -267,6 +267,30 @@ def test_our_export_as_a_hugging_face_dir_gives_transformers_the_same_logits(tmp
         export_hf(exp, str(tmp_path / "hf2"))
 
 
+def test_an_export_names_the_classes_of_the_shards_it_trained_on_and_hugging_face_gets_them(tmp_path):
+    """class_names: the training shards' classes.json by label, None where it is gone or does not
+    match the head; an export that records them gives HF's config its id2label."""
+    from vitp.model.convert import export_hf
+    from vitp.model.vit import build_vit
+    from vitp.model.weights import source_info, write_export
+    from vitp.recipes import resolve
+    from vitp.train.export import class_names
+
+    cfg = resolve("debug_finetune", [f"data.shards={tmp_path / 'shards'}"], check_paths=False)  # 10 classes
+    assert class_names(cfg.to_dict()) is None  # no shards (any more)
+    names = [f"kind-{i}" for i in range(10)]
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "classes.json").write_text(json.dumps({n: i for i, n in reversed(list(enumerate(names)))}))
+    assert class_names(cfg.to_dict()) == names
+    assert class_names(resolve("debug_finetune", [f"data.shards={tmp_path / 'shards'}", "model.num_classes=9"],
+                               check_paths=False).to_dict()) is None  # another head: not these names
+    exp = write_export(str(tmp_path / "export"), build_vit(cfg.model, cfg.data.image_size).state_dict(),
+                       cfg.to_dict(), {"classes": names})
+    assert source_info(exp).classes == names
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text()) if export_hf(exp, str(tmp_path / "hf")) else {}
+    assert hf["id2label"] == {str(i): n for i, n in enumerate(names)} and hf["label2id"]["kind-3"] == 3
+
+
 def test_hf_unknown_keys_are_named():
     with pytest.raises(ValueError, match="decoder"):
         from_hf({"decoder.0.weight": torch.zeros(1)})

@@ -50,8 +50,15 @@ def _check_run_contract(cfg, summary, tmp_path):
         assert len(_history(cfg, summary.mlflow_run_id, key)) == len(loss), key
     assert summary.metrics["val/count"] > 0
     _analysis_was_logged(cfg, summary, tmp_path)
-    model = load_model(export(summary.checkpoint, str(tmp_path / "export")))
+    exported = export(summary.checkpoint, str(tmp_path / "export"))
+    model = load_model(exported)
     out = model(torch.zeros(2, 3, 32, 32))
+    from vitp import storage
+    from vitp.data.ingest import shards_dir
+    from vitp.model.weights import source_info
+
+    index = storage.read_json(storage.join(shards_dir(cfg), "classes.json"))  # what preprocessing named
+    assert source_info(exported).classes == sorted(index, key=index.get)  # recorded for predict and HF
     assert out.shape == (2, 10) and torch.isfinite(out).all() and out.abs().sum() > 0
     # the same run started again: its final checkpoint is reported, nothing trains
     _rerun_of_finished_run_trains_nothing(cfg, summary, len(loss))

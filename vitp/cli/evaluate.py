@@ -117,12 +117,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     import torch  # lazy: keeps vitp --help fast (torch)
 
     from vitp.data.ingest import normalize  # lazy: keeps vitp --help fast (torch)
-    from vitp.model.weights import read_config
-    from vitp.train.export import load_model  # lazy: keeps vitp --help fast (torch)
+    from vitp.model.weights import read_config, source_info
+    from vitp.train.export import class_names, load_model  # lazy: keeps vitp --help fast (torch)
 
     for image in args.images:  # every missing image fails before the model loads
         _check_image(image)
     cfg, model = read_config(args.checkpoint), load_model(args.checkpoint)
+    info = source_info(args.checkpoint)  # an export's recorded names, else a checkpoint's shards'
+    names = info.classes if info.classes and len(info.classes) == cfg.model.num_classes else class_names(info.config)
     rows = []
     for i in range(0, len(args.images), 64):
         paths = args.images[i:i + 64]
@@ -130,13 +132,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
         with torch.no_grad():
             probs = model(normalize(torch.from_numpy(pixels), cfg.data.mean, cfg.data.std).contiguous()).softmax(-1)
         top = probs.topk(min(args.top, probs.shape[1]))
-        rows += [{"image": path, "top": [{"class": int(c), "prob": round(float(v), 6)} for v, c in zip(vs, cs)]}
+        rows += [{"image": path, "top": [{"class": int(c), **({"name": names[int(c)]} if names else {}),
+                                          "prob": round(float(v), 6)} for v, c in zip(vs, cs)]}
                  for path, vs, cs in zip(paths, top.values, top.indices)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for row in rows:
-        print(f"{row['image']}: " + ", ".join(f"class {t['class']} {t['prob']:.3f}" for t in row["top"]))
+        print(f"{row['image']}: " + ", ".join(f"{t['name']} (class {t['class']}) {t['prob']:.3f}" if "name" in t
+                                              else f"class {t['class']} {t['prob']:.3f}" for t in row["top"]))
     return 0
 
 
@@ -144,7 +148,8 @@ def _add_predict(sub) -> Handler:
     p = sub.add_parser("predict", help="the top classes a model gives images",
                        description="Each image is decoded and centre-cropped as evaluation does, then "
                                    "classified by the model of an export or checkpoint; one line per "
-                                   "image with its top classes (class index, probability), or --json.")
+                                   "image with its top classes (name where the export or the training "
+                                   "shards say it, class index, probability), or --json.")
     p.add_argument("checkpoint", help="export dir (vitp export / import) or checkpoint dir")
     p.add_argument("images", nargs="+", help="image files (paths or URIs)")
     p.add_argument("--top", type=int, default=5, help="classes shown per image")

@@ -101,12 +101,14 @@ def to_hf(sd: Mapping[str, torch.Tensor]) -> StateDict:
     return out
 
 
-def hf_config(spec, num_classes: int, image_size: int) -> dict[str, Any]:
-    """The `ViTConfig` (as its config.json) of a plain ViT `spec` (variants.ViTSpec)."""
+def hf_config(spec, num_classes: int, image_size: int, classes: list[str] | None = None) -> dict[str, Any]:
+    """The `ViTConfig` (as its config.json) of a plain ViT `spec` (variants.ViTSpec); `classes`:
+    the label names (else HF's LABEL_i)."""
+    names = classes if classes and len(classes) == num_classes else [f"LABEL_{i}" for i in range(num_classes)]
     return {"architectures": ["ViTForImageClassification"], "model_type": "vit",
             "hidden_size": spec.width, "num_hidden_layers": spec.depth, "num_attention_heads": spec.heads,
             "intermediate_size": spec.mlp_dim, "hidden_act": "gelu", "layer_norm_eps": 1e-6,
             "image_size": image_size, "patch_size": spec.patch, "num_channels": 3, "qkv_bias": True,
             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-            "id2label": {str(i): f"LABEL_{i}" for i in range(num_classes)},
-            "label2id": {f"LABEL_{i}": i for i in range(num_classes)}}
+            "id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)}}

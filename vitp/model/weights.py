@@ -49,6 +49,7 @@ class SourceInfo:
     mlflow_run_id: Optional[str] = None
     step: int = 0
     registered: Optional[dict[str, Any]] = None  # {name, version, model_id}: `vitp export --register`
+    classes: Optional[list[str]] = None  # class names by label, as the export recorded them (vitp export)
 
     @property
     def recipe(self) -> Optional[str]:
@@ -97,7 +98,8 @@ def source_info(source: str) -> SourceInfo:
     else:
         return SourceInfo(path=path, kind=kind)
     return SourceInfo(path=path, kind=kind, config=config, mlflow_run_id=extra.get("mlflow_run_id"),
-                      step=int(extra.get("step", 0) or 0), registered=extra.get("registered"))
+                      step=int(extra.get("step", 0) or 0), registered=extra.get("registered"),
+                      classes=extra.get("classes"))
 
 
 def check_source(source: str) -> SourceInfo:

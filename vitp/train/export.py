@@ -70,13 +70,30 @@ def _local_checkpoint(checkpoint_dir: str, tag: str) -> Iterator[str]:
         yield tmp
 
 
+def class_names(cfg_dict: dict | None) -> list[str] | None:
+    """The class names, by label, of the shards a run with this config trained on (their
+    classes.json), when that file is still readable and matches the head; else None."""
+    from ..config import ExperimentConfig
+    from ..data.ingest import shards_dir  # lazy: pyarrow
+
+    try:
+        cfg = ExperimentConfig.from_dict(cfg_dict or {})
+        index = storage.read_json(storage.join(shards_dir(cfg), "classes.json"))
+    except (OSError, ValueError, TypeError):  # gone, unreachable, or not a config of ours
+        return None
+    names = sorted(index, key=index.get) if isinstance(index, dict) else []
+    ok = [index[n] for n in names] == list(range(cfg.model.num_classes))
+    return names if ok else None
+
+
 def export(checkpoint_dir: str, out_dir: str) -> str:
-    """Write `out_dir/model.safetensors` and `out_dir/config.json`; returns out_dir."""
+    """Write `out_dir/model.safetensors` and `out_dir/config.json` (with the class names, when the
+    training shards still say them); returns out_dir."""
     sd = consolidate(checkpoint_dir)
     meta = ckpt.read_meta(checkpoint_dir)
-    return weights.write_export(out_dir, sd, meta.get("config") or {},
-                                {"step": meta["step"], "source": storage.abspath(checkpoint_dir),
-                                 "mlflow_run_id": meta.get("mlflow_run_id")})
+    facts = {"step": meta["step"], "source": storage.abspath(checkpoint_dir), "mlflow_run_id": meta.get("mlflow_run_id")}
+    classes = class_names(meta.get("config"))
+    return weights.write_export(out_dir, sd, meta.get("config") or {}, {**facts, **({"classes": classes} if classes else {})})
 
 
 FORMATS = ("ours", "timm", "hf")  # `vitp export --format`
