@@ -33,8 +33,10 @@ SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors",), "vitp.errors": (),
                    "vitp.safe_load": ("vitp.errors",), "vitp.storage": ("vitp.errors",),
                    "vitp.versions": ("vitp.errors",), "vitp.paths": ("vitp.errors", "vitp.storage"),
                    "vitp.tracking": SINKS + ("vitp.config", "vitp.recipes")}
-# The one upward edge allowed: validation checks a variant name against the (torch-free) table.
-ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants")}
+# The upward edges allowed: validation checks a variant name against the (torch-free) table; the
+# few-shot probes during pre-training solve with the evaluator's own NumPy solver (tune owns it).
+ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants"),
+                  ("vitp.train.fewshot_probe", "vitp.tune.fewshot_solver")}
 
 TORCH_FREE = ("vitp.console", "vitp.config", "vitp.recipes", "vitp.tracking", "vitp.storage",
               "vitp.errors", "vitp.names", "vitp.net")

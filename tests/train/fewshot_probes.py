@@ -25,7 +25,8 @@ def check_probes(cfg, summary, digits) -> None:
 
     from vitp.tracking.store import get_client, resolve_tracking_uri
     from vitp.train.export import load_model
-    from vitp.train.fewshot_lsr import FeatureExtractor, fewshot_accuracy, read_split
+    from vitp.train.fewshot_features import FeatureExtractor, read_split
+    from vitp.tune.fewshot_solver import fewshot_accuracy
 
     client = get_client(resolve_tracking_uri(cfg))
     run = client.get_run(summary.mlflow_run_id)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from vitp.config import ExperimentConfig, ModelConfig
-from vitp.tune.fewshot import (BIAS_FEATURE, extract_features, fewshot_accuracy,
-                                   lsr_accuracy, run_fewshot)
+from vitp.train.fewshot_features import extract_features
+from vitp.tune.fewshot import run_fewshot
+from vitp.tune.fewshot_solver import BIAS_FEATURE, fewshot_accuracy, lsr_accuracy
 
 # ------------------------------------------------------------------------------- solver
 

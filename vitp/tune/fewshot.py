@@ -1,6 +1,6 @@
 """`vitp fewshot`: few-shot linear evaluation of exported weights as its own MLflow run
-`fewshot-<source>-<dataset>`. The solver and the features live in vitp.train.fewshot_lsr
-(shared with the probe during pre-training). Writes MLflow only through `vitp.tracking`; reads
+`fewshot-<source>-<dataset>`. The solver is fewshot_solver.py, the features
+vitp.train.fewshot_features (both shared with the probes during pre-training). Writes MLflow only through `vitp.tracking`; reads
 sources only through `vitp.model.weights` / `vitp.train.export`.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from .. import storage
 from ..config import ExperimentConfig
 from ..data.ingest import dataset_name, shards_dir, shards_name
 from ..model.weights import SourceInfo, check_source
-from ..train.fewshot_lsr import (BIAS_FEATURE, L2, SHOTS, FeatureExtractor, extract_features,  # noqa: F401
-                                 fewshot_accuracy, lsr_accuracy)
+from ..train.fewshot_features import extract_features
+from .fewshot_solver import L2, SHOTS, fewshot_accuracy
 
 
 # ------------------------------------------------------------------------ the MLflow run
