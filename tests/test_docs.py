@@ -150,6 +150,37 @@ def test_every_demo_result_quoted_in_the_docs_is_the_file_it_cites():
     assert stages == ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), (stages, timings)
 
 
+def test_the_mpp_results_are_the_files_they_cite():
+    """docs/hybrid_and_mpp.md's masked-patch-prediction figures: the pre-training's loss and masked-
+    colour top-1 are its MLflow histories (benchmarks/metric_history.py's file), the downstream
+    comparison, low-data curve, few-shot probe and wall time the run's demo-result.json."""
+    import json
+
+    from vitp.cli.demo_report import _duration
+
+    text = " ".join((ROOT / "docs" / "hybrid_and_mpp.md").read_text().split())
+    history = json.loads((RESULTS / "demo-mpp-seed0-pretraining.json").read_text())["histories"]
+    loss = {step: value for step, value in history["train/loss"]}
+    quoted = re.search(r"6\.24 to (\S+) at step 50, (\S+) at step 100, (\S+) at 200, (\S+) at 600; colour top-1 "
+                       r"of the masked patches (\S+) \(val\)", text).groups()
+    assert quoted == (*(f"{loss[s]:.2f}" for s in (50, 100, 200, 600)), f"{history['val/top1'][-1][1]:.2f}")
+
+    saved = _demo_result("mpp-seed0")
+    top = saved["headline"]
+    pre, scratch = re.search(r"MPP-pre-trained ([\d. /]+ = [\d.]+ \+- [\d.]+), scratch ([\d. /]+ = [\d.]+ \+- "
+                             r"[\d.]+)\.", text).groups()
+    for quote, group in ((pre, top["pre-trained"]), (scratch, top["scratch"])):
+        assert quote == " / ".join(f"{v:.3f}" for v in group["values"]) + f" = {group['mean']:.3f} +- {group['std']:.3f}"
+    worse = sorted(-100 * m for m in saved["verdict"]["margins"])
+    assert f"is {worse[0]:.1f}-{worse[-1]:.1f} points worse than scratch" in text
+    for percent in (5, 100):
+        means = [f"{_group(saved, kind, percent / 100)['mean']:.3f}" for kind in ("pre-trained", "scratch")]
+        assert f"{percent}% {means[0]} vs {means[1]}" in text, (percent, means)
+    shots = saved["fewshot"]["demo_fractals"]
+    assert "1/5/10/25 shots: " + " / ".join(f"{shots[f'fewshot/{k}shot_top1']:.3f}" for k in (1, 5, 10, 25)) in text
+    assert f"{_duration(saved['seconds'])} wall" in text
+
+
 def test_the_figure_7_table_is_the_files_it_cites():
     """docs/hybrid_and_mpp.md's plain-vs-hybrid table: each row's attention distances, position-
     embedding correlation and val top-1 are the numbers in the docs/results/ file the row names
