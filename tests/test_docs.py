@@ -170,7 +170,8 @@ def test_the_mpp_results_are_the_files_they_cite():
     pre, scratch = re.search(r"MPP-pre-trained ([\d. /]+ = [\d.]+ \+- [\d.]+), scratch ([\d. /]+ = [\d.]+ \+- "
                              r"[\d.]+)\.", text).groups()
     for quote, group in ((pre, top["pre-trained"]), (scratch, top["scratch"])):
-        assert quote == " / ".join(f"{v:.3f}" for v in group["values"]) + f" = {group['mean']:.3f} +- {group['std']:.3f}"
+        values = " / ".join(f"{v:.3f}" for v in group["values"])
+        assert quote == f"{values} = {group['mean']:.3f} +- {group['std']:.3f}"
     worse = sorted(-100 * m for m in saved["verdict"]["margins"])
     assert f"is {worse[0]:.1f}-{worse[-1]:.1f} points worse than scratch" in text
     for percent in (5, 100):

@@ -25,7 +25,8 @@ from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_
 from .variants import VARIANTS, decode_variant
 from .loading import resample_pos_embed
 from .vit import build_vit
-from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights, source_info, write_export
+from .weights import (CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights, source_info,
+                      write_export)
 
 StateDict = dict[str, torch.Tensor]
 
@@ -373,6 +374,6 @@ def export_hf(export_dir: str, out_dir: str, name: str = "") -> str:
         raise InputError(f"{name or export_dir}: Hugging Face's ViTForImageClassification has no counterpart for "
                          f"{unsupported[0]}")
     storage.write_bytes(storage.join(out_dir, WEIGHTS), save(to_hf(read_weights(export_dir)), metadata={"format": "pt"}))
-    storage.write_json(storage.join(out_dir, CONFIG), hf_config(spec, cfg.model.num_classes, cfg.data.image_size,
-                                                                source_info(export_dir).classes))
+    config = hf_config(spec, cfg.model.num_classes, cfg.data.image_size, source_info(export_dir).classes)
+    storage.write_json(storage.join(out_dir, CONFIG), config)
     return out_dir

@@ -91,9 +91,12 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
     training shards still say them); returns out_dir."""
     sd = consolidate(checkpoint_dir)
     meta = ckpt.read_meta(checkpoint_dir)
-    facts = {"step": meta["step"], "source": storage.abspath(checkpoint_dir), "mlflow_run_id": meta.get("mlflow_run_id")}
+    facts = {"step": meta["step"], "source": storage.abspath(checkpoint_dir),
+             "mlflow_run_id": meta.get("mlflow_run_id")}
     classes = class_names(meta.get("config"))
-    return weights.write_export(out_dir, sd, meta.get("config") or {}, {**facts, **({"classes": classes} if classes else {})})
+    if classes:
+        facts["classes"] = classes
+    return weights.write_export(out_dir, sd, meta.get("config") or {}, facts)
 
 
 FORMATS = ("ours", "timm", "hf")  # `vitp export --format`
