@@ -15,8 +15,6 @@ from ..data.ingest import build_eval_dataset, normalize
 from ..errors import InputError
 from ..model.weights import read_config
 
-# ------------------------------------------------------------------- features with Ray Data
-
 
 class FeatureExtractor:
     """uint8 image batches -> pre-logit features: a Ray Data map_batches callable (one per

@@ -14,7 +14,6 @@ import torch
 from ..console import get_logger, quiet_output
 from ..errors import InputError
 from ..model.weights import mark_registered, read_config, source_info
-from ..names import check_name
 from ..tracking.registry import register_model
 
 _log = get_logger(__name__)
@@ -41,7 +40,6 @@ def register_export(export_dir: str, name: str, tracking_uri: str | None = None,
                     log: Callable[[str], None] = _log.info) -> dict[str, Any]:
     """Log `export_dir` as a model of the run that trained it and register it under `name`;
     returns {name, version, model_id, model_uri, run_id}. InputError if it is not an export."""
-    check_name("--register", name)
     info = source_info(export_dir)
     if info.kind != "export":
         raise InputError(f"{export_dir}: not an export (no model.safetensors); run `vitp export "
