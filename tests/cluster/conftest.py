@@ -66,21 +66,24 @@ class LocalCluster:
         # head first: Ray temp dir (ray/), working directory (work/) and TMPDIR (tmp/) of each node
         self.node_dirs = [self.state_dir / f"node-{i}" for i in range(workers + 1)]
 
-    def stop(self) -> str:
-        """`cluster/local.sh stop`; returns what it printed on stderr."""
+    def stop(self, keep_logs: bool = False) -> str:
+        """`cluster/local.sh stop`; returns what it printed on stderr. The nodes' logs (Ray's temp
+        dirs: every worker's output) stay when `keep_logs`, for a failed test's post-mortem."""
         out = subprocess.run([str(LOCAL_SH), "stop", "--state-dir", str(self.state_dir)],
                              capture_output=True, text=True, timeout=120)
-        if not (self.state_dir / "pids").exists():  # stopped: the logs and Ray's temp dir can go
+        if keep_logs:
+            print(f"\nthe cluster's logs are kept in {self.state_dir}")
+        elif not (self.state_dir / "pids").exists():  # stopped: the logs and Ray's temp dir can go
             shutil.rmtree(self.state_dir, ignore_errors=True)
         return out.stderr
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(tmp_path_factory):
+def two_node_cluster(request, tmp_path_factory):
     """Head + one worker node, 3 logical CPUs each (a 2-CPU Train worker per node + Ray Data)."""
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), workers=1, num_cpus=3, auth=False)
     yield cluster
-    stopped = cluster.stop()
+    stopped = cluster.stop(keep_logs=request.session.testsfailed > 0)
     assert not (cluster.state_dir / "pids").exists()
     # every node ended on SIGTERM (jobs that read data leave detached actors behind; Ray's
     # drain-on-SIGTERM waited for them: cluster/local.sh turns it off)
@@ -125,7 +128,7 @@ class Rehearsal:
 
 
 @pytest.fixture(scope="module")
-def rehearsal(s3, tmp_path_factory):
+def rehearsal(request, s3, tmp_path_factory):
     """Head + one worker node (3 logical CPUs each, like two_node_cluster), each with its own
     temp, working and TMPDIR directories; VITP_STORE=s3://<bucket>/vit and MLFLOW_TRACKING_URI (a
     real `mlflow server`: SQLite here, artifacts in s3://<bucket>/mlflow) in every node's
@@ -144,5 +147,5 @@ def rehearsal(s3, tmp_path_factory):
     try:
         yield Rehearsal(cluster, bucket, server, env)
     finally:
-        cluster.stop()
+        cluster.stop(keep_logs=request.session.testsfailed > 0)
         server.stop()

@@ -344,7 +344,7 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
 # --deadline-remaining-seconds N`) and killed at the deadline, as a cloud reclaims a spot node;
 # training is elastic (1..2 workers) and goes on on the head.
 
-DEADLINE_S = 20
+DEADLINE_S = 30  # a GCP spot VM's notice (AWS gives two minutes)
 MAX_WASTED_STEPS = 5  # the bar of Ray Train's own preemption release test
 PREEMPT_SETTINGS = [
     "parallel.num_workers=2", "parallel.min_workers=1", "parallel.cpus_per_worker=2",
@@ -407,11 +407,13 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     text = log.read_text()
-    assert proc.returncode == 0, text[-8000:]
+    # what happened, without the per-step progress lines (a failure's message would be all steps)
+    story = "\n".join(line for line in text.splitlines() if not re.search(r"\] step \d+/", line))
+    assert proc.returncode == 0, story[-8000:]
 
     last = re.findall(r"last checkpoint at step (\d+)", text)
     resumed = re.findall(r"\[preempted\] resumed from \S+ at step (\d+)", text)
-    assert last and resumed, text[-8000:]
+    assert last and resumed, story[-8000:]
     saved, restart = int(last[-1]), int(resumed[-1])
     assert restart == saved, f"resumed at {restart}, not at the preemption checkpoint {saved}"
     before = text[:text.rindex("resumed from")]

@@ -60,3 +60,54 @@ def test_an_elastic_run_gives_train_a_short_start_timeout_around_fit(monkeypatch
     with _elastic_start_timeout(cfg):
         assert os.environ.get(_START_TIMEOUT_ENV) == inside  # what Train passes on to its controller
     assert os.environ.get(_START_TIMEOUT_ENV) == user_value  # as it was before
+
+
+# ------------------------------------------------------------------- when the last checkpoint is taken
+# A rank's steps replayed on a fake clock: the watch is called after every step, a checkpoint it
+# asks for takes CKPT_S, and the last one must be complete before the node's deadline.
+
+CKPT_S = 1.4
+
+
+def _replay(monkeypatch, step_times: list[float], notice_after: int, window_s: float):
+    """(steps checkpointed, when each was complete, the deadline) for steps taking `step_times`,
+    a notice after step `notice_after` giving the node `window_s`."""
+    from types import SimpleNamespace
+
+    clock = [1000.0]
+    monkeypatch.setattr(preempt.time, "time", lambda: clock[0])
+    info = [None]
+    watch = PreemptionWatch("cpu", lambda line: None, poll=lambda: info[0])
+    done: list[tuple[int, float]] = []
+    for step, took in enumerate(step_times, start=1):
+        clock[0] += took
+        if step == notice_after:
+            info[0] = SimpleNamespace(deadline_ms=(clock[0] + window_s) * 1000, preempted_node_ids=["n"],
+                                      preempted_ranks=[1])
+        if watch(step):
+            clock[0] += CKPT_S
+            watch.checkpoint_s = CKPT_S
+            done.append((step, clock[0]))
+            if watch.final:
+                break
+    return done, (info[0].deadline_ms / 1000 if info[0] else None)
+
+
+def test_steady_steps_checkpoint_at_the_notice_and_once_more_just_before_the_deadline(monkeypatch):
+    step_s = 0.15
+    done, deadline = _replay(monkeypatch, [step_s] * 400, notice_after=20, window_s=16)
+    assert [s for s, _ in done][0] == 20 and len(done) == 2
+    last_step, complete = done[-1]
+    assert complete < deadline
+    # not much earlier than it had to be: within the rule's margin (+ one step) of the deadline
+    assert deadline - complete <= 2 * (CKPT_S + step_s) + preempt.SAFETY_S + step_s
+
+
+def test_a_stall_after_the_notice_moves_the_last_checkpoint_earlier(monkeypatch):
+    """A draining cluster: a step soon after the notice stalls for 7 s, and another stall comes
+    later, wherever it falls. The last checkpoint is complete before the deadline in every case
+    (a decayed step time would forget the first stall within a few fast steps)."""
+    for fast in range(0, 300, 3):
+        times = [0.1] * 25 + [7.0] + [0.1] * fast + [7.0] + [0.1] * 400
+        done, deadline = _replay(monkeypatch, times, notice_after=20, window_s=40)
+        assert len(done) == 2 and done[-1][1] < deadline, (fast, done, deadline)

@@ -18,13 +18,11 @@ TEARDOWN_WAIT_S = 120.0  # how long a rank waits to be stopped once its worker g
 
 
 class PreemptionWatch:
-    """checkpoint_now hook. On the first notice (Ray Train agrees on it across ranks through
-    ray.train.get_preemption_info) it asks for a checkpoint at once, so one exists whatever
-    happens next; training goes on, and when the deadline is within two checkpoints and two
-    steps (+ SAFETY_S; the ranks agree by an all-reduce) it asks for the last one. After that one
-    `park` holds the ranks until Train tears the group down at the deadline: steps trained
-    after it would be lost. If the node is still there a minute past the deadline (a
-    cancelled drain), training goes on."""
+    """checkpoint_now hook: a checkpoint at the first notice (Train agrees on it across ranks), so
+    one exists whatever happens next; then the last one when the deadline is within two checkpoints
+    and two of the slowest steps since the notice (+ SAFETY_S; ranks agree by an all-reduce), after
+    which `park` holds the ranks until Train tears the group down: steps after it would be lost.
+    A node still there a minute past its deadline (a cancelled drain) lets training go on."""
 
     def __init__(self, device, say: Callable[[str], None], poll=None, teardown_wait_s: float = TEARDOWN_WAIT_S):
         import ray.train
@@ -36,11 +34,20 @@ class PreemptionWatch:
         self.final = False
         self.checkpoint_s = 0.0  # the last checkpoint's time, set by the worker
         self.step_s, self._t = 0.0, time.time()
+        self.slowest_s = 0.0  # the slowest step since the notice
+        self._asked = False  # the last call asked for a checkpoint: the interval since includes it
         self.steps: list[int] = []  # steps checkpointed for a notice
 
     def __call__(self, step: int) -> bool:
         now = time.time()
-        self.step_s, self._t = max(0.5 * self.step_s, now - self._t), now
+        took = max(0.0, now - self._t - (self.checkpoint_s if self._asked else 0.0))
+        self.step_s, self._t = max(0.5 * self.step_s, took), now
+        if self.deadline is not None:
+            self.slowest_s = max(self.slowest_s, took)
+        self._asked = self._ask(step, now)
+        return self._asked
+
+    def _ask(self, step: int, now: float) -> bool:
         try:
             info = self.poll()
         except ray.exceptions.ActorDiedError:
@@ -60,7 +67,7 @@ class PreemptionWatch:
                      f"checkpointing at step {step}")
             self.steps.append(step)
             return True
-        need = 2 * (self.checkpoint_s + self.step_s) + SAFETY_S
+        need = 2 * (self.checkpoint_s + max(self.step_s, self.slowest_s)) + SAFETY_S
         late = all_reduce_max({"late": float(now + need >= self.deadline)}, self.device)["late"] > 0
         if late:
             self.final = True
@@ -75,4 +82,4 @@ class PreemptionWatch:
         while time.time() < (self.deadline or 0) + 60:
             time.sleep(0.5)
         self.say("the preempted node outlived its deadline by a minute: training goes on")
-        self.deadline, self.final = None, False
+        self.deadline, self.final, self.slowest_s = None, False, 0.0
