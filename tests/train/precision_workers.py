@@ -92,6 +92,7 @@ def persistent_nan(rank, world, stage, precision, ckpt_dir):
     the same with nothing to restore. Returns what each run saw and the error it stopped with."""
     from vitp.train import checkpoint as ckpt
     from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train.restore import load as load_checkpoint
 
     out = {}
     for name in ("with_checkpoint", "nothing_to_restore"):
@@ -110,7 +111,7 @@ def persistent_nan(rank, world, stage, precision, ckpt_dir):
             snaps["before"] = weights_and_optimizer(engine)
             if name == "nothing_to_restore":
                 return None
-            step = ckpt.load(engine, ckpt_dir).step
+            step = load_checkpoint(engine, ckpt_dir).step
             seen["restored_differs"] = changed(snaps["checkpoint"], weights_and_optimizer(engine))
             seen["moved_since_checkpoint"] = bool(changed(snaps["checkpoint"], snaps["before"]))
             return step
@@ -172,6 +173,7 @@ def resume_with(rank, world, stage, steps, split_at, ckpt_dir, extra):
     engine loads that checkpoint and continues on the same data. Both loss curves come back."""
     from vitp.train import checkpoint as ckpt
     from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
+    from vitp.train.restore import load as load_checkpoint
 
     cfg = cfg_for(stage, world, steps, extra)
     engine, _, _ = build_model_and_engine(cfg, world)
@@ -185,7 +187,7 @@ def resume_with(rank, world, stage, steps, split_at, ckpt_dir, extra):
                     rank, world).history
     torch.manual_seed(999)  # a different init: everything must come from the checkpoint
     engine, _, _ = build_model_and_engine(cfg, world)
-    state = ckpt.load(engine, ckpt_dir)
+    state = load_checkpoint(engine, ckpt_dir)
     restored_step, stream = state.step, learnable_batches(cfg, rank, world, steps)
     for _ in range(state.step * cfg.parallel.grad_accum):
         next(stream)

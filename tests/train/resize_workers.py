@@ -75,6 +75,7 @@ def resize_leg(rank, world, stage, steps, until, load_dir=None, save_dir=None, u
     from vitp.config.validate import for_world
     from vitp.model.vit import build_vit
     from vitp.train import checkpoint as ckpt
+    from vitp.train import restore
     from vitp.train.engine import build_engine
     from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop, seed_everything
 
@@ -96,7 +97,7 @@ def resize_leg(rank, world, stage, steps, until, load_dir=None, save_dir=None, u
         engine, _, _ = build_model_and_engine(seeded, world)
     state = ckpt.TrainState()
     if load_dir:
-        state = ckpt.load(engine, load_dir)
+        state = restore.load(engine, load_dir)
         out["restored_step"], out["restored_lr"] = state.step, engine.get_lr()[0]
         out["restored_global_steps"] = engine.global_steps
         out["state_at_load"] = full_optimizer_state(engine)

@@ -17,6 +17,7 @@ from vitp.config import apply_overrides  # noqa: E402
 from vitp.model.vit import ViT  # noqa: E402
 from vitp.recipes import debug, get_recipe  # noqa: E402
 from vitp.train import checkpoint as ckpt  # noqa: E402
+from vitp.train import restore  # noqa: E402
 from vitp.train.engine import build_ds_config, lr_multiplier, param_groups  # noqa: E402
 from vitp.train.local import launch  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     ok, reason = ckpt.verify(str(d))
     assert not ok and "meta.json is unreadable" in reason
     with pytest.raises(RuntimeError, match="refusing to restore"):
-        ckpt.load(None, str(tmp_path / "nothing"))
+        restore.load(None, str(tmp_path / "nothing"))
 
 
 def test_the_newest_complete_checkpoint_is_picked_and_each_newer_one_passed_over_is_named(tmp_path):

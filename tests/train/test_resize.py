@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import resize_workers as workers  # noqa: E402
 
-from vitp.train import checkpoint as ckpt  # noqa: E402
+from vitp.train import restore  # noqa: E402
 from vitp.train.local import launch  # noqa: E402
 
 STEPS, FIRST, SECOND = 9, 3, 6  # 2 ranks to step 3, 1 rank to step 6, 2 ranks to step 9
@@ -46,7 +46,7 @@ def test_resume_at_another_world_size(tmp_path, capfd, monkeypatch, stage, preci
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where the ranks convert (spawned: read anew)
     ex = [f"parallel.precision={precision}"]
     first = launch(workers.resize_leg, 2, stage, STEPS, FIRST, None, two, False, True, ex)[0]
-    assert ckpt.needs_universal(two, 1) == (stage >= 1) and not ckpt.needs_universal(two, 2)
+    assert restore.needs_universal(two, 1) == (stage >= 1) and not restore.needs_universal(two, 2)
     # the engine is built as worker.py builds it (universal=False); load switches the flag on
     second = launch(workers.resize_leg, 1, stage, STEPS, SECOND, two, one, False, False, ex)[0]
     # back to 2 ranks with an engine built with universal=True
@@ -81,20 +81,20 @@ def test_resume_at_another_world_size(tmp_path, capfd, monkeypatch, stage, preci
     if stage == 0:  # one unsharded copy: loaded as it is
         assert "converted to universal" not in out
         with pytest.raises(ValueError, match="ZeRO-0 checkpoint is not sharded"):
-            ckpt.to_universal(two, str(tmp_path / "universal"))
+            restore.to_universal(two, str(tmp_path / "universal"))
         return
     assert "checkpoint of 2 ranks -> 1 ranks: converted to universal in" in out
     assert "checkpoint of 1 ranks -> 2 ranks: converted to universal in" in out
     assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("universal_")], "temp copy left"
     # converting by hand gives the universal layout
-    universal = ckpt.to_universal(two, str(tmp_path / "universal"))
+    universal = restore.to_universal(two, str(tmp_path / "universal"))
     zero = os.path.join(universal, "state", "zero")
     assert os.path.isfile(os.path.join(zero, "optimizer_state.pt"))
     for name in ("cls_token", "pos_embed", "head.weight"):
         assert {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"} <= set(os.listdir(os.path.join(zero, name)))
     os.remove(os.path.join(two, "complete", "rank_00001.json"))
     with pytest.raises(RuntimeError, match="refusing to convert an incomplete checkpoint.*rank 1 of 2"):
-        ckpt.to_universal(two, str(tmp_path / "again"))
+        restore.to_universal(two, str(tmp_path / "again"))
 
 
 def test_ds_config_load_universal_flag():

@@ -74,6 +74,7 @@ def train_save_export(rank, world, stage, steps, ckpt_dir, export_dir, extra=())
 def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
     """Uninterrupted curve vs. (train to split_at, checkpoint, fresh engine, load, continue)."""
     from vitp.train import checkpoint as ckpt
+    from vitp.train import restore
     from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
 
     cfg = cfg_for(stage, world, steps)
@@ -107,7 +108,7 @@ def resume_run(rank, world, stage, steps, split_at, ckpt_dir):
     # second part: new engine with different init, restore, skip consumed batches, continue
     torch.manual_seed(999)
     engine, _, _ = build_model_and_engine(part_cfg, world)
-    state = ckpt.load(engine, ckpt_dir)
+    state = restore.load(engine, ckpt_dir)
     restored_step = state.step
     stream = learnable_batches(part_cfg, rank, world, steps)
     for _ in range(state.step * part_cfg.parallel.grad_accum):
@@ -168,14 +169,14 @@ def load_into_engine(rank, world, stage, ckpt_dirs):
     """Build the engine `cfg_for(stage, ...)` describes and restore each of `ckpt_dirs` into it
     in turn, as a resuming Train worker does; for each, the step restored or the error's type
     and message."""
-    from vitp.train import checkpoint as ckpt
+    from vitp.train import restore
     from vitp.train.loop import build_model_and_engine
 
     engine, _, _ = build_model_and_engine(cfg_for(stage, world, 2), world)
     out = []
     for d in ckpt_dirs:
         try:
-            out.append(ckpt.load(engine, d).step)
+            out.append(restore.load(engine, d).step)
         except Exception as e:  # noqa: BLE001 - the test asserts on it
             out.append(f"{type(e).__name__}: {e}")
     return out

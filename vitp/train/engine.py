@@ -58,7 +58,7 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None,
                     universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config for `cfg`; the batch triangle is checked against the real world size.
 
-    `universal`: `load_checkpoint` reads DeepSpeed's universal layout (checkpoint.to_universal);
+    `universal`: `load_checkpoint` reads DeepSpeed's universal layout (restore.to_universal);
     saving and training are unchanged."""
     p = cfg.parallel
     world = world_size if world_size is not None else p.num_workers

@@ -25,6 +25,7 @@ from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per
 from ..data.position import with_world
 from ..paths import staging_root
 from . import checkpoint as ckpt
+from .restore import load as load_checkpoint
 from .engine import device_for
 from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
@@ -165,7 +166,7 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
     restored, where = _pick_checkpoint(cfg, ray.train.get_checkpoint())
     if restored is not None:
         with restored.as_directory() as d:
-            state = ckpt.load(r.engine, d)
+            state = load_checkpoint(r.engine, d)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
         r.say(f"resumed from {where} at step {state.step}")
     elif cfg.train.resume == "must":
@@ -272,7 +273,7 @@ class _Reporter:
             return None
         fs, inner = storage.filesystem(path)
         with ray.train.Checkpoint(inner, filesystem=fs).as_directory() as d:
-            return ckpt.load(self.r.engine, d).step
+            return load_checkpoint(self.r.engine, d).step
 
     def close(self) -> None:
         if self.probes:
