@@ -1,6 +1,6 @@
 """The README fits a screen's worth of scrolling and indexes every doc; every concrete `vitp ...`
 line the README and docs/ show is one today's parser takes (a renamed flag or a stale `--set` form
-fails here, not in a user's shell)."""
+fails here, not in a user's shell); quoted results are in the files they cite."""
 import re
 import shlex
 from pathlib import Path
@@ -200,3 +200,37 @@ def test_the_figure_7_table_is_the_files_it_cites():
         assert (first, second) == (f"{means[0]:.1f}", f"{means[1]:.1f}"), name
         assert corr == f"{saved['pos_embed']['distance_corr']:.3f}", name
         assert top1 == f"{saved['val_top1']:.3f}", name
+
+
+# a figure with its unit, as the docs quote measurements
+_FIGURE = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s?(?:img/s|images/s|CPU-s|s\b|ms\b|GB|MB|%|x\b)")
+
+
+def _benchmark_numbers() -> list[float]:
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text().replace(",", "")
+    return [float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", text)]
+
+
+def _in(quoted: str, numbers: list[float]) -> bool:
+    """`quoted` is one of `numbers` to the digits it shows (294 for 294.29, 0.42 for 0.4171)."""
+    digits = len(quoted.split(".")[1]) if "." in quoted else 0
+    return any(abs(n - float(quoted)) <= 0.5 * 10 ** -digits + 1e-9 for n in numbers)
+
+
+def test_every_figure_a_sentence_cites_from_the_benchmark_results_is_there():
+    """A sentence of README or docs/ that cites `benchmarks/RESULTS.md`: every figure it gives with a
+    unit (s, CPU-s, img/s, GB, %, x, ...) is a number in that file, to the digits quoted. (Which
+    table and row is left to the reader: a figure nowhere in the file was not measured.)"""
+    numbers = _benchmark_numbers()
+    checked, wrong = 0, []
+    for path in [ROOT / "README.md", *DOCS]:
+        flat = " ".join(path.read_text().split())
+        for sentence in re.split(r"(?<=[.;:])\s+(?=[A-Z`(])", flat):
+            if "benchmarks/RESULTS.md" not in sentence:
+                continue
+            for quoted in (q.replace(",", "") for q in _FIGURE.findall(sentence)):
+                checked += 1
+                if not _in(quoted, numbers):
+                    wrong.append(f"{path.name}: {quoted} in {sentence[:160]!r}")
+    assert checked >= 20, checked  # the sentences are still found
+    assert not wrong, "\n".join(wrong)
