@@ -25,11 +25,11 @@ from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per
 from ..data.position import with_world
 from ..paths import staging_root
 from . import checkpoint as ckpt
-from .restore import load as load_checkpoint
 from .engine import device_for
 from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
+from .restore import load as load_checkpoint
 from .step import all_reduce_max, all_reduce_sum
 from .sysmetrics import SystemSampler
 
