@@ -25,6 +25,19 @@ STAGES = {  # job spec -> RayJob name
     "fewshot": "fewshot",
 }
 GPUS_PER_NODE = 8
+# How long a RayJob may run before KubeRay stops it (activeDeadlineSeconds): a hung job must not hold
+# the GPUs for ever. Training stages: DEADLINE_MARGIN x the FLOPs model's time at DEADLINE_MFU of an
+# H100's dense bf16 peak (preemptions, restarts and slow data included) + DEADLINE_SETUP_S; the others
+# (preprocessing, sweeps of short fine-tunes, few-shot) a day.
+H100_BF16_FLOPS = 989e12
+DEADLINE_MFU, DEADLINE_MARGIN, DEADLINE_SETUP_S, OTHER_DEADLINE_S = 0.35, 3, 2 * 3600, 24 * 3600
+# The submitter pod follows the driver's log (`ray job logs --follow`), which exits non-zero when its
+# WebSocket drops; each retry re-attaches (KubeRay runs `ray job status` before submitting:
+# common/job.go, BuildJobSubmitCommand, v1.5.1) and costs nothing, but Kubernetes' default of 2
+# retries would fail the RayJob, and shutdownAfterJobFinishes would delete the cluster under the job.
+SUBMITTER_RETRIES = 50
+# The finished job's cluster is kept this long for a look at its logs (every metric is in MLflow).
+TTL_AFTER_FINISHED_S = 300
 # Secrets reach the pods from a Kubernetes Secret, never from the manifest.
 SECRET_ENV = ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
 
@@ -39,6 +52,18 @@ def cluster_entrypoint(entrypoint: str) -> str:
     shell runs it on the cluster, where runtimeEnvYAML sets the variables.
     """
     return "bash -c " + shlex.quote(entrypoint.strip())
+
+
+def deadline_s(stage: str, cfg) -> int:
+    """activeDeadlineSeconds for a stage whose first command resolves to `cfg` (see DEADLINE_*)."""
+    if not stage.startswith("pretrain"):
+        return OTHER_DEADLINE_S
+    from vitp.model.flops import training_flops
+
+    flops = training_flops(cfg.model.variant, cfg.data.image_size, cfg.model.num_classes,
+                           cfg.model.representation_size) * cfg.train.steps * cfg.parallel.global_batch
+    seconds = flops / (cfg.parallel.num_workers * H100_BF16_FLOPS * DEADLINE_MFU)
+    return int(math.ceil((DEADLINE_MARGIN * seconds + DEADLINE_SETUP_S) / 3600)) * 3600
 
 
 def rayjob(stage: str, name: str, cluster: dict) -> dict:
@@ -76,9 +101,11 @@ def rayjob(stage: str, name: str, cluster: dict) -> dict:
             "metadata": spec.get("metadata", {}),
             **({"entrypointNumCpus": spec["entrypoint_num_cpus"]} if "entrypoint_num_cpus" in spec else {}),
             "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": 3600,
+            "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
+            "activeDeadlineSeconds": deadline_s(stage, cfg),
             "backoffLimit": 0,  # the pipeline resumes from checkpoints; resubmit rather than retry blindly
             "submissionMode": "K8sJobMode",
+            "submitterConfig": {"backoffLimit": SUBMITTER_RETRIES},
             "rayClusterSpec": cspec,
         },
     }

@@ -119,6 +119,25 @@ def test_there_is_a_rayjob_per_stage_and_they_are_up_to_date():
     assert out.returncode == 0, out.stderr
 
 
+def test_every_rayjob_ends_retries_its_log_stream_and_frees_its_cluster_soon():
+    """A RayJob has a deadline no shorter than the FLOPs model's time for its training at the peak
+    of its GPUs; its submitter survives more dropped log streams than Kubernetes' default 2 (each
+    retry re-attaches to the same job); its finished cluster goes within ten minutes."""
+    from vitp.model.flops import training_flops
+
+    for path in (p for p in KUBERAY if p.name.startswith("rayjob-")):
+        spec = yaml.safe_load(path.read_text())["spec"]
+        assert spec["submitterConfig"]["backoffLimit"] > 2, path.name
+        assert 0 < spec["ttlSecondsAfterFinished"] <= 600, path.name
+        assert spec["activeDeadlineSeconds"] > 0, path.name
+        if path.name.startswith("rayjob-pretrain"):
+            job = ROOT / "jobs" / (path.stem.removeprefix("rayjob-").replace("-", "_") + ".yaml")
+            cfg = parse_entrypoint(yaml.safe_load(job.read_text())["entrypoint"])[0].configs()[0]
+            peak_s = (training_flops(cfg.model.variant, cfg.data.image_size, cfg.model.num_classes)
+                      * cfg.train.steps * cfg.parallel.global_batch / (cfg.parallel.num_workers * 989e12))
+            assert spec["activeDeadlineSeconds"] > peak_s, (path.name, peak_s)
+
+
 def test_mlflow_manifest_parses_and_requires_auth():
     docs = [d for d in yaml.safe_load_all((ROOT / "cluster" / "mlflow" / "mlflow.yaml").read_text()) if d]
     kinds = {d["kind"] for d in docs}
