@@ -425,6 +425,17 @@ def test_launcher_host_commands_use_rays_docker_mount_path(path):
     assert token_paths and token_paths <= set(config["file_mounts"])  # the container sees the target
 
 
+def test_gcp_boot_disks_name_a_deep_learning_vm_family_with_a_driver():
+    """Deep Learning VM families carry the NVIDIA driver in their name (common-cu128-ubuntu-2204-
+    nvidia-570); the -py310 names of older images are no longer published and `ray up` fails."""
+    config = yaml.safe_load((ROOT / "cluster" / "gcp.yaml").read_text())
+    for name, node in config["available_node_types"].items():
+        (disk,) = node["node_config"]["disks"]
+        image = disk["initializeParams"]["sourceImage"]
+        assert re.fullmatch(r"projects/deeplearning-platform-release/global/images/family/"
+                            r"common-cu\d+-ubuntu-\d{4}-nvidia-\d+", image), (name, image)
+
+
 def test_gcp_scheduling_is_an_object_and_gpu_vms_terminate_on_maintenance():
     config = yaml.safe_load((ROOT / "cluster" / "gcp.yaml").read_text())
     for name, node_type in config["available_node_types"].items():
