@@ -425,6 +425,62 @@ def test_launcher_host_commands_use_rays_docker_mount_path(path):
     assert token_paths and token_paths <= set(config["file_mounts"])  # the container sees the target
 
 
+def _ray_aws_provider_actions() -> set[str]:
+    """The EC2 API actions Ray's AWS node provider (which runs on the head) calls, read from its
+    installed source: boto3's snake_case methods as IAM action names."""
+    src = (Path(ray.__file__).parent / "autoscaler" / "_private" / "aws" / "node_provider.py").read_text()
+    calls = set(re.findall(r"\.(create_instances|create_tags|start_instances|stop_instances|terminate_instances|"
+                           r"describe_\w+|instances\.filter)\b", src))  # called, or taken as a function
+    assert {"create_instances", "terminate_instances", "instances.filter"} <= calls, calls  # still found
+    named = {"create_instances": "RunInstances", "instances.filter": "DescribeInstances"}
+    return {"ec2:" + named.get(c, "".join(w.title() for w in c.split("_"))) for c in calls}
+
+
+def _allowed(policy: dict) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow"
+        for action in [st["Action"]] if isinstance(st["Action"], str) else st["Action"]:
+            out.setdefault(action, set()).add(st["Resource"])
+    return out
+
+
+def test_aws_nodes_boot_a_gpu_image_with_docker_and_the_head_may_launch_the_workers():
+    """A plain Ubuntu AMI has no Docker, driver or container toolkit; Ray skips its IAM set-up when
+    the head names a profile, so that profile must allow what Ray's provider calls, pass the workers'
+    role and read the AMI's SSM parameter; the workers' profile reaches the bucket and nothing else."""
+    config = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
+    profiles = {}
+    for name, node in config["available_node_types"].items():
+        image = node["node_config"]["ImageId"]
+        assert re.fullmatch(r"resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-"
+                            r"ubuntu-\d\d\.\d\d/latest/ami-id", image), (name, image)
+        profiles[name] = node["node_config"]["IamInstanceProfile"]["Name"]
+    head_profile = profiles.pop(config["head_node_type"])
+    (worker_profile,) = set(profiles.values())
+    assert head_profile != worker_profile
+    policies = ROOT / "cluster" / "aws"
+    head = _allowed(json.loads((policies / "head-policy.json").read_text()))
+    worker = _allowed(json.loads((policies / "worker-policy.json").read_text()))
+    assert _ray_aws_provider_actions() <= set(head), _ray_aws_provider_actions() - set(head)
+    assert head["iam:PassRole"] == {f"arn:aws:iam::ACCOUNT_ID:role/{worker_profile}"}
+    ssm = image.removeprefix("resolve:ssm:")
+    assert any(ssm.startswith(r.split(":parameter", 1)[1].rstrip("*")) for r in head["ssm:GetParameters"])
+    storage = {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
+    assert storage <= set(head) and storage <= set(worker)
+    assert all(a.startswith("s3:") for a in worker), worker
+    setup = (policies / "setup.sh").read_text()
+    assert all(f"vit-pipeline-ray-{who}" in (head_profile, worker_profile) for who in ("head", "worker"))
+    assert '"vit-pipeline-ray-$who"' in setup
+
+
+@pytest.mark.parametrize("args,word", [(["123", "bucket"], "ACCOUNT_ID"), (["123456789012", "s3://b/x"], "BUCKET")])
+def test_aws_setup_refuses_a_bad_account_or_bucket_before_any_call(args, word):
+    out = subprocess.run(["bash", str(ROOT / "cluster" / "aws" / "setup.sh"), *args], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin"})  # no aws CLI on this PATH: refused first
+    assert out.returncode == 2 and word in out.stderr, out.stderr
+
+
 def test_gcp_boot_disks_name_a_deep_learning_vm_family_with_a_driver():
     """Deep Learning VM families carry the NVIDIA driver in their name (common-cu128-ubuntu-2204-
     nvidia-570); the -py310 names of older images are no longer published and `ray up` fails."""
