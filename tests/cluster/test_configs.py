@@ -481,6 +481,26 @@ def test_aws_setup_refuses_a_bad_account_or_bucket_before_any_call(args, word):
     assert out.returncode == 2 and word in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("args,word", [(["X", "bucket"], "PROJECT_ID"), (["my-project", "gs://b"], "BUCKET")])
+def test_gcp_setup_refuses_a_bad_project_or_bucket_before_any_call(args, word):
+    out = subprocess.run(["bash", str(ROOT / "cluster" / "gcp" / "setup.sh"), *args], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and word in out.stderr, out.stderr
+
+
+def test_gcp_nodes_run_as_the_account_setup_creates_with_the_roles_the_head_needs():
+    """Every node runs as the account cluster/gcp/setup.sh creates; it grants what the head's
+    autoscaler needs to create and delete workers and give them that account, and the bucket."""
+    config = yaml.safe_load((ROOT / "cluster" / "gcp.yaml").read_text())
+    emails = {a["email"] for node in config["available_node_types"].values()
+              for a in node["node_config"]["serviceAccounts"]}
+    assert emails == {f"vit-pipeline-ray@{config['provider']['project_id']}.iam.gserviceaccount.com"}, emails
+    setup = (ROOT / "cluster" / "gcp" / "setup.sh").read_text()
+    assert 'account="vit-pipeline-ray@$project.iam.gserviceaccount.com"' in setup
+    for role in ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser", "roles/storage.objectAdmin"):
+        assert f"--role {role}" in setup, role
+
+
 def test_gcp_boot_disks_name_a_deep_learning_vm_family_with_a_driver():
     """Deep Learning VM families carry the NVIDIA driver in their name (common-cu128-ubuntu-2204-
     nvidia-570); the -py310 names of older images are no longer published and `ray up` fails."""
