@@ -38,7 +38,7 @@ DEADLINE_MFU, DEADLINE_MARGIN, DEADLINE_SETUP_S, OTHER_DEADLINE_S = 0.35, 3, 2 *
 SUBMITTER_RETRIES = 50
 # The finished job's cluster is kept this long for a look at its logs (every metric is in MLflow).
 TTL_AFTER_FINISHED_S = 300
-# Secrets reach the pods from a Kubernetes Secret, never from the manifest.
+# Secrets reach the pods from a Kubernetes Secret, never from the manifest (raycluster.yaml's env).
 SECRET_ENV = ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
 
 
@@ -81,9 +81,10 @@ def rayjob(stage: str, name: str, cluster: dict) -> dict:
             group["replicas"] = group["minReplicas"] = group["maxReplicas"] = gpu_nodes
     for group in [cspec["headGroupSpec"], *cspec["workerGroupSpecs"]]:
         for c in group["template"]["spec"]["containers"]:
-            c.setdefault("env", [])
-            c["env"] += [{"name": k, "valueFrom": {"secretKeyRef": {"name": "vit-secrets", "key": k, "optional": True}}}
-                         for k in SECRET_ENV]
+            have = {e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+            if not set(SECRET_ENV) <= have:
+                raise SystemExit(f"raycluster.yaml: container {c['name']} of {group.get('groupName', 'head')} "
+                                 f"lacks {sorted(set(SECRET_ENV) - have)} from Secret vit-secrets")
     env = {k: v for k, v in (spec.get("runtime_env") or {}).get("env_vars", {}).items()
            if "${" not in str(v)}
     env.update({"VITP_STORE": "s3://your-bucket/vit", "PRETRAINED": "s3://your-bucket/vit/h14_i21k/export",

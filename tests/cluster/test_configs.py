@@ -87,7 +87,10 @@ def _check_cluster_spec(spec: dict, where: str):
         for key in ("groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"):
             assert key in g, f"{where}: workerGroupSpecs[{g.get('groupName')}] lacks {key}"
     gpu = groups["gpu"]["template"]["spec"]
-    assert gpu["nodeSelector"] and gpu["tolerations"], where
+    # cloud-neutral: the node selector is the overlay's (cluster/overlays/, test_manifest_schemas.py)
+    assert "nodeSelector" not in gpu and gpu["tolerations"], where
+    pods = [head["template"]["spec"]] + [g["template"]["spec"] for g in groups.values()]
+    assert {p.get("serviceAccountName") for p in pods} == {"vit-ray"}, where
     assert any("nvidia.com/gpu" in c["resources"]["limits"] for c in gpu["containers"]), where
     assert "cpu-data" in groups, where
     mounts = [m["mountPath"] for c in gpu["containers"] for m in c.get("volumeMounts", [])]
@@ -283,7 +286,8 @@ def test_vitp_debug_before_the_command_still_names_the_recipe():
 
 def _k8s_docs() -> list[tuple[Path, dict]]:
     return [(p, d) for p in sorted((ROOT / "cluster").glob("*/*.yaml"))
-            for d in yaml.safe_load_all(p.read_text()) if isinstance(d, dict) and d.get("kind")]
+            for d in yaml.safe_load_all(p.read_text())
+            if isinstance(d, dict) and d.get("kind") and d["kind"] != "Kustomization"]
 
 
 def _cluster_doc() -> str:
@@ -323,7 +327,8 @@ def test_networkpolicy_admits_the_kuberay_operator_on_the_dashboard_port():
 
 def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
     readme = _cluster_doc()
-    namespace = {d: ns for ns, d in re.findall(r"kubectl -n (\S+) apply -f cluster/(\w+)/", readme)}
+    namespace = {d: ns for ns, d in re.findall(r"kubectl -n (\S+) apply -[fk] cluster/(\w+)/", readme)}
+    namespace.setdefault("kuberay", namespace.get("overlays"))  # an overlay applies cluster/kuberay/
     defined = {(namespace[p.parent.name], d["kind"], d["metadata"]["name"]) for p, d in _k8s_docs()}
     kinds = {"secret": "Secret", "configmap": "ConfigMap", "serviceaccount": "ServiceAccount"}
     created = {(ns, kinds[kind], name) for ns, kind, name in
