@@ -146,8 +146,14 @@ def test_mlflow_manifest_parses_and_requires_auth():
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service"} <= kinds
     dep = next(d for d in docs if d["kind"] == "Deployment")
-    args = " ".join(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    pod = dep["spec"]["template"]["spec"]
+    args = " ".join(pod["containers"][0]["args"])
     assert "--auth" in args and "--allowed-hosts" in args
+    # the user store's URI (a password inside) goes in by the environment, untouched by any shell
+    # or template step (a sed broke on & and |, MLflow's config reader on %)
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["MLFLOW_AUTH_DATABASE_URI"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-auth"
+    assert "initContainers" not in pod and "MLFLOW_AUTH_CONFIG_PATH" not in env
     svc = next(d for d in docs if d["kind"] == "Service")
     assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
 
@@ -356,7 +362,7 @@ def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
 
     for p, d in _k8s_docs():
         walk(d, namespace[p.parent.name])
-    assert {r[1] for r in refs} >= {"Secret", "ConfigMap", "ServiceAccount"}  # the walk finds them
+    assert {r[1] for r in refs} >= {"Secret", "ServiceAccount", "PersistentVolumeClaim"}  # the walk finds them
     assert refs - defined - created == set()
 
 

@@ -146,3 +146,18 @@ def test_an_s3_artifact_store_gets_the_pipelines_endpoint_when_mlflows_is_unset(
     assert _artifact_store_env("s3://b/mlflow", {}) == {"MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:9"}
     assert _artifact_store_env("s3://b/mlflow", {"MLFLOW_S3_ENDPOINT_URL": "http://h:1"}) == {}
     assert _artifact_store_env("/local/artifacts", {}) == {}
+
+
+def test_the_user_store_uri_comes_from_the_environment_with_any_characters(tmp_path, monkeypatch):
+    """$MLFLOW_AUTH_DATABASE_URI (a Kubernetes Secret's value) reaches the auth app exactly, as
+    MLflow itself reads the generated file: %, &, |, #, ; and quotes in the password included."""
+    from mlflow.server.auth.config import read_auth_config
+
+    from vitp.tracking.server import _auth_env
+
+    uri = "postgresql://mlflow:p%40ss&w|rd%x#1;'\"@postgres.mlflow.svc:5432/mlflow_auth"
+    env = _auth_env(AuthSettings(admin_password="a-long-test-password-7f3k"), "postgresql://x/y",
+                    tmp_path / "server.log", {"MLFLOW_AUTH_DATABASE_URI": uri})
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", env["MLFLOW_AUTH_CONFIG_PATH"])
+    assert read_auth_config().database_uri == uri
+    assert "a-long-test-password-7f3k" not in (tmp_path / "server.auth.ini").read_text()

@@ -193,7 +193,9 @@ def _add_mlflow_server(sub) -> Handler:
     p.add_argument("--allowed-hosts", default="",
                    help="comma-separated Host header values to accept (DNS-rebinding guard), "
                         "e.g. mlflow.example.com,mlflow.mlflow.svc")
-    p.add_argument("--auth", action="store_true", help="basic auth (MLflow's basic-auth app)")
+    p.add_argument("--auth", action="store_true",
+                   help="basic auth (MLflow's basic-auth app); its user store is $MLFLOW_AUTH_DATABASE_URI "
+                        "(any characters in its password), else auth.db beside a SQLite tracking store")
     p.add_argument("--auth-cache-s", type=int, default=60, metavar="S",
                    help="with --auth: trust a verified login for S seconds instead of hashing the "
                         "password on every request (each hash costs about 0.2 s of server CPU); a "

@@ -42,7 +42,9 @@ class AuthSettings:
 
     admin_password: str = ""  # "" = take $MLFLOW_AUTH_ADMIN_PASSWORD
     admin_username: str = "admin"
-    database_uri: str = ""  # "" = auth.db beside a SQLite tracking store, else ./mlflow-server/auth.db
+    # "" = $MLFLOW_AUTH_DATABASE_URI (a URI with a password belongs in the environment, e.g. from a
+    # Kubernetes Secret), else auth.db beside a SQLite tracking store, else ./mlflow-server/auth.db
+    database_uri: str = ""
     default_permission: str = "READ"  # what a signed-in user may do to others' experiments
     # How long a verified login is trusted without hashing the password again. Each check is a
     # scrypt hash by design (about 0.2 s of server CPU on 2 cores): uncached, 200 metric posts
@@ -80,11 +82,12 @@ def _check_external_auth_config(path: str) -> None:
         )
 
 
-def _auth_db(auth: AuthSettings, backend: str) -> str:
-    """Where the users live: AuthSettings.database_uri, else `auth.db` beside a SQLite tracking
-    store, else ./mlflow-server/auth.db. Never a temp file: users must survive a restart."""
-    if auth.database_uri:
-        return auth.database_uri
+def _auth_db(auth: AuthSettings, backend: str, env: dict[str, str]) -> str:
+    """Where the users live: AuthSettings.database_uri, else $MLFLOW_AUTH_DATABASE_URI, else
+    `auth.db` beside a SQLite tracking store, else ./mlflow-server/auth.db. Never a temp file:
+    users must survive a restart."""
+    if auth.database_uri or env.get("MLFLOW_AUTH_DATABASE_URI"):
+        return auth.database_uri or env["MLFLOW_AUTH_DATABASE_URI"]
     if backend.startswith("sqlite:///"):
         return f"sqlite:///{Path(backend[len('sqlite:///'):]).resolve().parent / 'auth.db'}"
     return f"sqlite:///{Path('mlflow-server').resolve() / 'auth.db'}"
@@ -98,13 +101,15 @@ def _auth_env(auth: AuthSettings, backend: str, log_file: Path, env: dict[str, s
     if merged.get("MLFLOW_AUTH_CONFIG_PATH"):
         _check_external_auth_config(merged["MLFLOW_AUTH_CONFIG_PATH"])
     else:
-        db = _auth_db(auth, backend)
+        db = _auth_db(auth, backend, merged)
         if db.startswith("sqlite:///"):
             Path(db[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        cp = configparser.ConfigParser()
+        # MLflow reads this file with configparser's %-interpolation: a literal % (in a database
+        # password, say) is written %%; any other character is taken as it is
+        cp = configparser.ConfigParser(interpolation=None)
         cp["mlflow"] = {
             "default_permission": auth.default_permission,
-            "database_uri": db,
+            "database_uri": db.replace("%", "%%"),
             "admin_username": auth.admin_username,
             "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
             "auth_cache_ttl_seconds": str(auth.cache_ttl_s),
