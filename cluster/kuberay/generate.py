@@ -25,6 +25,7 @@ STAGES = {  # job spec -> RayJob name
     "fewshot": "fewshot",
 }
 GPUS_PER_NODE = 8
+TRAINING_COMMANDS = {"pretrain", "finetune", "sweep"}
 # How long a RayJob may run before KubeRay stops it (activeDeadlineSeconds): a hung job must not hold
 # the GPUs for ever. Training stages: DEADLINE_MARGIN x the FLOPs model's time at DEADLINE_MFU of an
 # H100's dense bf16 peak (preemptions, restarts and slow data included) + DEADLINE_SETUP_S; the others
@@ -73,7 +74,9 @@ def rayjob(stage: str, name: str, cluster: dict) -> dict:
     spec = yaml.safe_load((ROOT / "jobs" / f"{stage}.yaml").read_text())
     calls = [c for c in parse_entrypoint(spec["entrypoint"]) if c.recipe]
     cfg = calls[0].configs()[0]
-    gpu_nodes = 0 if stage.startswith("preprocess") else math.ceil(cfg.parallel.num_workers / GPUS_PER_NODE)
+    # GPUs only for commands that run Ray Train (few-shot features come from CPU actors)
+    trains = any(c.subcommand in TRAINING_COMMANDS for c in calls)
+    gpu_nodes = math.ceil(cfg.parallel.num_workers / GPUS_PER_NODE) if trains else 0
     cspec = copy.deepcopy(cluster["spec"])
     cspec["enableInTreeAutoscaling"] = False  # a RayJob's cluster is sized for its stage
     for group in cspec["workerGroupSpecs"]:

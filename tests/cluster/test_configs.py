@@ -412,6 +412,36 @@ def test_dockerfile_context_and_layer_order():
     assert re.search(r'"torch==2\.13\.\d+"', text) and index in {"cu126", "cu130", "cu132"}
 
 
+def test_gpu_nodes_have_cpus_to_spare_beside_their_train_workers():
+    """A GPU node's Ray CPUs exceed what its 8 Train workers take (the recipes' cpus_per_worker),
+    so a Ray Data task or a few-shot probe actor placed there does not wait for a CPU for ever."""
+    from vitp.recipes import resolve
+
+    need = max(8 * resolve(r, [], check_paths=False).parallel.cpus_per_worker
+               for r in ("b16_i21k", "l16_i21k", "h14_i21k", "finetune_cifar10"))
+    spec = yaml.safe_load((ROOT / "cluster" / "kuberay" / "raycluster.yaml").read_text())["spec"]
+    (gpu,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "gpu"]
+    cpus = {"kuberay": float(gpu["rayStartParams"]["num-cpus"])}
+    for launcher in LAUNCHER:
+        types = yaml.safe_load(launcher.read_text())["available_node_types"]
+        cpus[launcher.name] = float(types["gpu"]["resources"]["CPU"])
+    assert all(c >= need + 16 for c in cpus.values()), (need, cpus)
+    limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert float(limits["cpu"]) >= cpus["kuberay"]  # the pod really has them
+
+
+def test_every_manifest_runs_the_image_the_dockerfile_builds_and_its_tag_names_torchs_cuda():
+    """One image tag everywhere (launchers, KubeRay, MLflow, docs), the one the Dockerfile's build
+    line writes, and its cuXXX is the CUDA build of the torch inside, not the base image's."""
+    dockerfile = (ROOT / "cluster" / "Dockerfile").read_text()
+    (tag,) = set(re.findall(r"docker build -f cluster/Dockerfile -t (\S+) \.", dockerfile))
+    index = re.search(r"TORCH_INDEX_URL=https://download\.pytorch\.org/whl/(cu\d+)", dockerfile).group(1)
+    assert tag.endswith(f"-{index}"), (tag, index)
+    files = [p for p in (ROOT / "cluster").rglob("*.yaml")] + [ROOT / "docs" / "cluster.md"]
+    images = {m for p in files for m in re.findall(r"ghcr\.io/your-org/vit-pipeline:\S+", p.read_text())}
+    assert images == {tag}, images
+
+
 def test_every_gpu_install_line_names_a_published_torch_build():
     """The install lines users copy (README, Makefile) name a CUDA index torch 2.13 is built for."""
     for name in ("README.md", "Makefile", "cluster/Dockerfile"):
