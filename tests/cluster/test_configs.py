@@ -573,3 +573,38 @@ def test_sweep_and_fewshot_read_the_shards_the_downstream_spec_writes():
     assert {s for s, _, _ in made} == {"cifar10", "cifar100", "pets", "flowers", "imagenet"}
     assert prepared("finetune_sweep") == made and prepared("fewshot") <= made  # the sweep: every dataset
     assert "jobs/preprocess_downstream.yaml" in _cluster_doc()
+
+
+def test_no_shipped_spec_takes_cloud_keys_from_the_shell_and_forward_env_adds_one_with_a_warning(tmp_path):
+    """The nodes' identity gives bucket access; a laptop's keys go only when asked (--forward-env),
+    masked, with a warning that the Jobs API keeps them and they go stale."""
+    from vitp.cluster.jobspec import STATIC_CLOUD_KEYS
+
+    shell = {**ENV, **{k: f"value-of-{k.lower()}" for k in STATIC_CLOUD_KEYS},
+             "MLFLOW_TRACKING_URI": "http://mlflow:5000"}
+    for path in JOBS:
+        spec = load_spec(str(path), environ=shell, check_recipe=False)
+        env = (spec.kwargs.get("runtime_env") or {}).get("env_vars") or {}
+        assert not set(env) & set(STATIC_CLOUD_KEYS) and not spec.warnings(), path.name
+    spec = load_spec(str(ROOT / "jobs" / "pretrain_b16_i21k.yaml"), environ=shell, check_recipe=False,
+                     forward_env=["AWS_SECRET_ACCESS_KEY"])
+    assert spec.kwargs["runtime_env"]["env_vars"]["AWS_SECRET_ACCESS_KEY"] == "value-of-aws_secret_access_key"
+    assert "value-of-aws_secret_access_key" not in "\n".join(spec.describe())
+    (warning,) = spec.warnings()
+    assert "AWS_SECRET_ACCESS_KEY" in warning and "identity" in warning
+    for name, error in (("NOT_SET_HERE", "not set in this shell"), ("BAD-NAME", "not an environment variable")):
+        with pytest.raises(ConfigError, match=error):
+            load_spec(str(ROOT / "jobs" / "pretrain_b16_i21k.yaml"), environ=shell, check_recipe=False,
+                      forward_env=[name])
+
+
+def test_submit_warns_of_a_forwarded_cloud_key_and_never_prints_it(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("entrypoint: vitp pretrain debug\n")
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    out = vitp("submit", str(p), "--forward-env", "AWS_SECRET_ACCESS_KEY", "--address", "http://127.0.0.1:9",
+               env={"AWS_SECRET_ACCESS_KEY": secret})
+    assert out.returncode == 3, out.stderr  # nothing listens there: refused after the checks
+    text = out.stdout + out.stderr
+    assert secret not in text and "AWS_SECRET_ACCESS_KEY=***" in out.stdout
+    assert "warning: this shell's AWS_SECRET_ACCESS_KEY will be sent with the job" in out.stderr

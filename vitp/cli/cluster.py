@@ -32,7 +32,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from vitp.cluster.jobspec import load_spec  # lazy: keeps vitp --help fast (mlflow, via redaction)
     from vitp.cluster.upload import check_upload_size  # lazy: keeps vitp --help fast (mlflow, via redaction)
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, forward_env=args.forward_env)
+    for line in spec.warnings():
+        print(f"vitp submit: warning: {line}", file=sys.stderr)
     notes = check_upload_size(spec)
     address = jobs.jobs_address(args.address)
     print(f"job spec {args.spec}: recipe(s) "
@@ -68,6 +70,9 @@ def _add_submit(sub) -> Handler:
     add_set(p, help="config override appended to every `vitp COMMAND RECIPE` of the spec's entrypoint "
                     "(no re-quoting: $VARS and shell operators stay as written); RECIPE:KEY=VALUE "
                     "for one recipe's command (repeatable)")
+    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                   help="send this shell's $NAME to the job too (repeatable; a credential's value is "
+                        "never printed). Nothing else from this shell goes unless the spec names it")
     p.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     p.add_argument("--no-wait", action="store_true", help="return once submitted")
     return cmd_submit

@@ -19,6 +19,11 @@ from vitp.errors import ConfigError, InputError
 from vitp.tracking.redact import REDACTED, is_secret_key, redact_text
 
 # submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
+# Credentials a cloud hands out to a person, not to a machine: forwarded from a laptop they are
+# stored with the job and go stale (JobSpec.warnings); the nodes' own identity is the better source.
+STATIC_CLOUD_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                     "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_KEY", "AZURE_CLIENT_SECRET")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SPEC_KEYS = {"entrypoint": str, "submission_id": str, "runtime_env": dict, "metadata": dict,
              "entrypoint_num_cpus": (int, float), "entrypoint_num_gpus": (int, float),
              "entrypoint_memory": int, "entrypoint_resources": dict, "entrypoint_label_selector": dict}
@@ -76,6 +81,15 @@ class JobSpec:
             if len(value) >= 4:
                 text = text.replace(value, REDACTED)
         return redact_text(text)
+
+    def warnings(self) -> list[str]:
+        """One line per static cloud credential the job takes from this shell (STATIC_CLOUD_KEYS)."""
+        env = (self.kwargs.get("runtime_env") or {}).get("env_vars") or {}
+        names = [k for k in STATIC_CLOUD_KEYS if env.get(k)]
+        return [f"this shell's {', '.join(names)} will be sent with the job: the Jobs API keeps the values with "
+                "the job (anyone with the cluster's token reads them back) and they are fixed now (a session "
+                "token expires within hours of a days-long run); give the nodes an identity instead "
+                "(instance profile, Workload Identity, IRSA: docs/cluster.md)"] if names else []
 
     def describe(self) -> list[str]:
         """Lines safe to print: entrypoint, env var names (secret values masked), resources."""
@@ -285,8 +299,10 @@ def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) ->
 
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
-              environ: dict[str, str] | None = None, check_recipe: bool = True) -> JobSpec:
-    """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`."""
+              environ: dict[str, str] | None = None, check_recipe: bool = True,
+              forward_env: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`, and
+    the variables named in `forward_env` are added to its env_vars from this shell."""
     import yaml  # lazy: only loading a spec needs it
 
     environ = dict(os.environ if environ is None else environ)
@@ -322,6 +338,14 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
         if not isinstance(runtime_env["env_vars"], dict):
             raise ConfigError(f"{path}: runtime_env.env_vars must be a mapping NAME: value")
         runtime_env["env_vars"], secrets = _expand_env(path, runtime_env["env_vars"], environ)
+    for name in forward_env:
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"--forward-env {name!r}: not an environment variable name (e.g. AWS_PROFILE)")
+        if name not in environ:
+            raise ConfigError(f"--forward-env {name}: {name} is not set in this shell: export it first")
+        runtime_env.setdefault("env_vars", {})[name] = environ[name]
+        if is_secret_key(name) or name in STATIC_CLOUD_KEYS:
+            secrets.append(environ[name])
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     meta = kwargs.get("metadata") or {}
