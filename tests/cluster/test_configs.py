@@ -322,13 +322,16 @@ def test_networkpolicy_admits_the_kuberay_operator_on_the_dashboard_port():
     (op_ns,) = re.findall(r"helm install kuberay-operator\b.*--namespace (\S+)", readme)
     policy = yaml.safe_load((ROOT / "cluster" / "kuberay" / "networkpolicy.yaml").read_text())
     (ns,) = set(re.findall(r"kubectl -n (\S+) apply -f cluster/kuberay/", readme))
-    # The operator polls and stops RayJobs through the head's dashboard port (KubeRay's Helm chart
-    # labels its pod app.kubernetes.io/name=kuberay-operator).
-    operator = {"app.kubernetes.io/name": "kuberay-operator"}
-    assert _admits(policy, ns, op_ns, operator, 8265)
+    # The operator polls and stops RayJobs through the head's dashboard port. Its pod's labels, as
+    # KubeRay v1.7.0 writes them: the Helm chart (templates/deployment.yaml, any release name) and
+    # the kustomize install (ray-operator/config/manager/manager.yaml, namespace default).
+    helm = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "my-release",
+            "app.kubernetes.io/component": "kuberay-operator"}
+    kustomize = {"app.kubernetes.io/name": "kuberay", "app.kubernetes.io/component": "kuberay-operator"}
+    assert _admits(policy, ns, op_ns, helm, 8265) and _admits(policy, ns, "default", kustomize, 8265)
     assert _admits(policy, ns, ns, {"ray.io/node-type": "worker"}, 6379)  # the cluster's own pods
     assert not _admits(policy, ns, "default", {"app": "anything"}, 8265)  # nobody else
-    assert not _admits(policy, ns, op_ns, operator, 6379)  # the operator only needs 8265
+    assert not _admits(policy, ns, op_ns, helm, 6379)  # the operator only needs 8265
 
 
 def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
