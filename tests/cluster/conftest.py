@@ -1,5 +1,6 @@
 """Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped; the
 rehearsal's cluster additionally shares nothing but an S3 bucket (moto) and an MLflow server."""
+import contextlib
 import os
 import shutil
 import socket
@@ -25,6 +26,46 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+class PortForward:
+    """A TCP forwarder to 127.0.0.1:`port` on a port of its own, as `kubectl port-forward` gives a
+    laptop its own address for an in-cluster service; `connections` counts who came through it."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.connections, self._port = 0, port
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread
+        self._thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            far = socket.create_connection(("127.0.0.1", self._port))
+            for a, b in ((near, far), (far, near)):
+                self._thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def vitp_env(env=None) -> dict[str, str]:
@@ -110,6 +151,7 @@ class Rehearsal:
     bucket: str  # s3://name
     mlflow: object  # vitp.tracking.server.ServerHandle
     env: dict[str, str] = field(default_factory=dict)  # what the user's shell exports
+    forward: PortForward | None = None  # this machine's own address for the MLflow server
 
     @property
     def store(self) -> str:
@@ -132,7 +174,8 @@ def rehearsal(request, s3, tmp_path_factory):
     """Head + one worker node (3 logical CPUs each, like two_node_cluster), each with its own
     temp, working and TMPDIR directories; VITP_STORE=s3://<bucket>/vit and MLFLOW_TRACKING_URI (a
     real `mlflow server`: SQLite here, artifacts in s3://<bucket>/mlflow) in every node's
-    environment and in the submitting shell's."""
+    environment. The submitting shell reaches that server at an address of its own, as through a
+    `kubectl port-forward` (MLFLOW_TRACKING_URI), and names the nodes' (VITP_JOB_TRACKING_URI)."""
     from vitp.tracking.server import start_server
 
     bucket = s3.bucket("rehearsal")
@@ -144,8 +187,11 @@ def rehearsal(request, s3, tmp_path_factory):
     except BaseException:
         server.stop()
         raise
+    forward = PortForward(server.port)
+    shell = {**env, "MLFLOW_TRACKING_URI": forward.uri, "VITP_JOB_TRACKING_URI": server.uri}
     try:
-        yield Rehearsal(cluster, bucket, server, env)
+        yield Rehearsal(cluster, bucket, server, shell, forward)
     finally:
+        forward.close()
         cluster.stop(keep_logs=request.session.testsfailed > 0)
         server.stop()

@@ -611,3 +611,17 @@ def test_submit_warns_of_a_forwarded_cloud_key_and_never_prints_it(tmp_path):
     text = out.stdout + out.stderr
     assert secret not in text and "AWS_SECRET_ACCESS_KEY=***" in out.stdout
     assert "warning: this shell's AWS_SECRET_ACCESS_KEY will be sent with the job" in out.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_submit_gives_the_jobs_their_own_mlflow_address(how):
+    """This shell's MLFLOW_TRACKING_URI may be a port-forward the cluster cannot reach: the jobs get
+    --job-tracking-uri / $VITP_JOB_TRACKING_URI instead, wherever the spec took it from."""
+    jobs_uri = "http://mlflow.mlflow.svc.cluster.local:5000"
+    env = {**ENV, "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}
+    args = ["--job-tracking-uri", jobs_uri] if how == "flag" else []
+    if how == "environment":
+        env["VITP_JOB_TRACKING_URI"] = jobs_uri
+    out = vitp("submit", "jobs/fewshot.yaml", *args, "--address", "http://127.0.0.1:9", env=env)
+    assert out.returncode == 3, out.stderr  # nothing listens there: refused after the checks
+    assert f"MLFLOW_TRACKING_URI={jobs_uri}" in out.stdout and "127.0.0.1:5000" not in out.stdout, out.stdout

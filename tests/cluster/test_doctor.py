@@ -6,10 +6,11 @@ import uuid
 
 import pytest
 
-from vitp.cluster.doctor import EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, storage_fix, timed
+from vitp.cluster.doctor import (EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, probe_tracking,
+                                 storage_fix, timed)
 from vitp.tracking.server import AuthSettings, start_server
 
-from .conftest import LocalCluster, free_ports, vitp
+from .conftest import LocalCluster, PortForward, free_ports, vitp
 
 PASSWORD = f"doctor-{uuid.uuid4().hex}"  # the MLflow admin's; never printed
 
@@ -54,6 +55,33 @@ def test_probe_on_a_local_directory_leaves_nothing(tmp_path):
     unshared = probe_storage(str(tmp_path), "node", str(tmp_path / "missing"), "abc")
     assert not unshared["ok"] and unshared["step"] == "read what this machine wrote"
     assert "not shared between the nodes" in storage_fix(str(tmp_path), unshared["error"], unshared["step"])
+
+
+def test_the_jobs_mlflow_address_is_probed_by_its_health_endpoint():
+    """probe_tracking: an answering /health is ok, an error status or a closed port is not (and says
+    which address), a non-server URI (SQLite) has nothing to reach."""
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        assert probe_tracking(uri) == {"ok": True, "detail": f"{uri} answers (HTTP 200)"}
+        assert probe_tracking(uri + "/nothing-here")["ok"] is False
+    finally:
+        server.shutdown()
+    (port,) = free_ports(1)
+    closed = probe_tracking(f"http://127.0.0.1:{port}")
+    assert not closed["ok"] and f"no MLflow server answers at http://127.0.0.1:{port}" in closed["detail"]
+    assert probe_tracking("sqlite:///tmp/x.db")["ok"]
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-experiment", "existing-experiment"])
@@ -123,11 +151,21 @@ def run(args, env, **changes):
 
 @pytest.mark.e2e
 def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, monkeypatch):
+    """... with this machine and the jobs reaching MLflow at different addresses, as through a
+    `kubectl port-forward`: this machine's check goes through its own address, the jobs' address
+    is asked from the cluster."""
     args, env, work_dir = setup
-    out = run(args, env)
+    forward = PortForward(mlflow_server.port)
+    try:
+        out = run([forward.uri if a == mlflow_server.uri else a for a in args]
+                  + ["--job-tracking-uri", mlflow_server.uri], env)
+    finally:
+        forward.close()
     assert out.returncode == 0, out.stdout + out.stderr
     found = lines_of(out)
-    assert set(found) == {"cluster", "storage here", "storage on cluster", "mlflow", "data"}
+    assert set(found) == {"cluster", "storage here", "storage on cluster", "mlflow", "mlflow from cluster", "data"}
+    assert forward.connections > 0
+    assert f"the jobs' address: {mlflow_server.uri} answers (HTTP 200)" in found["mlflow from cluster"]
     assert all(line.startswith("ok   ") for line in found.values()), out.stdout
     assert "token accepted" in found["cluster"] and "2 node(s) alive" in found["cluster"]
     # The job's driver and a task on the other node both wrote, listed, read and deleted.
@@ -185,11 +223,16 @@ def test_unwritable_bucket_names_the_bucket_fix(setup, s3):
 @pytest.mark.e2e
 def test_wrong_mlflow_password_names_the_password_variable(setup):
     args, env, _ = setup
-    out = run(args, env, MLFLOW_TRACKING_PASSWORD="not-the-password")
+    # ... and, in the same run, a jobs' MLflow address nothing answers at (VITP_JOB_TRACKING_URI)
+    (port,) = free_ports(1)
+    out = run(args, env, MLFLOW_TRACKING_PASSWORD="not-the-password", VITP_JOB_TRACKING_URI=f"http://127.0.0.1:{port}")
     assert out.returncode == EXIT_FAILED, out.stdout + out.stderr
     found = lines_of(out)
     assert found["mlflow"].startswith("FAIL mlflow:") and "rejected the login of user 'admin'" in found["mlflow"]
     assert "-> export MLFLOW_TRACKING_PASSWORD=" in found["mlflow"]
+    assert found["mlflow from cluster"].startswith(f"FAIL mlflow from cluster: the jobs' address: no MLflow "
+                                                   f"server answers at http://127.0.0.1:{port}")
+    assert "-> pass --job-tracking-uri" in found["mlflow from cluster"]
     assert all(found[n].startswith("ok") for n in ("cluster", "storage here", "storage on cluster"))
 
 

@@ -238,11 +238,14 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     bucket_name = rehearsal.bucket.split("/")[-1]
     vit_prefix = store.split("/", 3)[3] + "/"  # "vit/"
 
-    # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server
+    # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server from
+    # this machine (its port-forward address) and from the cluster (the jobs' address)
     r = vitp("doctor", "debug", "--address", address, "--set", f"work_dir={storage.join(store, 'doctor')}",
-             "--tracking-uri", rehearsal.mlflow.uri, env=env)
+             "--tracking-uri", rehearsal.forward.uri, env=env)
     assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 node(s) alive" in r.stdout and "storage on cluster" in r.stdout, r.stdout
+    assert f"the jobs' address: {rehearsal.mlflow.uri} answers" in r.stdout and rehearsal.forward.connections
+    forwarded = rehearsal.forward.connections
 
     # 0. The raw corpus in the bucket (the user's upload), in the layout the preprocess spec reads.
     pre_spec = "jobs/preprocess_i21k.yaml"
@@ -314,8 +317,11 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     got = {line.split(":")[0] for line in out.splitlines() if line.startswith("fewshot/")}
     assert got == {f"fewshot/{k}shot_top1" for k in (1, 5, 10, 25)}, out[-3000:]
 
-    # 7. compare from the driver: every stage's runs, read back from the MLflow server
-    r = vitp("compare", "--tracking-uri", rehearsal.mlflow.uri, "--format", "json", env=env)
+    # every job logged at the jobs' address (VITP_JOB_TRACKING_URI): none came through this machine's
+    assert rehearsal.forward.connections == forwarded, "a job used this machine's MLflow address"
+
+    # 7. compare from this machine (its own address): every stage's runs, read back from the server
+    r = vitp("compare", "--tracking-uri", rehearsal.forward.uri, "--format", "json", env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(r.stdout)
     assert any(row["run_id"] == run.info.run_id and row["status"] == "FINISHED" for row in rows), rows

@@ -32,7 +32,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from vitp.cluster.jobspec import load_spec  # lazy: keeps vitp --help fast (mlflow, via redaction)
     from vitp.cluster.upload import check_upload_size  # lazy: keeps vitp --help fast (mlflow, via redaction)
 
-    spec = load_spec(args.spec, args.overrides, forward_env=args.forward_env)
+    job_uri = args.job_tracking_uri or os.environ.get("VITP_JOB_TRACKING_URI", "")
+    spec = load_spec(args.spec, args.overrides, forward_env=args.forward_env, job_tracking_uri=job_uri)
     for line in spec.warnings():
         print(f"vitp submit: warning: {line}", file=sys.stderr)
     notes = check_upload_size(spec)
@@ -70,6 +71,7 @@ def _add_submit(sub) -> Handler:
     add_set(p, help="config override appended to every `vitp COMMAND RECIPE` of the spec's entrypoint "
                     "(no re-quoting: $VARS and shell operators stay as written); RECIPE:KEY=VALUE "
                     "for one recipe's command (repeatable)")
+    add_job_tracking(p)
     p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
                    help="send this shell's $NAME to the job too (repeatable; a credential's value is "
                         "never printed). Nothing else from this shell goes unless the spec names it")
@@ -124,7 +126,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from vitp.cluster import doctor  # lazy: keeps vitp --help fast (ray, mlflow)
 
     cfg = config_from(args, check_paths=False)  # data.path may live on the cluster only
-    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True))
+    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri)
     return doctor.exit_code(checks)
 
 
@@ -141,9 +143,17 @@ def _add_doctor(sub) -> Handler:
                                      "$RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, then http://127.0.0.1:8265), "
                                      "or a GCS host:port / ray:// address; a token from $RAY_AUTH_TOKEN "
                                      "or $RAY_AUTH_TOKEN_PATH is sent when set")
-    add_tracking(p, can_disable=False, help="MLflow tracking URI to check (default: the config's, "
-                                            "sqlite in work_dir)")
+    add_tracking(p, can_disable=False, help="MLflow tracking URI to check from this machine (default: the "
+                                            "config's, sqlite in work_dir)")
+    add_job_tracking(p)
     return cmd_doctor
+
+
+def add_job_tracking(p) -> None:
+    p.add_argument("--job-tracking-uri", metavar="URI",
+                   help="the MLflow address the jobs use on the cluster, where it differs from this machine's "
+                        "(e.g. http://mlflow.mlflow.svc.cluster.local:5000 while this machine uses a "
+                        "port-forward); default $VITP_JOB_TRACKING_URI, else this machine's")
 
 
 # ----------------------------------------------------------------------- mlflow-server

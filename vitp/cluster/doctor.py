@@ -26,10 +26,12 @@ from vitp.errors import ClusterError
 
 PROBE_DIR = ".vitp-doctor"
 RESULT_TAG = "VITP_DOCTOR_PROBE "  # the probe job's result line in its logs
+TRACKING_TAG = "VITP_DOCTOR_TRACKING "  # ... and its MLflow reachability line
 TOKEN_FIX = "export RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN=<the token>) and retry"
 UNREACHABLE_FIX = ("start the cluster (cluster/local.sh start, ray up), port-forward the head's dashboard "
                    "port 8265, or pass --address http://<head>:8265")
-TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0, "data": 30.0}
+TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0,
+            "mlflow from cluster": 5.0, "data": 30.0}
 
 
 # ------------------------------------------------------------------------------ 1. cluster
@@ -193,13 +195,29 @@ def cluster_probe(root: str, shared: str, expected: str, include_self: bool, tim
     return here + ray.get(refs, timeout=timeout)
 
 
-def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout: float) -> list[dict]:
-    """cluster_probe run as a Ray job (its driver on the head) with the nodes' own credentials: none
-    are forwarded from this shell (a runtime_env is stored by the Jobs API and written into Ray's
-    runtime-env agent log on every node it reaches)."""
+def probe_tracking(uri: str) -> dict:
+    """Whether an MLflow server answers at `uri` from where this runs ({"ok", "detail"}): its /health,
+    which needs no login. Not a server (sqlite:, a path): nothing to reach, ok."""
+    if urlsplit(uri).scheme not in ("http", "https"):
+        return {"ok": True, "detail": f"{uri} is not a server: nothing to reach"}
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
+            return {"ok": r.status == 200, "detail": f"{uri} answers (HTTP {r.status})"}
+    except urllib.error.HTTPError as e:
+        return {"ok": False, "detail": f"{uri} answered HTTP {e.code} to /health"}
+    except (OSError, ValueError) as e:
+        return {"ok": False, "detail": f"no MLflow server answers at {uri} ({first_line(str(e))})"}
+
+
+def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout: float,
+               tracking_uri: str = "") -> tuple[list[dict], dict | None]:
+    """cluster_probe (and probe_tracking of the jobs' MLflow address) run as a Ray job, its driver on
+    the head, with the nodes' own credentials: none are forwarded from this shell (a runtime_env is
+    stored by the Jobs API and written into Ray's runtime-env agent log on every node it reaches)."""
     from vitp.cluster import jobs  # lazy: ray, mlflow
     client = jobs.client(cluster.address)
-    entrypoint = shlex.join(["python", "-m", "vitp.cluster.doctor", root, shared, expected])
+    entrypoint = shlex.join(["python", "-m", "vitp.cluster.doctor", root, shared, expected]
+                            + ([tracking_uri] if tracking_uri else []))
     with jobs.cluster_errors(cluster.address):
         job_id = jobs.submit_when_agent_ready(client, {
             "entrypoint": entrypoint,
@@ -218,7 +236,8 @@ def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout:
     if jobs.status_of(info) != "SUCCEEDED" or not lines:
         tail = [ln for ln in logs.splitlines() if ln.strip()][-1:] or [info.message or ""]
         raise ClusterError(f"the probe job {job_id} {jobs.status_of(info)}: {first_line(tail[0])}")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    tracking = [json.loads(ln[len(TRACKING_TAG):]) for ln in logs.splitlines() if ln.startswith(TRACKING_TAG)]
+    return json.loads(lines[-1][len(RESULT_TAG):]), (tracking[-1] if tracking else None)
 
 
 def _remove_job(client, job_id: str, wait_s: float = 15.0) -> None:
@@ -241,8 +260,10 @@ def _cleanup(root: str, shared: str = "") -> None:
             storage.rmtree(storage.join(root, PROBE_DIR), root)
 
 
-def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], None]) -> list[Check]:
-    """Probe `root` from this machine, then from the cluster's nodes (reading what this machine wrote)."""
+def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], None],
+                  tracking_uri: str = "", tracking: dict | None = None) -> list[Check]:
+    """Probe `root` from this machine, then from the cluster's nodes (reading what this machine wrote);
+    the same probe job asks whether MLflow answers at `tracking_uri` from the cluster (into `tracking`)."""
     emit(here := timed("storage here", lambda: _storage_line("storage here", root, [probe_storage(root, "here")]),
                        TIMEOUTS["storage here"], storage_fix(root, "timeout")))
     if cluster is None:
@@ -258,8 +279,14 @@ def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], No
         except Exception:  # noqa: BLE001 - "storage here" says why; jobs only need the nodes' access
             share = ("", "")
         try:
-            results = _probe_job(cluster, root, *share, TIMEOUTS["storage on cluster"] - 30) if cluster.jobs_api \
-                else cluster_probe(root, *share, include_self=False)
+            if cluster.jobs_api:
+                results, found = _probe_job(cluster, root, *share, TIMEOUTS["storage on cluster"] - 30, tracking_uri)
+                if found is not None and tracking is not None:
+                    tracking.update(found)
+            else:  # this process joined the cluster: it asks MLflow from here
+                results = cluster_probe(root, *share, include_self=False)
+                if tracking_uri and tracking is not None:
+                    tracking.update(probe_tracking(tracking_uri))
         except ClusterError as e:
             return Check("storage on cluster", False, first_line(str(e)),
                          f"see `vitp jobs logs <that id> --address {cluster.address}`; the cluster's image needs "
@@ -292,7 +319,7 @@ def check_data(cfg) -> Check:
                  "cluster: vitp submit jobs/preprocess_*.yaml), or set data.shards to existing shards")
 
 
-def run_checks(cfg, address: str | None, emit: Callable[[Check], None]) -> list[Check]:
+def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri: str | None = None) -> list[Check]:
     """Every check in order, each line passed to `emit` as soon as it is known."""
     from vitp.cluster.jobs import jobs_address  # lazy: mlflow, via redaction
     # MLflow retries a dead server for minutes (here: once, 20 s a request) and prints "View run" lines.
@@ -305,15 +332,47 @@ def run_checks(cfg, address: str | None, emit: Callable[[Check], None]) -> list[
                     _join(address, cfg, found), TIMEOUTS["cluster"],
                     "check --address and that the head is up")]
     emit(checks[0])
-    checks += check_storage(cfg.work_dir, found[0] if checks[0].ok and found else None, emit)
+    job_uri = job_tracking_uri(cfg, job_uri)
+    tracking: dict = {}
+    checks += check_storage(cfg.work_dir, found[0] if checks[0].ok and found else None, emit, job_uri, tracking)
     for name, fn, fix in (("mlflow", lambda: check_mlflow(cfg), "check --tracking-uri and the server's log"),
+                          ("mlflow from cluster", lambda: _tracking_line(job_uri, tracking), JOB_URI_FIX),
                           ("data", lambda: check_data(cfg), f"check data.shards / work_dir={cfg.work_dir}")):
+        if name == "mlflow from cluster" and not job_uri:
+            continue
         checks.append(timed(name, fn, TIMEOUTS[name], fix))
         emit(checks[-1])
     return checks
 
 
-if __name__ == "__main__":  # the probe job: python -m vitp.cluster.doctor ROOT SHARED EXPECTED
+JOB_URI_FIX = ("pass --job-tracking-uri (or export VITP_JOB_TRACKING_URI) with the address the cluster's "
+               "pods reach the server at, e.g. http://mlflow.mlflow.svc.cluster.local:5000, while "
+               "MLFLOW_TRACKING_URI stays what this machine uses (a port-forward)")
+
+
+def job_tracking_uri(cfg, given: str | None) -> str:
+    """The MLflow address the jobs use: --job-tracking-uri, $VITP_JOB_TRACKING_URI, else this
+    machine's when it is a server's (jobs on the cluster cannot read a local SQLite file)."""
+    from vitp.tracking.store import resolve_tracking_uri  # lazy: mlflow
+    if given or os.environ.get("VITP_JOB_TRACKING_URI"):
+        return given or os.environ["VITP_JOB_TRACKING_URI"]
+    with contextlib.suppress(Exception):  # the mlflow check says what is wrong with it
+        uri = resolve_tracking_uri(cfg)
+        return uri if urlsplit(uri).scheme in ("http", "https") else ""
+    return ""
+
+
+def _tracking_line(uri: str, tracking: dict) -> Check:
+    if not tracking:
+        return Check("mlflow from cluster", False, f"not checked: the probe job did not run ({uri})",
+                     "fix the storage on cluster line above")
+    return Check("mlflow from cluster", bool(tracking["ok"]),
+                 f"the jobs' address: {tracking['detail']}" + ("" if tracking["ok"] else " from the head"))
+
+
+if __name__ == "__main__":  # the probe job: python -m vitp.cluster.doctor ROOT SHARED EXPECTED [TRACKING_URI]
     import sys
     from vitp.cluster import doctor  # the importable module, so Ray pickles its functions by name
+    if len(sys.argv) > 4:
+        print(TRACKING_TAG + json.dumps(doctor.probe_tracking(sys.argv[4])), flush=True)
     print(RESULT_TAG + json.dumps(doctor.cluster_probe(*sys.argv[1:4], include_self=True)), flush=True)

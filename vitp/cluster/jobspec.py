@@ -300,9 +300,10 @@ def _expand_env(spec_path: str, env: dict[str, Any], environ: dict[str, str]) ->
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
               environ: dict[str, str] | None = None, check_recipe: bool = True,
-              forward_env: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`, and
-    the variables named in `forward_env` are added to its env_vars from this shell."""
+              forward_env: list[str] | tuple[str, ...] = (), job_tracking_uri: str = "") -> JobSpec:
+    """Read and validate a job spec; `overrides` are appended to its vitp command as `--set`, the
+    variables named in `forward_env` are added to its env_vars from this shell, and a
+    `job_tracking_uri` becomes the job's MLFLOW_TRACKING_URI (this shell's may be a port-forward)."""
     import yaml  # lazy: only loading a spec needs it
 
     environ = dict(os.environ if environ is None else environ)
@@ -346,6 +347,8 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
         runtime_env.setdefault("env_vars", {})[name] = environ[name]
         if is_secret_key(name) or name in STATIC_CLOUD_KEYS:
             secrets.append(environ[name])
+    if job_tracking_uri:
+        runtime_env.setdefault("env_vars", {})["MLFLOW_TRACKING_URI"] = job_tracking_uri
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     meta = kwargs.get("metadata") or {}
