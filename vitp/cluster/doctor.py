@@ -198,15 +198,17 @@ def cluster_probe(root: str, shared: str, expected: str, include_self: bool, tim
 def probe_tracking(uri: str) -> dict:
     """Whether an MLflow server answers at `uri` from where this runs ({"ok", "detail"}): its /health,
     which needs no login. Not a server (sqlite:, a path): nothing to reach, ok."""
+    from vitp.tracking.redact import redact_text  # lazy: mlflow
+    shown = redact_text(uri)  # a URI with a password in it is printed without it
     if urlsplit(uri).scheme not in ("http", "https"):
-        return {"ok": True, "detail": f"{uri} is not a server: nothing to reach"}
+        return {"ok": True, "detail": f"{shown} is not a server: nothing to reach"}
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
-            return {"ok": r.status == 200, "detail": f"{uri} answers (HTTP {r.status})"}
+            return {"ok": r.status == 200, "detail": f"{shown} answers (HTTP {r.status})"}
     except urllib.error.HTTPError as e:
-        return {"ok": False, "detail": f"{uri} answered HTTP {e.code} to /health"}
+        return {"ok": False, "detail": f"{shown} answered HTTP {e.code} to /health"}
     except (OSError, ValueError) as e:
-        return {"ok": False, "detail": f"no MLflow server answers at {uri} ({first_line(str(e))})"}
+        return {"ok": False, "detail": f"no MLflow server answers at {shown} ({redact_text(first_line(str(e)))})"}
 
 
 def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout: float,
@@ -364,7 +366,7 @@ def job_tracking_uri(cfg, given: str | None) -> str:
 
 def _tracking_line(uri: str, tracking: dict) -> Check:
     if not tracking:
-        return Check("mlflow from cluster", False, f"not checked: the probe job did not run ({uri})",
+        return Check("mlflow from cluster", False, "not checked: the probe job did not run",
                      "fix the storage on cluster line above")
     return Check("mlflow from cluster", bool(tracking["ok"]),
                  f"the jobs' address: {tracking['detail']}" + ("" if tracking["ok"] else " from the head"))

@@ -18,12 +18,12 @@ from vitp.config.files import like_recipe
 from vitp.errors import ConfigError, InputError
 from vitp.tracking.redact import REDACTED, is_secret_key, redact_text
 
-# submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
 # Credentials a cloud hands out to a person, not to a machine: forwarded from a laptop they are
 # stored with the job and go stale (JobSpec.warnings); the nodes' own identity is the better source.
 STATIC_CLOUD_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                      "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_KEY", "AZURE_CLIENT_SECRET")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# submit_job's keyword arguments (Ray 2.52+); `job_id` is deprecated there, so not accepted here.
 SPEC_KEYS = {"entrypoint": str, "submission_id": str, "runtime_env": dict, "metadata": dict,
              "entrypoint_num_cpus": (int, float), "entrypoint_num_gpus": (int, float),
              "entrypoint_memory": int, "entrypoint_resources": dict, "entrypoint_label_selector": dict}
