@@ -2,7 +2,7 @@
 # A local Ray cluster on 127.0.0.1: one head plus N worker nodes (separate raylets on this machine).
 #
 #   cluster/local.sh start [--workers N] [--num-cpus C] [--port P] [--dashboard-port D] [--auth]
-#                          [--state-dir DIR]
+#                          [--state-dir DIR] [--fake-autoscaling CONFIG]
 #   cluster/local.sh stop   [--port P | --state-dir DIR]
 #   cluster/local.sh status [--port P | --state-dir DIR]
 #
@@ -17,6 +17,9 @@
 # clients then need RAY_AUTH_TOKEN_PATH=DIR/auth_token (printed on start). Without --auth the
 # cluster runs with RAY_AUTH_MODE=disabled explicitly, so a stray ~/.ray/auth_token does not
 # switch it on half-way. Nothing binds 0.0.0.0: node, dashboard and agents use 127.0.0.1.
+# --fake-autoscaling CONFIG runs Ray's autoscaler on the head with CONFIG, a launcher config whose
+# provider is Ray's fake multi-node one (`type: fake_multinode`): the worker nodes it launches are
+# raylets on this machine, in the head's process group (so `stop` ends them too).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -27,8 +30,8 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PYTHON")"
 
 cmd="${1:-}"; shift || true
-case "$cmd" in -h|--help) sed -n '2,19p' "$0"; exit 0 ;; esac
-workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90
+case "$cmd" in -h|--help) sed -n '2,22p' "$0"; exit 0 ;; esac
+workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90; autoscaling=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) workers="$2"; shift 2 ;;
@@ -38,7 +41,8 @@ while [ $# -gt 0 ]; do
     --auth) auth=1; shift ;;
     --state-dir) state_dir="$2"; shift 2 ;;
     --timeout) timeout="$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --fake-autoscaling) autoscaling="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "cluster/local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -198,12 +202,16 @@ start_cluster() {
   client_port="$(free_port "$port" "$dash_port" "$agent_port")"
   local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
                 --dashboard-agent-listen-port "$agent_port" --min-worker-port 0 --max-worker-port 0 --block)
-  local head_pid worker_pids=()
+  local head_pid worker_pids=() head_extra=()
+  if [ -n "$autoscaling" ]; then
+    head_extra=(--autoscaling-config "$autoscaling")
+    export RAY_FAKE_CLUSTER=1 AUTOSCALER_UPDATE_INTERVAL_S=1
+  fi
   node_dirs 0
   (cd "$state_dir/node-0/work" && TMPDIR="$state_dir/node-0/tmp" exec setsid "$BIN/ray" start --head \
     --port "$port" --dashboard-host 127.0.0.1 --dashboard-port "$dash_port" --include-dashboard true \
     --ray-client-server-port "$client_port" --temp-dir "$state_dir/node-0/ray" "${common[@]}" \
-    > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
+    ${head_extra[@]+"${head_extra[@]}"} > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
   head_pid=$!
   write_pids
   if ! wait_nodes 1 "$head_pid"; then

@@ -1,6 +1,7 @@
 """Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped; the
 rehearsal's cluster additionally shares nothing but an S3 bucket (moto) and an MLflow server."""
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -86,17 +87,23 @@ class LocalCluster:
     """`cluster/local.sh start` on free ports; `env` is added to the environment every node (and
     so every worker and job driver) inherits. Node i's own directories are node_dirs[i]."""
 
-    def __init__(self, tmp: Path, workers: int, num_cpus: int, auth: bool, env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, workers: int, num_cpus: int, auth: bool, env: dict[str, str] | None = None,
+                 fake_autoscaling: dict | None = None):
         self.port, self.dash_port = free_ports(2)
         # fresh and short (Ray's socket paths are length-limited), never a stale run's directory
         self.state_dir = Path(tempfile.mkdtemp(prefix="vitp-t", dir="/tmp"))
         self.address = f"http://127.0.0.1:{self.dash_port}"
+        if fake_autoscaling is not None:  # Ray's fake multi-node provider finds the GCS by its address
+            config = {**fake_autoscaling, "provider": {**fake_autoscaling["provider"],
+                                                       "gcs_address": f"127.0.0.1:{self.port}"}}
+            (self.state_dir / "autoscaling.json").write_text(json.dumps(config))
         cmd = [str(LOCAL_SH), "start", "--workers", str(workers), "--num-cpus", str(num_cpus),
                "--port", str(self.port), "--dashboard-port", str(self.dash_port),
                "--state-dir", str(self.state_dir),
                # nodes come up in seconds on an idle machine; the default 90 s has run out while
                # other tests loaded every core
-               "--timeout", "300"] + (["--auth"] if auth else [])
+               "--timeout", "300"] + (["--auth"] if auth else []) \
+            + (["--fake-autoscaling", str(self.state_dir / "autoscaling.json")] if fake_autoscaling else [])
         env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
         env.pop("RAY_ADDRESS", None)
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
