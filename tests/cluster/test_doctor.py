@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from vitp.cluster.doctor import (EXIT_FAILED, PROBE_DIR, Check, exit_code, probe_storage, probe_tracking,
-                                 storage_fix, timed)
+from vitp.cluster.doctor import (EXIT_FAILED, PROBE_DIR, Check, _tracking_line, exit_code, probe_storage,
+                                 probe_tracking, storage_fix, timed)
 from vitp.tracking.server import AuthSettings, start_server
 
 from .conftest import LocalCluster, PortForward, free_ports, vitp
@@ -80,8 +80,12 @@ def test_the_jobs_mlflow_address_is_probed_by_its_health_endpoint():
         server.shutdown()
     (port,) = free_ports(1)
     closed = probe_tracking(f"http://127.0.0.1:{port}")
-    assert not closed["ok"] and f"no MLflow server answers at http://127.0.0.1:{port}" in closed["detail"]
+    assert not closed["ok"] and f"no MLflow server answers at http://127.0.0.1:{port} (" in closed["detail"]
+    assert "urlopen" not in closed["detail"]  # the reason, not the exception's repr
+    line = _tracking_line(f"http://127.0.0.1:{port}", closed).line()
+    assert line.startswith("FAIL mlflow from cluster: the jobs' address: no MLflow") and "-> pass --job-tracking-uri" in line
     assert probe_tracking("sqlite:///tmp/x.db")["ok"]
+    assert probe_tracking("http://user:s3cret@127.0.0.1:1")["detail"].count("s3cret") == 0  # shown without it
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-experiment", "existing-experiment"])

@@ -207,8 +207,9 @@ def probe_tracking(uri: str) -> dict:
             return {"ok": r.status == 200, "detail": f"{shown} answers (HTTP {r.status})"}
     except urllib.error.HTTPError as e:
         return {"ok": False, "detail": f"{shown} answered HTTP {e.code} to /health"}
-    except (OSError, ValueError) as e:
-        return {"ok": False, "detail": f"no MLflow server answers at {shown} ({redact_text(first_line(str(e)))})"}
+    except (OSError, ValueError) as e:  # URLError: its reason (connection refused, no such host, ...)
+        why = first_line(str(getattr(e, "reason", e)))
+        return {"ok": False, "detail": f"no MLflow server answers at {shown} ({redact_text(why)})"}
 
 
 def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout: float,
@@ -368,8 +369,9 @@ def _tracking_line(uri: str, tracking: dict) -> Check:
     if not tracking:
         return Check("mlflow from cluster", False, "not checked: the probe job did not run",
                      "fix the storage on cluster line above")
-    return Check("mlflow from cluster", bool(tracking["ok"]),
-                 f"the jobs' address: {tracking['detail']}" + ("" if tracking["ok"] else " from the head"))
+    if tracking["ok"]:
+        return Check("mlflow from cluster", True, f"the jobs' address: {tracking['detail']}")
+    return Check("mlflow from cluster", False, f"the jobs' address: {tracking['detail']} from the head", JOB_URI_FIX)
 
 
 if __name__ == "__main__":  # the probe job: python -m vitp.cluster.doctor ROOT SHARED EXPECTED [TRACKING_URI]
