@@ -83,7 +83,8 @@ def test_the_jobs_mlflow_address_is_probed_by_its_health_endpoint():
     assert not closed["ok"] and f"no MLflow server answers at http://127.0.0.1:{port} (" in closed["detail"]
     assert "urlopen" not in closed["detail"]  # the reason, not the exception's repr
     line = _tracking_line(f"http://127.0.0.1:{port}", closed).line()
-    assert line.startswith("FAIL mlflow from cluster: the jobs' address: no MLflow") and "-> pass --job-tracking-uri" in line
+    assert line.startswith("FAIL mlflow from cluster: the jobs' address: no MLflow")
+    assert "-> pass --job-tracking-uri" in line
     assert probe_tracking("sqlite:///tmp/x.db")["ok"]
     assert probe_tracking("http://user:s3cret@127.0.0.1:1")["detail"].count("s3cret") == 0  # shown without it
 
