@@ -3,6 +3,7 @@
 server would drop it silently), except under `x-kubernetes-preserve-unknown-fields`."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -34,15 +35,21 @@ def strict(schema: Any) -> Any:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def crd_validator(release: str, kind: str) -> jsonschema.Draft7Validator:
     raw = gzip.decompress((SCHEMAS / f"kuberay-{release}" / f"{PLURAL[kind]}.json.gz").read_bytes())
     return jsonschema.Draft7Validator(strict(json.loads(raw)))
 
 
+@functools.lru_cache(maxsize=1)
+def _kubernetes_definitions() -> dict:
+    return json.loads(gzip.decompress((SCHEMAS / f"kubernetes-{KUBERNETES}.json.gz").read_bytes()))
+
+
 def core_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
     """The Kubernetes definition of `kind` (Deployment, Service, ...) in `api_version` (v1, apps/v1,
     networking.k8s.io/v1, ...), strict as vendored; references resolve inside the same document."""
-    document = json.loads(gzip.decompress((SCHEMAS / f"kubernetes-{KUBERNETES}.json.gz").read_bytes()))
+    document = _kubernetes_definitions()
     group, _, version = api_version.rpartition("/")
     group = {"": "core"}.get(group, group.removesuffix(".k8s.io"))
     name = f"io.k8s.api.{group}.{version}.{kind}"

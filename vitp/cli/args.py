@@ -97,9 +97,9 @@ def recipe_from_run(args: argparse.Namespace) -> None:
         return
     import atexit
     import os
-    import shutil
     import tempfile
 
+    from vitp import storage
     from vitp.errors import ConfigError
     from vitp.tracking.lineage import run_as_experiment  # lazy: mlflow
 
@@ -109,7 +109,7 @@ def recipe_from_run(args: argparse.Namespace) -> None:
         raise ConfigError(f"{args.recipe}: the run is read from MLflow: give --tracking-uri URI or set "
                           "MLFLOW_TRACKING_URI (the server or store the run is in)")
     folder = tempfile.mkdtemp(prefix="vitp-like-")
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(storage.rmtree, folder, folder)
     args.recipe = run_as_experiment(uri, run_id, folder)
 
 

@@ -32,8 +32,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from vitp.cluster.jobspec import load_spec  # lazy: keeps vitp --help fast (mlflow, via redaction)
     from vitp.cluster.upload import check_upload_size  # lazy: keeps vitp --help fast (mlflow, via redaction)
 
-    job_uri = args.job_tracking_uri or os.environ.get("VITP_JOB_TRACKING_URI", "")
-    spec = load_spec(args.spec, args.overrides, forward_env=args.forward_env, job_tracking_uri=job_uri)
+    spec = load_spec(args.spec, args.overrides, forward_env=args.forward_env,
+                     job_tracking_uri=args.job_tracking_uri or "")
     for line in spec.warnings():
         print(f"vitp submit: warning: {line}", file=sys.stderr)
     notes = check_upload_size(spec)
@@ -150,7 +150,7 @@ def _add_doctor(sub) -> Handler:
 
 
 def add_job_tracking(p) -> None:
-    p.add_argument("--job-tracking-uri", metavar="URI",
+    p.add_argument("--job-tracking-uri", metavar="URI", default=os.environ.get("VITP_JOB_TRACKING_URI"),
                    help="the MLflow address the jobs use on the cluster, where it differs from this machine's "
                         "(e.g. http://mlflow.mlflow.svc.cluster.local:5000 while this machine uses a "
                         "port-forward); default $VITP_JOB_TRACKING_URI, else this machine's")

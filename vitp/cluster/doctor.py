@@ -338,11 +338,11 @@ def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri:
     job_uri = job_tracking_uri(cfg, job_uri)
     tracking: dict = {}
     checks += check_storage(cfg.work_dir, found[0] if checks[0].ok and found else None, emit, job_uri, tracking)
-    for name, fn, fix in (("mlflow", lambda: check_mlflow(cfg), "check --tracking-uri and the server's log"),
-                          ("mlflow from cluster", lambda: _tracking_line(job_uri, tracking), JOB_URI_FIX),
-                          ("data", lambda: check_data(cfg), f"check data.shards / work_dir={cfg.work_dir}")):
-        if name == "mlflow from cluster" and not job_uri:
-            continue
+    later = [("mlflow", lambda: check_mlflow(cfg), "check --tracking-uri and the server's log")]
+    if job_uri:
+        later.append(("mlflow from cluster", lambda: _tracking_line(job_uri, tracking), JOB_URI_FIX))
+    later.append(("data", lambda: check_data(cfg), f"check data.shards / work_dir={cfg.work_dir}"))
+    for name, fn, fix in later:
         checks.append(timed(name, fn, TIMEOUTS[name], fix))
         emit(checks[-1])
     return checks
@@ -354,11 +354,11 @@ JOB_URI_FIX = ("pass --job-tracking-uri (or export VITP_JOB_TRACKING_URI) with t
 
 
 def job_tracking_uri(cfg, given: str | None) -> str:
-    """The MLflow address the jobs use: --job-tracking-uri, $VITP_JOB_TRACKING_URI, else this
-    machine's when it is a server's (jobs on the cluster cannot read a local SQLite file)."""
+    """The MLflow address the jobs use: `given` (--job-tracking-uri, default $VITP_JOB_TRACKING_URI),
+    else this machine's when it is a server's (jobs on the cluster cannot read a local SQLite file)."""
     from vitp.tracking.store import resolve_tracking_uri  # lazy: mlflow
-    if given or os.environ.get("VITP_JOB_TRACKING_URI"):
-        return given or os.environ["VITP_JOB_TRACKING_URI"]
+    if given:
+        return given
     with contextlib.suppress(Exception):  # the mlflow check says what is wrong with it
         uri = resolve_tracking_uri(cfg)
         return uri if urlsplit(uri).scheme in ("http", "https") else ""
