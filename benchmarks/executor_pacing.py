@@ -39,6 +39,7 @@ def one_mode(args) -> dict:
     from vitp.net import free_port
     from vitp.tracking.server import start_server
     from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
@@ -54,7 +55,7 @@ def one_mode(args) -> dict:
                             f"tracking.run_name={name}", f"train.steps={args.steps}", "train.log_every=1",
                             "train.eval_every=0", "train.checkpoint_every=0", "train.resume=never"])
     try:
-        summary = run_training(cfg, with_val=False)
+        summary = run_training(Run.of(cfg), with_val=False)
         history = get_client(uri).get_metric_history(summary.mlflow_run_id, "train/loss")
         stamps = sorted(m.timestamp / 1000 for m in history)
     finally:

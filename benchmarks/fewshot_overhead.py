@@ -37,10 +37,11 @@ def harmonic(values: list[float]) -> float:
 def one_run(cfg, name: str) -> dict:
     """Train `cfg` as run `name`; images/s (all windows, without the first) and probe figures."""
     from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=name))
-    summary = run_training(cfg)
+    summary = run_training(Run.of(cfg))
     client = get_client(resolve_tracking_uri(cfg))
 
     def hist(key):

@@ -33,6 +33,7 @@ def _one_setting(args: argparse.Namespace) -> None:
     sys.path.insert(0, ROOT)
     from vitp.data.commands import run_preprocess
     from vitp.recipes import resolve, with_overrides
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
@@ -46,7 +47,7 @@ def _one_setting(args: argparse.Namespace) -> None:
                                 f"parallel.num_workers={args.workers}",
                                 f"parallel.grad_accum={2 // args.workers}", f"parallel.zero_stage={args.zero}"])
         t0 = time.time()
-        run_training(cfg)
+        run_training(Run.of(cfg))
         print(f"run {time.time() - t0:.2f}", flush=True)
     ray.shutdown()
 

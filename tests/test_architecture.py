@@ -551,6 +551,31 @@ def test_one_module_owns_the_work_dir_layout():
     _none(found, "work_dir layout built outside vitp/paths.py (use RunPaths)")
 
 
+# Where a config is resolved (validated, local paths made absolute): the edges where input enters
+RESOLVING = {"validate", "absolute_paths", "Run.resolve", "recipes.resolve"}
+EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes.py", "vitp/tune/sweep.py", "vitp/cluster/jobspec.py")
+
+
+def test_a_run_is_resolved_only_at_the_edges():
+    """validate / absolute_paths / Run.resolve are called where input enters (the CLI, the config
+    package, recipes, a sweep's spec, a job spec); training, few-shot, data and the workers take the Run they are
+    given (Run.of / Run.from_dict), so none of them validates or re-absolutises again."""
+    root = Path(__file__).resolve().parents[1] / "vitp"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        if rel.startswith(EDGES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = (f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                        else getattr(f, "id", ""))
+                if name in RESOLVING:
+                    found.append(f"{rel}:{node.lineno} calls {name}")
+    _none(found, "a config resolved outside the edges (take a Run instead)")
+
+
 MAX_WORKER_FUNCTION_LINES = 60
 
 

@@ -169,6 +169,7 @@ RANK0_JOB = r'''
 import functools, json, sys
 import ray, ray.train
 from vitp import recipes
+from vitp.config import Run
 from vitp.data.commands import ensure_shards
 from vitp.train.trainer import run_training
 
@@ -185,7 +186,7 @@ cfg = recipes.resolve("debug", [f"work_dir={work}", f"data.shards={shards}", f"t
                                 "train.eval_every=0", f"train.checkpoint_every={checkpoint_every}",
                                 "train.max_failures=1", "tracking.log_timeout_s=2", "tracking.system_metrics=false"])
 ensure_shards(cfg)  # the test session's: already there
-summary = run_training(cfg, with_val=False)
+summary = run_training(Run.of(cfg), with_val=False)
 print("RANK0 " + json.dumps({"run_id": summary.mlflow_run_id, "node": other, "step": summary.metrics["step"]}))
 '''
 

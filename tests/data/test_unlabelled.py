@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from vitp import cli, storage
-from vitp.config import ConfigError, apply_overrides, validate
+from vitp.config import ConfigError, Run, apply_overrides, validate
 from vitp.data.catalog import list_source, plan_source
 from vitp.data.commands import ensure_shards, run_preprocess
 from vitp.data.preprocess import assign_split
@@ -126,7 +126,7 @@ def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed
     from vitp.train.trainer import run_training
 
     with pytest.raises(InputError, match=r"unlabelled shards .*train\.objective=mpp"):
-        run_training(cfg, tracking=False)
+        run_training(Run.of(cfg), tracking=False)
 
 
 @pytest.mark.ray

@@ -5,6 +5,7 @@ the gathered snapshot is the real model); a dataset that cannot be read is a war
 """
 import pytest
 
+from vitp.config import Run
 from vitp.errors import ConfigError
 from vitp.recipes import resolve
 
@@ -44,6 +45,6 @@ def test_pretraining_logs_fewshot_at_every_multiple(tmp_path, corpora):
                             "parallel.zero_stage=3", "model.variant=nano/16", "train.steps=20", "train.log_every=5",
                             "train.eval_every=0", "train.checkpoint_every=0", "optim.lr=2e-3",
                             *probe_settings(10, tmp_path)])
-    summary = run_training(cfg)
+    summary = run_training(Run.of(cfg))
     assert summary.metrics["step"] == 20
     check_probes(cfg, summary, digits)

@@ -4,7 +4,7 @@ the zero-initialised head recorded, export, few-shot. (A plain ViT takes the sam
 export in tests/cli/test_every_command.py's chain and tests/test_uri_paths.py.)"""
 import pytest
 
-from vitp.config import validate
+from vitp.config import Run, validate
 from vitp.recipes import resolve, with_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
@@ -23,7 +23,7 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
 
     pre = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}", "model.variant=R8+pico/8",
                             "parallel.zero_stage=3", "train.steps=20", "train.checkpoint_every=0"])
-    pre_summary = run_training(pre)
+    pre_summary = run_training(Run.of(pre))
     client = get_client(resolve_tracking_uri(pre))
     loss = sorted(client.get_metric_history(pre_summary.mlflow_run_id, "train/loss"), key=lambda m: m.step)
     assert loss and all(torch.isfinite(torch.tensor(m.value)) for m in loss)
@@ -35,7 +35,7 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
     assert cfg.model.variant == "R8+pico/8" and cfg.data.image_size == 48  # 4x4 -> 6x6 tokens
     assert cfg.model.head == "finetune" and tags["source_image_size"] == "32"
     assert tags["source_run_id"] == pre_summary.mlflow_run_id
-    summary = run_training(cfg, extra_tags=tags)
+    summary = run_training(Run.of(cfg), extra_tags=tags)
     assert client.get_run(summary.mlflow_run_id).data.tags["source_run_id"] == pre_summary.mlflow_run_id
     init = client.get_metric_history(summary.mlflow_run_id, "train/init_logit_absmax")
     assert [(m.step, m.value) for m in init] == [(0, 0.0)]  # zero-init head: logits exactly 0
@@ -51,6 +51,6 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
     assert read_config(out).model.variant == "R8+pico/8" and model.grid == 6
     dist = mean_attention_distance(model, torch.randn(2, 3, 48, 48))
     assert dist.shape == (2, 4) and float(dist.max()) <= 48 * 2**0.5  # pixels, 8 per token
-    fs = run_fewshot(cfg, out, tracking=False)
+    fs = run_fewshot(Run.of(cfg), out, tracking=False)
     accs = [v for k, v in fs.items() if "shot" in k]
     assert accs and all(0.0 <= v <= 1.0 for v in accs)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from vitp.config import Run
 from vitp.recipes import resolve
 
 from .fewshot_probes import check_probes, probe_settings
@@ -54,7 +55,7 @@ def test_training_goes_on_through_a_tracking_server_outage(corpora, tmp_path):
 
     def train():
         try:
-            out.append(run_training(cfg, with_val=False))
+            out.append(run_training(Run.of(cfg), with_val=False))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

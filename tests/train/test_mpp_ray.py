@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitp.config import validate
+from vitp.config import Run, validate
 from vitp.recipes import resolve, with_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
@@ -38,7 +38,7 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
                             "optim.lr=0.004", "parallel.global_batch=64", "parallel.micro_batch=32"])
     assert pre.run_name.endswith("-mpp")
     run_preprocess(pre, log=lambda s: None)
-    summary = run_training(pre)
+    summary = run_training(Run.of(pre))
     client = get_client(resolve_tracking_uri(pre))
     loss = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "train/loss"),
                                     key=lambda m: m.step)]
@@ -59,6 +59,6 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
     cfg = validate(cfg)
     assert cfg.train.objective == "classify" and cfg.model.head == "finetune"
     ensure_shards(cfg, log=lambda s: None)  # the session's digits shards: nothing to do
-    ft = run_training(cfg, extra_tags=tags)
+    ft = run_training(Run.of(cfg), extra_tags=tags)
     top1 = client.get_metric_history(ft.mlflow_run_id, "val/top1")[-1].value
     assert np.isfinite(top1) and top1 > 0.2, top1  # digits, chance 0.1

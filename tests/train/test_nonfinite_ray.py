@@ -4,6 +4,7 @@ in the run of tests/train/test_mlflow_outage.py; on every ZeRO stage in-process 
 tests/train/test_nonfinite.py.)"""
 import pytest
 
+from vitp.config import Run
 from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
@@ -28,7 +29,7 @@ def test_persistent_nan_rolls_back_once_then_stops(tmp_path, shards, capfd):
     cfg = _cfg(tmp_path, shards, "train.nan_drill=6-16", "train.nonfinite_patience=3",
                "tracking.run_name=nan-forever")
     with pytest.raises(Exception) as failed:
-        run_training(cfg, with_val=False)
+        run_training(Run.of(cfg), with_val=False)
     text = str(failed.value) + capfd.readouterr().out
     assert "again after rolling back to the checkpoint of step 4" in text and "Likely causes" in text, text[-4000:]
     client = get_client(resolve_tracking_uri(cfg))

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from vitp.config import Run
 from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -95,7 +96,7 @@ def _rerun_of_finished_run_trains_nothing(cfg, summary, logged_steps):
     for status in ("FINISHED", "KILLED"):  # KILLED: the driver died before ending the run
         if status == "KILLED":
             client.set_terminated(summary.mlflow_run_id, status="KILLED")
-        again = run_training(cfg)
+        again = run_training(Run.of(cfg))
         assert again.already_finished and again.mlflow_run_id == summary.mlflow_run_id
         assert os.path.realpath(again.checkpoint) == os.path.realpath(summary.checkpoint)
         for key in ("step", "val/top1", "val/loss", "train/loss"):
@@ -130,9 +131,9 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
     """
     from vitp import storage
     from vitp.train import checkpoint as ckpt
-    from vitp.train.checkpoint import storage_path
+    from vitp.paths import RunPaths
 
-    run_dir = storage.join(storage_path(cfg), cfg.run_name)  # a local path or a URI
+    run_dir = RunPaths.of(cfg.work_dir).run(cfg.run_name)  # a local path or a URI
     t0 = time.time()
     while time.time() - t0 < timeout and alive():
         names = storage.listdir(run_dir)
@@ -214,10 +215,10 @@ def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards
         assert [s for s, _ in _history(cfg, run_id, key)] == [20, 40, 60, 80, 100], key
     assert _history(cfg, run_id, "perf/ckpt_mb")[0][1] > 0.1  # the model's state, in MB
 
-    again = run_training(cfg)
+    again = run_training(Run.of(cfg))
     assert again.already_finished and again.mlflow_run_id == run_id
 
-    more = run_training(resolve("debug", base + ["train.steps=110"]))
+    more = run_training(Run.of(resolve("debug", base + ["train.steps=110"])))
     assert not more.already_finished and more.mlflow_run_id == run_id
     assert more.checkpoint == storage.join(work, "runs", cfg.run_name, "checkpoint_00000110")
     assert [s for s, _ in _history(cfg, run_id, "train/loss")] == list(range(5, 111, 5))
@@ -238,7 +239,7 @@ def test_crash_ends_mlflow_run_failed(tmp_path, shards):
 
     cfg = _cfg(tmp_path, shards, "model.num_classes=5", "train.max_failures=0", "train.steps=10")
     with pytest.raises(Exception) as e:
-        run_training(cfg)
+        run_training(Run.of(cfg))
     assert "out of bounds" in str(e.value) or "TrainingFailed" in type(e.value).__name__
     client = get_client(resolve_tracking_uri(cfg))
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -275,7 +276,7 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
     cfg = _cfg(tmp_path, shards, f"train.init_from={damaged}", "train.max_failures=2", "train.steps=10",
                "parallel.num_workers=2")
     with pytest.raises(InputError, match="not a readable weights file") as e:
-        run_training(cfg, callbacks=[_FailureLog(str(log))])
+        run_training(Run.of(cfg), callbacks=[_FailureLog(str(log))])
     assert str(damaged) in str(e.value)
     (attempt,) = log.read_text().splitlines()  # one attempt; the ranks whose error Train had seen
     assert attempt and all(failure.endswith(":InputError") for failure in attempt.split()), attempt
@@ -321,7 +322,7 @@ def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, worke
               f"parallel.grad_accum={3 - workers}", "train.max_failures=2",
               f"parallel.zero_stage={stage}", "train.log_every=1", "optim.lr=2e-3"]
     ref_cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=ref")
-    ref = run_training(ref_cfg)
+    ref = run_training(Run.of(ref_cfg))
     _check_run_contract(ref_cfg, ref, tmp_path)
     reference, starts = _samples(ref_cfg)
     assert sorted({s for _, s in reference}) == list(range(1, 17)) and starts == {0}
@@ -329,7 +330,7 @@ def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, worke
 
     cfg = _cfg(tmp_path, shards, *common, "tracking.run_name=killed")
     out = []
-    runner = threading.Thread(target=lambda: out.append(run_training(cfg, with_val=False)))
+    runner = threading.Thread(target=lambda: out.append(run_training(Run.of(cfg), with_val=False)))
     runner.start()
     try:
         _wait_for_checkpoint(cfg, alive=runner.is_alive)

@@ -15,6 +15,7 @@ import os
 
 import pytest
 
+from vitp.config import Run
 from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
@@ -67,11 +68,11 @@ def test_two_workers_to_one_and_back(tmp_path, shards, stage):
     from vitp.train.trainer import run_training
 
     ref_cfg = _cfg(tmp_path, shards, stage, "ref", 2)
-    ref = run_training(ref_cfg, with_val=False)
+    ref = run_training(Run.of(ref_cfg), with_val=False)
     run_ids = set()
     for workers, pause in ((2, PAUSES[0]), (1, PAUSES[1]), (2, 0)):
         cfg = _cfg(tmp_path, shards, stage, "resized", workers, pause)
-        summary = run_training(cfg, with_val=False)
+        summary = run_training(Run.of(cfg), with_val=False)
         run_ids.add(summary.mlflow_run_id)
         assert summary.metrics["step"] == (pause or STEPS)
     assert len(run_ids) == 1  # one MLflow run, continued

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitp.config import ExperimentConfig, ModelConfig
+from vitp.config import ExperimentConfig, ModelConfig, Run
 from vitp.train.fewshot_features import extract_features
 from vitp.tune.fewshot import run_fewshot
 from vitp.tune.fewshot_solver import BIAS_FEATURE, fewshot_accuracy, lsr_accuracy
@@ -172,7 +172,7 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
     # the MLflow run: params, metrics at the source's step, lineage tag
     export = save_export(trained, mcfg, 32, tmp_path / "pretrained",
                          extra={"step": 150, "mlflow_run_id": "abc123"})
-    out = run_fewshot(digits_cfg, export, tracking=True)
+    out = run_fewshot(Run.of(digits_cfg), export, tracking=True)
     for k in (1, 5, 10, 25):
         # same model and data; batches may be composed differently, which can move a float32
         # feature in its last bits and, rarely, one prediction

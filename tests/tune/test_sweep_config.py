@@ -172,3 +172,16 @@ def test_a_sweep_of_an_experiment_file_in_a_folder_names_its_trials_by_the_files
     (trial,) = _grid(spec)
     cfg, _ = trial_config(spec, trial)
     assert cfg.tracking.run_name == "s-lr-scratch-lr0.5" and cfg.train.steps == 30
+
+
+def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, monkeypatch):
+    """Tune runs each trial in its own working directory: a relative data.shards in the space or a
+    point is resolved in build_spec, against the directory the user gave it in."""
+    monkeypatch.chdir(tmp_path)
+    base = resolve("debug_finetune", ["work_dir=w"], check_paths=False)
+    spec = build_spec("s", base, "debug_finetune", ["work_dir=w"], extra_space={"data.shards": ["a", "b"]},
+                      points=[{"train.init_from": "scratch"}])
+    assert spec.work_dir == str(tmp_path / "w") and spec.space["data.shards"] == [str(tmp_path / "a"),
+                                                                                  str(tmp_path / "b")]
+    monkeypatch.chdir("/")
+    assert {trial_config(spec, t)[0].data.shards for t in _grid(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}

@@ -1,7 +1,7 @@
 """The options several `vitp` commands share, declared once: recipe + --set, --address, --tracking-uri.
 
-Also `config_from(args)`: the one place a command turns its recipe, --set and typed flags into a
-validated config (`recipe_config(args)`: the same, unvalidated); `on_ray`: the Ray prelude (connect, shards).
+Also `run_from(args)`: the one place a command turns its recipe, --set and typed flags into a
+resolved `Run` (`recipe_config(args)`: the config, unvalidated); `on_ray`: the Ray prelude (connect, shards).
 Must not import torch, ray, mlflow or pyarrow (keeps `vitp --help` fast).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 from typing import Any, Callable, Iterable
 
 from vitp import recipes
-from vitp.config import ExperimentConfig, set_values, validate
+from vitp.config import ExperimentConfig, Run, set_values
 from vitp.config.files import like_recipe, run_reference
 
 Handler = Callable[[argparse.Namespace], int]
@@ -118,12 +118,13 @@ def recipe_config(args: argparse.Namespace) -> ExperimentConfig:
     return set_values(recipes.with_overrides(args.recipe, args.overrides), typed_changes(args))
 
 
-def config_from(args: argparse.Namespace, check_paths: bool = True) -> ExperimentConfig:
-    """recipe_config validated: the one validation of a command (local paths made absolute)."""
-    return validate(recipe_config(args), check_paths=check_paths)
+def run_from(args: argparse.Namespace, check_paths: bool = True) -> Run:
+    """recipe_config resolved: the one validation of a command (local paths made absolute)."""
+    return Run.resolve(recipe_config(args), check_paths=check_paths)
 
 
-def on_ray(args: argparse.Namespace, cfg: ExperimentConfig, shards_for: Iterable[ExperimentConfig] | None = None) -> None:
+def on_ray(args: argparse.Namespace, cfg: ExperimentConfig,
+           shards_for: Iterable[ExperimentConfig] | None = None) -> None:
     """The prelude of every command that runs on Ray: connect to `--address` (or start a local Ray)
     for `cfg`, then make sure the shards of `shards_for` (default: `cfg`'s own; [] for none) exist,
     preprocessed once here before any worker or trial reads them."""

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from
+from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, run_from
 from vitp.errors import ConfigError
 
 # What `vitp submit` exits with once the job has ended (3, cluster unreachable, is ClusterError's).
@@ -125,7 +125,7 @@ def _add_jobs(sub) -> Handler:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from vitp.cluster import doctor  # lazy: keeps vitp --help fast (ray, mlflow)
 
-    cfg = config_from(args, check_paths=False)  # data.path may live on the cluster only
+    cfg = run_from(args, check_paths=False).cfg  # data.path may live on the cluster only
     checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri)
     return doctor.exit_code(checks)
 

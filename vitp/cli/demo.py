@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 from vitp import storage
 from vitp.cli.args import Handler, add_address
-from vitp.config import set_values, validate
-from vitp.paths import RunPaths
+from vitp.config import Run, set_values
 from vitp.recipes import get_recipe
 
 MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their train split
@@ -104,30 +103,32 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
         log(f"[demo] --fresh: removing {work}")
         storage.rmtree(work, work)  # the directory the user named (or the default)
     work = storage.abspath(work)
-    pre = validate(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed, "train.objective": objective,
-                                                   **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
+    pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
+                                                      "train.objective": objective,
+                                                      **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
     stages = Stages(6, log)
-    export_dir = RunPaths.of(work).export
+    export_dir = pre.paths.export
     name = "demo" + mpp + ("-quick" if quick else "")
     result: dict[str, Any] = {"work_dir": work, "seed": seed, "sweep_name": name}
 
-    connect_ray(pre, address)
+    connect_ray(pre.cfg, address)
     points = _points(seed, quick)
 
     def downstream(recipe: str, fraction: float):
-        return validate(set_values(get_recipe(recipe), {**ft_changes, "data.train_fraction": fraction}),
-                        check_paths=False)
+        return Run.resolve(set_values(get_recipe(recipe), {**ft_changes, "data.train_fraction": fraction}),
+                           check_paths=False)
 
     datasets = [downstream(r, f) for r, f in dict.fromkeys([*((p["recipe"], p["data.train_fraction"])
                                                              for p in points), (OTHER_DOMAIN, 1.0)])]
-    experiment = datasets[0].tracking.experiment
+    experiment = datasets[0].cfg.tracking.experiment
 
     def shards() -> None:
-        for cfg in [pre, *datasets]:
-            ensure_shards(cfg, log=log)
+        for run in [pre, *datasets]:
+            ensure_shards(run.cfg, log=log)
 
-    stages.run("corpus", f"{pre.data.synth_classes} fractal classes x {pre.data.synth_images_per_class} "
+    pc = pre.cfg
+    stages.run("corpus", f"{pc.data.synth_classes} fractal classes x {pc.data.synth_images_per_class} "
                f"images for pre-training; {len(datasets)} downstream shard sets (reused if present)",
                shards, required=True)
 
@@ -137,15 +138,15 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
         result["pretrain_run_id"] = summary.mlflow_run_id
         result["model"] = register_export(export_dir, MODEL_NAME + mpp, log=log)["model_uri"]
 
-    stages.run("pre-training", f"{pre.model.variant} {'masked patch prediction' if mpp else 'classification'} "
-               f"for {pre.train.steps} steps with DeepSpeed "
-               f"ZeRO-{pre.parallel.zero_stage} on {pre.parallel.num_workers} workers, seed {seed} "
+    stages.run("pre-training", f"{pc.model.variant} {'masked patch prediction' if mpp else 'classification'} "
+               f"for {pc.train.steps} steps with DeepSpeed "
+               f"ZeRO-{pc.parallel.zero_stage} on {pc.parallel.num_workers} workers, seed {seed} "
                "(resumes if interrupted), then export and register", pretrain, required=True)
 
     def reference() -> dict:
         out = {}
-        for cfg in datasets:  # one per dataset and fraction: the seeds share it
-            out[(cfg.recipe, cfg.data.train_fraction)] = run_reference(cfg, tags={"sweep": name})["top1"]
+        for run in datasets:  # one per dataset and fraction: the seeds share it
+            out[(run.cfg.recipe, run.cfg.data.train_fraction)] = run_reference(run, tags={"sweep": name})["top1"]
         log("[demo]   " + ", ".join(f"{r} {f:.0%}: {v:.3f}" for (r, f), v in out.items()))
         return out
 
@@ -162,9 +163,9 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     result["fewshot"] = stages.run("few-shot", "linear probes on the frozen pre-trained features "
                                    "(1/5/10/25 images a class)", fewshot)
 
-    spec = build_spec(name, datasets[0], MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
+    spec = build_spec(name, datasets[0].cfg, MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
                       points=points)
-    resume = storage.exists(storage.join(RunPaths.of(spec.work_dir).sweep(spec.name), "tuner.pkl"))
+    resume = storage.exists(storage.join(pre.paths.sweep(spec.name), "tuner.pkl"))
     sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
                        "scratch", lambda: run_sweep(spec, resume=resume, log=log))
     if sweep and sweep["failed"]:
@@ -173,7 +174,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     result["sweep"] = sweep
 
     def report() -> dict:
-        uri = resolve_tracking_uri(datasets[0])
+        uri = resolve_tracking_uri(datasets[0].cfg)
         rows = compare_rows(uri, experiment, sweep=name)
         groups = aggregate_rows([{**r, "source": source_label(r.get("source"))} for r in rows])
         curve = storage.join(work, "low_data.png")
@@ -193,7 +194,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     from vitp.cli.demo_report import print_summary, record  # the summary block, the result file
 
     result["verdict"] = print_summary(result, main=MAIN, margin=MARGIN, quick=quick,
-                                      main_cfg=downstream(*MAIN))
+                                      main_cfg=downstream(*MAIN).cfg)
     path = storage.join(work, RESULT_FILE)
     storage.write_bytes(path, json.dumps(record(result, MAIN, quick), indent=1).encode())
     log(f"results: {path}")

@@ -10,7 +10,7 @@ import os
 import sys
 
 from vitp import storage
-from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, config_from, key_value, on_ray
+from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, run_from, key_value, on_ray
 from vitp.errors import InputError
 from vitp.paths import RunPaths
 from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
@@ -21,12 +21,12 @@ from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitp.model.weights import check_source
-    cfg = config_from(args)
+    run = run_from(args)
     check_source(args.source)  # before Ray starts: a wrong --from fails once, here
     from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
 
-    on_ray(args, cfg)
-    result = run_fewshot(cfg, args.source, tracking=not args.no_tracking)
+    on_ray(args, run.cfg)
+    result = run_fewshot(run, args.source, tracking=not args.no_tracking)
     for key, value in result.items():
         if key.startswith("fewshot/"):
             print(f"{key}: {value:.4f}")
@@ -239,7 +239,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vitp.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
-    cfg = None if args.tracking_uri else config_from(args, check_paths=False)
+    cfg = None if args.tracking_uri else run_from(args, check_paths=False).cfg
     if cfg and not cfg.tracking.uri and not storage.is_uri(cfg.work_dir):  # the default store: read, never made
         _require_store(f"sqlite:///{RunPaths.of(cfg.work_dir).mlflow_db()}")
     uri = args.tracking_uri or resolve_tracking_uri(cfg)

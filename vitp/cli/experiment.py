@@ -10,9 +10,9 @@ import json
 import sys
 
 from vitp import recipes
-from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, config_from, on_ray, recipe_config,
+from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, run_from, on_ray, recipe_config,
                                typed_changes)
-from vitp.config import ExperimentConfig, parse_value, set_values, validate
+from vitp.config import ExperimentConfig, Run, parse_value, set_values, validate
 from vitp.config.files import recipe_label
 from vitp.config.keydoc import key_table
 from vitp.errors import ConfigError, InputError
@@ -32,7 +32,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if not args.recipe:
         raise ConfigError("name a recipe, or --list to see them")
-    cfg = config_from(args, check_paths=False)  # reading a recipe needs none of its paths to exist here
+    cfg = run_from(args, check_paths=False).cfg  # reading a recipe needs none of its paths to exist here
     print(key_table(cfg) if args.keys else cfg.to_json())
     return 0
 
@@ -180,11 +180,11 @@ def _add_plan(sub) -> Handler:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    cfg = config_from(args)  # a bad recipe or value is refused before ray and pyarrow load
+    run = run_from(args)  # a bad recipe or value is refused before ray and pyarrow load
     from vitp.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    on_ray(args, cfg, shards_for=[])
-    run_synth(cfg, out_dir=args.out, overwrite=args.overwrite)
+    on_ray(args, run.cfg, shards_for=[])
+    run_synth(run.cfg, out_dir=args.out, overwrite=args.overwrite)
     return 0
 
 
@@ -200,11 +200,11 @@ def _add_synth(sub) -> Handler:
 def cmd_preprocess(args: argparse.Namespace) -> int:
     if args.overwrite and args.resume:
         raise InputError("--overwrite starts over and --resume finishes an unfinished run: pass one")
-    cfg = config_from(args)
+    run = run_from(args)
     from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    on_ray(args, cfg, shards_for=[])
-    summary = run_preprocess(cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
+    on_ray(args, run.cfg, shards_for=[])
+    summary = run_preprocess(run.cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 
 
@@ -224,11 +224,11 @@ def _add_preprocess(sub) -> Handler:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = config_from(args)  # a bad recipe or value is refused before torch and ray load (seconds)
+    run = run_from(args)  # a bad recipe or value is refused before torch and ray load (seconds)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
-    on_ray(args, cfg)
-    summary = run_training(cfg, tracking=not args.no_tracking)
+    on_ray(args, run.cfg)
+    summary = run_training(run, tracking=not args.no_tracking)
     _print_summary(summary, ("train/loss",))
     print(f"  export:     vitp export {summary.checkpoint}")
     return 0
@@ -254,11 +254,11 @@ def _add_pretrain(sub) -> Handler:
 def cmd_finetune(args: argparse.Namespace) -> int:
     user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
     cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
-    cfg = validate(cfg)
+    run = Run.resolve(cfg)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
-    on_ray(args, cfg)
-    summary = run_training(cfg, tracking=not args.no_tracking, extra_tags=tags)
+    on_ray(args, run.cfg)
+    summary = run_training(run, tracking=not args.no_tracking, extra_tags=tags)
     _print_summary(summary, ("val/top1", "val/loss"))
     return 0
 

@@ -142,11 +142,6 @@ def read_meta(directory: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- run directory
 
 
-def storage_path(cfg: ExperimentConfig) -> str:
-    """Where Ray Train keeps this run's checkpoints: <work_dir>/runs (an absolute path or a URI)."""
-    return RunPaths.of(cfg.work_dir).runs
-
-
 def run_dir(cfg: ExperimentConfig) -> str:
     return RunPaths.of(cfg.work_dir).run(cfg.run_name)
 

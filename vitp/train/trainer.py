@@ -19,7 +19,7 @@ from ray.data import DataContext
 from ray.train.torch import TorchConfig
 
 from .. import storage
-from ..config import ExperimentConfig, absolute_paths
+from ..config import ExperimentConfig, Run
 from ..console import get_logger, library_log_level
 from ..data.commands import require_labels
 from ..data.ingest import dataset_name, normalize, peek_rows, shards_dir, shards_name
@@ -75,9 +75,10 @@ def _elastic_start_timeout(cfg: ExperimentConfig) -> Iterator[None]:
         os.environ.pop(_START_TIMEOUT_ENV, None)
 
 
-def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] = None,
+def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
                   with_val: bool = True, callbacks: Optional[list] = None):
-    """The TorchTrainer for `cfg` (not yet started)."""
+    """The TorchTrainer for `run` (not yet started)."""
+    cfg = run.cfg
     # Train propagates the driver's DataContext to the workers: our progress line replaces
     # Ray Data's per-dataset bars, which would otherwise repeat for every epoch and eval pass.
     DataContext.get_current().enable_progress_bars = False
@@ -90,7 +91,7 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
     if with_val:
         datasets["val"] = EvalDatasetFactory(cfg_dict)
     # Ray Train reads and writes checkpoints through the same filesystem (S3 endpoint) as the rest.
-    fs, inner = storage.filesystem(ckpt.storage_path(cfg))
+    fs, inner = storage.filesystem(run.paths.runs)
     return Trainer(  # a worker's ConfigError or InputError is not retried (failures.py)
         train_per_worker,
         train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
@@ -116,15 +117,17 @@ def build_trainer(cfg: ExperimentConfig, mlflow_info: Optional[dict[str, str]] =
     )
 
 
-def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = True,
+def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                  extra_tags: Optional[dict[str, str]] = None, parent_run_id: Optional[str] = None,
                  callbacks: Optional[list] = None) -> TrainSummary:
-    """Run (or resume, same run name) a Ray Train job for `cfg`, logged to MLflow.
+    """Run (or resume, same run name) a Ray Train job for `run` (`Run.resolve(cfg)`), logged to MLflow.
 
     Re-running with the same `tracking.run_name`/recipe resumes from the newest checkpoint
     and continues the same MLflow run; a new name starts fresh.
     """
-    cfg = absolute_paths(cfg)  # workers do not share the driver's working directory
+    if not isinstance(run, Run):
+        raise TypeError(f"run_training takes a Run, not {type(run).__name__}: pass Run.resolve(cfg)")
+    cfg = run.cfg
     if cfg.train.init_from not in ("", "scratch"):
         check_source(cfg.train.init_from)  # a wrong file fails here, once, not in every worker
     t0 = time.time()
@@ -151,9 +154,9 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
     mlflow_info = None
     if tracking:
         uri = resolve_tracking_uri(cfg)
-        run = _mlflow_run_of(uri, meta) if meta else None
+        previous = _mlflow_run_of(uri, meta) if meta else None
         logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
-                                 run_id=run.info.run_id if run else None,
+                                 run_id=previous.info.run_id if previous else None,
                                  parent_run_id=parent_run_id, background=True,
                                  timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb,
                                  tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
@@ -167,7 +170,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", uri)
-    trainer = build_trainer(cfg, mlflow_info, with_val=with_val, callbacks=callbacks)
+    trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
         with _elastic_start_timeout(cfg):
             result = trainer.fit()
@@ -184,7 +187,7 @@ def run_training(cfg: ExperimentConfig, tracking: bool = True, with_val: bool = 
             raise user_error from e
         raise
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
-    checkpoint = (storage.join(ckpt.run_dir(cfg), storage.basename(result.checkpoint.path))
+    checkpoint = (storage.join(run.dir, storage.basename(result.checkpoint.path))
                   if result.checkpoint else None)
     metrics = dict(result.metrics or {})
     if logger:

@@ -19,7 +19,7 @@ import torch
 
 from .. import storage
 from ..console import get_logger, set_log_rank
-from ..config import ExperimentConfig, for_world
+from ..config import ExperimentConfig, Run, for_world
 from ..data.executor import pace_streaming_executor
 from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
 from ..data.position import with_world
@@ -142,7 +142,7 @@ class _Rank:
 
 def _setup(config: dict[str, Any]) -> _Rank:
     pace_streaming_executor()  # its data pipelines wait, not spin, while training is slower
-    recipe = ExperimentConfig.from_dict(config["cfg"])
+    recipe = Run.from_dict(config["cfg"]).cfg  # resolved by the driver: its paths absolute
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     set_log_rank(rank)

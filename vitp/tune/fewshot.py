@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .. import storage
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, Run
 from ..data.ingest import dataset_name, shards_dir, shards_name
 from ..model.weights import SourceInfo, check_source
 from ..train.fewshot_features import extract_features
@@ -28,16 +28,17 @@ def _source_name(weights: str, info: SourceInfo) -> str:
     return storage.basename(storage.abspath(weights)) or "weights"
 
 
-def run_fewshot(cfg: ExperimentConfig, weights: str, tracking: bool = True,
+def run_fewshot(run: Run, weights: str, tracking: bool = True,
                 shots: Sequence[int] = SHOTS, seeds: int = 3, l2: float = L2,
                 concurrency: int = 1) -> dict[str, Any]:
-    """Few-shot top-1 of `weights` (export dir, checkpoint or weights file) on cfg's dataset.
+    """Few-shot top-1 of `weights` (export dir, checkpoint or weights file) on `run`'s dataset.
 
     Features of cfg's train split fit the classifier, its val split scores it. With `tracking`,
     a run `fewshot-<source>-<dataset>` gets params, `fewshot/{k}shot_top1` metrics at the
     source's step, and a `source_run_id` tag when the source's export records one.
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
     """
+    cfg = run.cfg
     weights = storage.abspath(weights)  # the feature actors run in other working directories
     src = check_source(weights)  # a wrong file fails here, not in the feature actors
     train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)

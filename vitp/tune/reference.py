@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, Run
 from ..data.ingest import build_eval_dataset, dataset_name, shards_dir, shards_name
 from ..errors import InputError
 
@@ -47,13 +47,14 @@ def linear_on_pixels(cfg: ExperimentConfig) -> dict[str, Any]:
             "val_examples": len(val_y)}
 
 
-def run_reference(cfg: ExperimentConfig, tags: Optional[dict[str, str]] = None,
+def run_reference(run: Run, tags: Optional[dict[str, str]] = None,
                   tracking: bool = True) -> dict[str, Any]:
     """linear_on_pixels in a Ray task (the pixels stay off the driver), logged as the MLflow run
     `reference-pixels-<dataset>[-train<fraction>]` with val/top1 at step 0. A finished run of that
     name and `tags` is reused (the same shards give the same fit): {top1, run_id, reused}."""
     import ray  # lazy: ray
 
+    cfg = run.cfg
     name = f"reference-{SOURCE}-{shards_name(cfg)}"
     d = cfg.data
     run_tags = {"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),

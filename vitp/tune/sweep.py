@@ -22,7 +22,8 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
 from ..console import get_logger
-from ..config import ConfigError, ExperimentConfig, absolute_paths, field_type, set_values, validate
+from ..config import ConfigError, ExperimentConfig, Run, absolute_paths, field_type, set_values, validate
+from ..config.run import PATH_KEYS
 from ..config.files import recipe_label
 from ..names import check_name
 from ..paths import RunPaths
@@ -80,8 +81,9 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
 
     Every recipe gets the unscoped --set `overrides` (and its own `RECIPE:KEY=VALUE` ones), typed
     `changes`, work_dir and tracking as `base`.
-    Every trial config of the grid is validated here (ConfigError naming the trial before Ray
-    starts); trials do not validate again.
+    This is a sweep's edge: local paths (work_dir, the configs' paths, swept path values) are made
+    absolute here, and every trial config of the grid is validated (ConfigError naming the trial
+    before Ray starts); trials take their Run as resolved (Run.of) and do not validate again.
     """
     check_name("--name", name)  # <work_dir>/sweeps/<name>, the MLflow parent run
     space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
@@ -105,6 +107,12 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
                 raise ConfigError(f"sweep point {point}: {key!r} is also in the search space")
             if key not in AXES:
                 field_type(key)
+    for key in PATH_KEYS:  # Tune runs trials in other working directories
+        if key in space:
+            space[key] = [storage.abspath(v) for v in space[key]]
+        for point in points:
+            if key in point:
+                point[key] = storage.abspath(point[key])
     if "source" not in space and not any("source" in p for p in points):
         space["source"] = ["scratch"]
     work_dir = storage.abspath(base.work_dir)
@@ -155,7 +163,7 @@ def config_of(spec: SweepSpec, recipe: str) -> ExperimentConfig:
     """`recipe`'s config in this sweep (a sweep saved before configs were stored: from its --set)."""
     if recipe not in spec.configs:
         cfg = set_values(with_overrides(recipe, overrides_for(recipe, spec.overrides)), {"work_dir": spec.work_dir})
-        spec.configs[recipe] = absolute_paths(cfg).to_dict()
+        spec.configs[recipe] = cfg.to_dict()
     return ExperimentConfig.from_dict(spec.configs[recipe])
 
 
@@ -170,8 +178,7 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConf
     # one Train report per evaluation, so ASHA can stop a trial between evaluations
     if cfg.train.eval_every:
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=0))
-    cfg, tags = finetune_config(cfg, trial.get("source", "scratch"))
-    return absolute_paths(cfg), tags
+    return finetune_config(cfg, trial.get("source", "scratch"))
 
 
 def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
@@ -183,7 +190,8 @@ def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
     parts.append("scratch" if src == "scratch" else "from-" + _short(src))
     for k in sorted(trial):
         if k not in AXES:
-            parts.append(f"{k.split('.')[-1]}{trial[k]}")
+            v = trial[k]  # a swept path names its last two folders, as a source does
+            parts.append(f"{k.split('.')[-1]}{_short(v) if isinstance(v, str) and '/' in v else v}")
     return "-".join(parts)
 
 
@@ -216,7 +224,7 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     ctx = tune.get_context()
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
-        summary = run_training(cfg, extra_tags=tags, parent_run_id=parent_run_id,
+        summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
                                callbacks=[TuneReportCallback()])
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
         tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
