@@ -47,7 +47,8 @@ from PIL import Image
 
 from vitp.data.commands import run_preprocess
 from vitp.data.decode import decode_image
-from vitp.data.ingest import augment_image, build_train_dataset, iter_device_batches, normalize, row_rng
+from vitp.data.augment import augment_image, row_rng
+from vitp.data.ingest import build_train_dataset, iter_device_batches, normalize
 from vitp.recipes import get_recipe
 from record import add_results_args, append_result  # benchmarks/record.py, beside this script
 

@@ -403,7 +403,7 @@ def _reach_problems(g: Graph, prefixes: tuple[str, ...], forbidden: set[str]) ->
 
 
 def test_torch_free_modules_import_no_torch_or_ray():
-    """config/, recipes.py, tracking/, storage.py, errors.py, net.py: no torch/ray/deepspeed."""
+    """config/, recipes/, tracking/, storage.py, errors.py, net.py: no torch/ray/deepspeed."""
     _none(_reach_problems(graph(), TORCH_FREE, TORCH_RAY), "torch-free modules reach torch/ray")
 
 
@@ -553,7 +553,7 @@ def test_one_module_owns_the_work_dir_layout():
 
 # Where a config is resolved (validated, local paths made absolute): the edges where input enters
 RESOLVING = {"validate", "absolute_paths", "Run.resolve", "recipes.resolve"}
-EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes.py", "vitp/tune/sweep.py", "vitp/cluster/jobspec.py")
+EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes/", "vitp/tune/sweep.py", "vitp/cluster/jobspec.py")
 
 
 def test_a_run_is_resolved_only_at_the_edges():

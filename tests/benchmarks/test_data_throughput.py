@@ -1,4 +1,4 @@
-"""benchmarks/data_throughput.py and ingest_ablation.py still run end to end on a tiny corpus:
+"""benchmarks/data_throughput.py, ingest_ablation.py and randaug_cost.py still run end to end on a tiny corpus:
 every path reports a positive rate, the ablation reads the shards the first one left, and each
 appends its table with its command line to the results file it is given (never the repo's)."""
 import os
@@ -44,3 +44,20 @@ def test_data_throughput_and_ablation_smoke(tmp_path):
     recorded = results.read_text()
     assert recorded.count("## ") == 2 and "## Ingest task sizing" in recorded  # appended after
     assert "ingest_ablation.py --workdir" in recorded
+
+
+def test_randaug_cost_smoke(tmp_path):
+    """benchmarks/randaug_cost.py runs end to end on a tiny corpus: a row per setting with a positive
+    rate, 'off' at 1.00x, the table appended with its command line."""
+    env = dict(os.environ, RAY_ADDRESS="")
+    results = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "randaug_cost.py"), "--images", "60", "--classes", "3",
+           "--cpus", "2", "--storage", "40", "--size", "32", "--batch", "8", "--rounds", "1", "--epochs", "1",
+           "--workdir", str(tmp_path / "w"), "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in proc.stdout.splitlines() if r.startswith(("| off", "| 2 ops"))]
+    assert len(rows) == 4 and all(float(r.split("|")[3]) > 0 for r in rows), proc.stdout[-3000:]
+    assert rows[0].split("|")[4].strip() == "1.00x"
+    recorded = results.read_text()
+    assert "## RandAugment on the Ray Data workers" in recorded and "randaug_cost.py --images 60" in recorded

@@ -31,7 +31,7 @@ from .conftest import ROOT, vitp, vitp_env
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 # Debug scale, as the `debug` / `debug_finetune` recipes shrink b16_i21k / finetune_cifar10 (see
-# vitp/recipes.py), given at submit time: the specs themselves stay the production ones.
+# vitp/recipes/small.py), given at submit time: the specs themselves stay the production ones.
 DATA = ["data.image_size=32", "data.storage_size=40", "data.shard_mb=4", "data.val_fraction=0.1",
         "data.crop_scale_min=0.35"]
 PRETRAIN = DATA + [

@@ -94,7 +94,7 @@ def test_set_values_rejects_wrong_types_and_unknown_keys(values, needle):
 
 @pytest.mark.parametrize("key, says", [
     ("optim.lrr", "did you mean 'optim.lr'?"),  # a typo
-    ("train.lr", "did you mean 'optim.lr'?"),  # the right name in the wrong section
+    ("train.lr", "did you mean 'optim.lr'"),  # the right name in the wrong section (first)
     ("stepz", "did you mean 'train.steps'?"),  # a typo without its section
     ("optim.nosuch", "keys of optim: optim.name, optim.lr,"),  # nothing close: its section's keys
     ("nosuch.key", "`vitp config --keys` lists them all"),

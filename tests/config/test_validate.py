@@ -24,6 +24,14 @@ def _invalid(**overrides):
     ({"train.init_from": "/no/such/ckpt"}, ["train.init_from", "scratch"]),
     ({"optim.warmup_steps": 1000}, ["optim.warmup_steps=1000", "train.steps=60"]),
     ({"tune.space": '{"optim.nope": [1]}'}, ["tune.space key 'optim.nope'"]),
+    ({"train.augreg": "medium3"}, ["train.augreg='medium3'", "light0", "strong2"]),
+    ({"train.augreg": "medium2", "train.mixup_alpha": 0.3}, ["train.augreg=medium2 sets", "train.mixup_alpha=0.3",
+                                                              "train.augreg=''"]),
+    ({"train.objective": "mpp", "train.cutmix_alpha": 1.0}, ["train.objective=mpp", "CutMix"]),
+    ({"model.drop_path": 1.0}, ["model.drop_path=1.0", "[0, 1)"]),
+    ({"optim.layer_decay": 0.0}, ["optim.layer_decay=0.0: must be > 0"]),
+    ({"data.randaug_layers": -1}, ["data.randaug_layers=-1", "0..16"]),
+    ({"train.label_smoothing": 1.0}, ["train.label_smoothing=1.0"]),
 ])
 def test_validation_names_field_and_fix(overrides, needles):
     with pytest.raises(ConfigError) as e:
@@ -137,3 +145,12 @@ def test_an_elastic_world_keeps_the_global_batch_without_growing_the_micro_batch
     assert (p.num_workers, p.micro_batch, p.grad_accum) == (3, 16, 2)
     with pytest.raises(ConfigError, match="cannot be split over 5 workers"):
         for_world(cfg, 5)
+
+
+def test_a_named_augreg_setting_is_what_training_and_ingest_use():
+    from vitp.config.augreg import AUGREG, augreg_of, randaug_of
+
+    cfg = validate(_invalid(**{"train.augreg": "medium2"}))
+    assert augreg_of(cfg) == AUGREG["medium2"] == (2, 15.0, 0.5) and randaug_of(cfg) == (2, 15.0)
+    own = validate(_invalid(**{"data.randaug_layers": 1, "data.randaug_magnitude": 7, "train.mixup_alpha": 0.1}))
+    assert augreg_of(own) == (1, 7.0, 0.1)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from vitp.data.commands import run_preprocess
-from vitp.data.ingest import (_read_unit, augment_rows, build_eval_dataset,
-                                  build_train_dataset, iter_device_batches, normalize, plan_units)
+from vitp.data.augment import augment_rows
+from vitp.data.ingest import (_read_unit, build_eval_dataset, build_train_dataset, iter_device_batches, normalize,
+                              plan_units)
 from vitp.data.shards import read_manifest
 
 from .conftest import make_cfg
@@ -239,3 +240,23 @@ def test_rank_streams_partition_each_epoch_and_resume_at_any_count(shards, world
                                                         unit_rows=8, consumed=consumed))
             rest = full[r][consumed:]  # (epochs 0-1; a stream resumed in epoch 1 reads on into 2)
             assert rest and resumed[:len(rest)] == rest, (r, consumed)
+
+
+def test_randaug_is_a_function_of_seed_epoch_and_key_at_any_world_size(shards):
+    """RandAugment draws from each row's own RNG after its crop and flip: the same pixels for a key
+    whichever rank reads it, at one worker or two, and after a resume mid-stream."""
+    cfg, _ = shards
+    ra = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, randaug_layers=2, randaug_magnitude=15.0))
+
+    def images(c, **kw):
+        ds = build_train_dataset(c, num_epochs=1, unit_rows=8, **kw)
+        return {(int(e), k): im for b in ds.iter_batches(batch_size=None)
+                for e, k, im in zip(b["epoch"], b["key"], b["image"])}
+
+    one, plain = images(ra), images(cfg)
+    assert one.keys() == plain.keys()
+    assert sum(np.array_equal(one[k], plain[k]) for k in one) < len(one) // 10  # RandAugment changed them
+    two = {**images(ra, rank=0, world=2), **images(ra, rank=1, world=2)}
+    assert two.keys() == one.keys() and all(np.array_equal(two[k], one[k]) for k in one)
+    resumed = images(ra, rank=1, world=2, consumed=5)
+    assert resumed and all(np.array_equal(im, one[k]) for k, im in resumed.items())

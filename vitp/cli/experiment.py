@@ -331,14 +331,15 @@ def _add_sweep(sub) -> Handler:
 def cmd_export(args: argparse.Namespace) -> int:
     from vitp.train.export import export_as  # lazy: keeps vitp --help fast (torch)
 
-    suffix = {"ours": "-export", "timm": "-timm.safetensors", "hf": "-hf"}[args.format]
+    suffix = ("-ema" if args.weights == "ema" else "") + {"ours": "-export", "timm": "-timm.safetensors",
+                                                         "hf": "-hf"}[args.format]
     out = args.out or args.checkpoint.rstrip("/") + suffix
     if args.register:
         if args.format != "ours":
             raise ConfigError("--register logs our export format: leave out --format, register, then "
                               "export the registered export with --format")
         check_name("--register", args.register)  # before the export is written
-    export_as(args.checkpoint, out, args.format)
+    export_as(args.checkpoint, out, args.format, args.weights)
     print(f"wrote {out}" if args.format == "timm" else f"wrote {out}/model.safetensors and {out}/config.json")
     if args.register:
         from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
@@ -354,6 +355,8 @@ def _add_export(sub) -> Handler:
     p.add_argument("--format", choices=("ours", "timm", "hf"), default="ours",
                    help="ours: safetensors + config.json that vitp reads; timm: timm-named weights (a "
                         ".safetensors file); hf: a Hugging Face ViTForImageClassification dir")
+    p.add_argument("--weights", choices=("model", "ema"), default="model",
+                   help="model: the trained weights; ema: their moving average (a run with train.ema_decay)")
     p.add_argument("--out", type=abspath, help="output directory, file (timm) or URI (default CHECKPOINT-export, "
                                                "-timm.safetensors or -hf)")
     p.add_argument("--register", metavar="NAME",

@@ -46,6 +46,8 @@ class DataConfig:
     augment: Literal["inception_crop", "random_crop", "none"] = "inception_crop"  # training crop
     crop_scale_min: float = 0.08  # inception crop area range lower bound
     hflip: bool = True  # random horizontal flip in training
+    randaug_layers: int = 0  # RandAugment ops per training image, after crop and flip; 0 = off (AugReg: 2)
+    randaug_magnitude: float = 10.0  # RandAugment magnitude on its 0..10 scale; AugReg goes to 20 (docs/augreg.md)
     # The official code normalises to [-1, 1]: (x/255 - 0.5) / 0.5 on the device.
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # per channel, with mean above
@@ -63,6 +65,10 @@ class ModelConfig:
     representation_size: Optional[int] = None  # pre-logits width; None = model width D
     dropout: float = 0.0  # after the embedding and in the MLPs
     attn_dropout: float = 0.0  # on the attention weights
+    # stochastic depth: the last block's rate of dropping a residual branch per sample in training,
+    # linear from 0 at the first block (the `sd_` of AugReg's checkpoint names)
+    drop_path: float = 0.0
+    head_bias: float = 0.0  # a new head's initial bias; sigmoid loss from scratch: about -log(classes)
     grad_checkpointing: bool = False  # recompute each block in backward (activation memory)
     # a hybrid's (R50+B/16, ...) weight standardisation and GroupNorm epsilons: "bit" as the
     # official code, "timm" as timm's hybrids (set by `vitp import` from the weights' source)
@@ -83,6 +89,10 @@ class OptimConfig:
     warmup_steps: int = 10_000  # linear warm-up from 0 to lr
     schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after warm-up
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
+    # layer-wise LR decay (fine-tuning): block i of L gets lr x layer_decay^(L - i), the embedding
+    # lr x layer_decay^(L + 1), the final norm and head lr; 1 = off (BEiT/MAE use 0.65-0.75)
+    layer_decay: float = 1.0
+    head_lr_mult: float = 1.0  # the head's LR (and its pre-logits') is lr x this
 
 
 @dataclass
@@ -130,6 +140,17 @@ class TrainConfig:
     fewshot_every: int = 0
     # preprocessed shard dirs (path or URI), or names of <work_dir>/shards/<name> (vitp preprocess)
     fewshot_datasets: tuple[str, ...] = ("digits",)
+    # a named AugReg setting (none, light0-2, medium1-2, strong1-2): sets data.randaug_layers/magnitude
+    # and train.mixup_alpha from its table (docs/augreg.md); "" = those keys as they are set
+    augreg: str = ""
+    mixup_alpha: float = 0.0  # Mixup: each micro-batch mixed with itself rolled by one, lambda ~ Beta(a, a); 0 = off
+    cutmix_alpha: float = 0.0  # CutMix: a box of the rolled micro-batch pasted in; with Mixup, one of the two per micro-batch
+    label_smoothing: float = 0.0  # this much target mass spread evenly over the classes (before mixing)
+    # "softmax": cross-entropy; "sigmoid": a binary cross-entropy per class, summed (big_vision's ImageNet-21k loss)
+    loss: Literal["softmax", "sigmoid"] = "softmax"
+    # weight EMA: each rank averages its own fp32 master fragments after every step (ema.py), saved with
+    # the checkpoint; `vitp export --weights ema` exports it. 0 = off (timm 0.9998, DeiT 0.99996)
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -161,7 +182,7 @@ class TrackingConfig:
 
 @dataclass
 class ExperimentConfig:
-    """Everything one command needs. `recipe` names the function in recipes.py it came from."""
+    """Everything one command needs. `recipe` names the function in vitp/recipes/ it came from."""
 
     recipe: str = "custom"  # set by the recipe; part of the run name
     work_dir: str = "work"  # local path or URI; shards, checkpoints, MLflow store live here

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..model.variants import decode_variant
 from ..names import name_error
 from ..storage import abspath, exists, has_credentials, is_uri, isdir
+from .augreg import augreg_problems
 from .overrides import field_type
 from .schema import ExperimentConfig
 
@@ -26,6 +27,7 @@ def validate(cfg: ExperimentConfig, check_paths: bool = True) -> ExperimentConfi
     problems = [
         *_finite_problems(cfg), *_range_problems(cfg), *_name_problems(cfg),
         *_shape_problems(cfg), *_parallel_problems(cfg), *_schedule_problems(cfg), *_credential_problems(cfg),
+        *augreg_problems(cfg),
         *(_path_problems(cfg) if check_paths else []),
     ]
     if problems:
@@ -59,12 +61,16 @@ def _finite_problems(cfg, prefix: str = "") -> list[str]:
 
 # float keys whose meaning bounds them: (section, key, low, high, high included); low is included
 _RANGES = [("model", "dropout", 0.0, 1.0, False), ("model", "attn_dropout", 0.0, 1.0, False),
+           ("model", "drop_path", 0.0, 1.0, False), ("train", "label_smoothing", 0.0, 1.0, False),
+           ("optim", "layer_decay", 0.0, 1.0, True), ("data", "randaug_magnitude", 0.0, 30.0, True),
+           ("train", "mixup_alpha", 0.0, math.inf, False), ("train", "ema_decay", 0.0, 1.0, False), ("train", "cutmix_alpha", 0.0, math.inf, False),
            ("optim", "beta1", 0.0, 1.0, False), ("optim", "beta2", 0.0, 1.0, False),
            ("optim", "momentum", 0.0, 1.0, False), ("optim", "min_lr_ratio", 0.0, 1.0, True),
            ("optim", "weight_decay", 0.0, math.inf, False)]
 # ... and those that must be positive
 _POSITIVE = [("data", "shard_mb"), ("parallel", "cpus_per_worker"), ("train", "device_peak_tflops"),
-             ("tracking", "spool_max_mb"), ("data", "synth_classes"), ("data", "synth_images_per_class")]
+             ("tracking", "spool_max_mb"), ("data", "synth_classes"), ("data", "synth_images_per_class"),
+             ("optim", "head_lr_mult"), ("optim", "layer_decay")]
 
 
 def _range_problems(cfg: ExperimentConfig) -> list[str]:
@@ -126,6 +132,8 @@ def _shape_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"data.jpeg_quality={d.jpeg_quality}: must be in 1..100")
     if not 0.0 < d.crop_scale_min <= 1.0:
         problems.append(f"data.crop_scale_min={d.crop_scale_min}: must be in (0, 1]")
+    if not 0 <= d.randaug_layers <= 16:
+        problems.append(f"data.randaug_layers={d.randaug_layers}: must be in 0..16 (0 = off; AugReg uses 2)")
     return problems
 
 

@@ -1,11 +1,10 @@
-"""Training and eval ingest: Parquet shards -> Ray Data (shuffle, augment on CPU workers) -> device.
+"""Training and eval ingest: Parquet shards -> Ray Data (shuffle, augment on CPU workers: augment.py) -> device.
 Owns the epoch streams (deterministic from (seed, epoch, key); each Train worker its own share,
 resumable right after the rows it consumed), the eval transform, and the last hop: uint8
 batches to the device, normalised there. Must not know models.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from typing import Iterator, Optional, Sequence
@@ -14,13 +13,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..config.augreg import randaug_of
 from ..errors import InputError
 from ..paths import RunPaths
 from ..storage import is_uri, join, open_input
 from . import shards as sh
 from .position import RankStream, Segment, current_segment, with_world
-from .decode import (crop_resize, decode_stored, inception_crop_box, random_crop_box,
-                     resize_center_crop)
+from .augment import augment_rows
+from .decode import decode_stored, resize_center_crop
 
 
 def shards_dir(cfg) -> str:
@@ -45,37 +45,6 @@ def dataset_name(cfg) -> str:
 def train_rows_per_epoch(cfg) -> int:
     """Training images per epoch, from the shards' manifest."""
     return int(sh.read_manifest(shards_dir(cfg))["counts"]["train"])
-
-
-def _key_int(key: str) -> int:
-    return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16)
-
-
-def row_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
-    """The augmentation RNG of one row: the same crop/flip whatever block or worker it is on."""
-    return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, _key_int(key)])
-
-
-def augment_image(img: np.ndarray, size: int, mode: str, rng: Optional[np.random.Generator],
-                  scale_min: float = 0.08, hflip: bool = True,
-                  out: Optional[np.ndarray] = None) -> np.ndarray:
-    """(H, W, 3) uint8 -> (size, size, 3) uint8 by `mode`: inception_crop, random_crop, none.
-    Written into `out` (contiguous (size, size, 3) uint8) when given."""
-    h, w = img.shape[:2]
-    if mode == "none" or rng is None:
-        res = resize_center_crop(img, size)
-        if out is None:
-            return res
-        np.copyto(out, res)
-        return out
-    if mode == "inception_crop":
-        box = inception_crop_box(rng, h, w, scale_min)
-    elif mode == "random_crop":
-        box = random_crop_box(rng, h, w, size)
-    else:
-        raise ValueError(f"data.augment={mode!r}: use inception_crop, random_crop or none")
-    flip = bool(hflip and rng.random() < 0.5)
-    return crop_resize(img, box, size, flip, out=out)
 
 
 # A read unit is (shard path, first row, stop row): up to UNIT_ROWS consecutive rows of one
@@ -153,10 +122,10 @@ class UnitReader:
 
     def __init__(self, units: list[tuple], stream: RankStream, size: int, mode: str,
                  scale_min: float, hflip: bool, storage_format: str, first_slot: int = 0,
-                 skip_rows: int = 0):
+                 skip_rows: int = 0, randaug: tuple[int, float] = (0, 0.0)):
         self.units, self.stream, self.first_slot, self.skip_rows = units, stream, first_slot, skip_rows
         self.kw = dict(size=size, mode=mode, scale_min=scale_min, hflip=hflip,
-                       storage_format=storage_format)
+                       storage_format=storage_format, randaug=tuple(randaug))
 
     def __call__(self, batch: dict):
         for k in batch["id"]:
@@ -205,26 +174,6 @@ def default_unit_rows(rows_per_epoch: int, world: int) -> int:
     return max(1, min(UNIT_ROWS, rows_per_epoch // (4 * world)))
 
 
-def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: bool, seed: int,
-                 epoch: int, storage_format: str, shuffle_rows: bool) -> dict:
-    """Stored rows -> {"image" (B, S, S, 3) uint8, "label" (B,) int64, "epoch" (B,) int64,
-    "key" (B,) str}; rows permuted by an RNG from (seed, epoch, first key) if shuffle_rows."""
-    keys = rows["key"]
-    n = len(keys)
-    order = np.arange(n)
-    if shuffle_rows and n > 1:
-        order = np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF,
-                                       _key_int(str(keys[0])), 7]).permutation(n)
-    out = np.empty((n, size, size, 3), dtype=np.uint8)
-    for j, i in enumerate(order):
-        img = decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]),
-                            storage_format)
-        rng = row_rng(seed, epoch, str(keys[i])) if mode != "none" else None
-        augment_image(img, size, mode, rng, scale_min, hflip, out=out[j])
-    return {"image": out, "label": np.asarray(rows["label"], dtype=np.int64)[order],
-            "epoch": np.full(n, epoch, dtype=np.int64), "key": np.asarray(keys, dtype=object)[order]}
-
-
 def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
     """Epochs so that `steps` optimizer steps of `global_batch` rows never run dry."""
     return max(1, math.ceil(steps * global_batch / max(rows_per_epoch, 1)))
@@ -269,7 +218,8 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     reader = UnitReader(units, stream, size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
                         storage_format=manifest["storage"]["format"],
-                        first_slot=first_slot, skip_rows=skip_rows)
+                        first_slot=first_slot, skip_rows=skip_rows,
+                        randaug=randaug_of(cfg) if train else (0, 0.0))
     return ray.data.range(total, override_num_blocks=num_read_tasks(total, unit_rows)).map_batches(
         reader, batch_size=None, batch_format="numpy")
 

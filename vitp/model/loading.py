@@ -40,7 +40,7 @@ def adapt_state_dict(model: ViT, state_dict: dict[str, torch.Tensor],
     """Make a state dict from another resolution / head fit `model`.
 
     Position embeddings are resampled to the model's grid; a head whose shape differs (or
-    `keep_head=False`) is replaced by the model's zero-initialised one; pre-logits weights are
+    `keep_head=False`) is replaced by the model's new one (zero weights, bias `head_bias`); pre-logits weights are
     dropped when the model has a fine-tuning head.
     """
     sd = dict(state_dict)
@@ -54,7 +54,8 @@ def adapt_state_dict(model: ViT, state_dict: dict[str, torch.Tensor],
         sd = {k: v for k, v in sd.items() if not k.startswith("pre_logits.")}
     head_fits = all(k in sd and sd[k].shape == own[k] for k in ("head.weight", "head.bias"))
     if keep_head is False or not head_fits:  # the zero-initialised head
-        sd["head.weight"], sd["head.bias"] = torch.zeros(own["head.weight"]), torch.zeros(own["head.bias"])
+        sd["head.weight"] = torch.zeros(own["head.weight"])
+        sd["head.bias"] = torch.full(own["head.bias"], float(model.head_bias))  # the new head's bias
     return sd
 
 

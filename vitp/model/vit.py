@@ -117,21 +117,39 @@ class MLP(nn.Module):
         return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
 
 
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth (Huang et al. 2016): in training, each sample's residual branch `x` is
+    dropped whole with probability `rate` and the kept ones scaled by 1 / (1 - rate), so the
+    expectation is unchanged; the identity in evaluation."""
+    if not training or rate <= 0.0:
+        return x
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - rate)
+    return x * keep / (1.0 - rate)
+
+
+def drop_path_rates(rate: float, depth: int) -> list[float]:
+    """Each block's stochastic-depth rate: linear from 0 at the first block to `rate` at the last
+    (timm's and DeiT's rule)."""
+    return [rate * i / (depth - 1) if depth > 1 else rate for i in range(depth)]
+
+
 class Block(nn.Module):
-    """Pre-LN encoder block: z' = MSA(LN(z)) + z ; z = MLP(LN(z')) + z'  (eq. 2-3)."""
+    """Pre-LN encoder block: z' = MSA(LN(z)) + z ; z = MLP(LN(z')) + z'  (eq. 2-3); with
+    `drop_path`, each residual branch is dropped per sample at that rate in training."""
 
     def __init__(self, width: int, mlp_dim: int, heads: int, dropout: float = 0.0,
-                 attn_dropout: float = 0.0):
+                 attn_dropout: float = 0.0, drop_path: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(width, eps=1e-6)
         self.attn = Attention(width, heads, attn_dropout)
         self.drop = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(width, eps=1e-6)
         self.mlp = MLP(width, mlp_dim, dropout)
+        self.drop_path = drop_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.mlp(self.norm2(x))
+        x = x + drop_path(self.drop(self.attn(self.norm1(x))), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
 
 
 class ViT(nn.Module):
@@ -146,6 +164,8 @@ class ViT(nn.Module):
             "finetune" = a single zero-initialised linear layer (pre-logits dropped).
         representation_size: pre-logits width (default: the model width D).
         dropout / attn_dropout: dropout after the embedding, in the MLPs / on attention weights.
+        drop_path: stochastic depth of the last block (linear from 0 at the first; drop_path_rates).
+        head_bias: the head's initial bias (0, the official code; about -log(num_classes) for a sigmoid loss).
         grad_checkpointing: recompute each block in backward to save activation memory.
         resnet_norm: a hybrid's weight-standardisation / GroupNorm epsilons, "bit" (official)
             or "timm" (see vitp.model.resnet).
@@ -163,6 +183,8 @@ class ViT(nn.Module):
         representation_size: Optional[int] = None,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
+        drop_path: float = 0.0,
+        head_bias: float = 0.0,
         grad_checkpointing: bool = False,
         in_chans: int = 3,
         init: bool = True,
@@ -177,7 +199,7 @@ class ViT(nn.Module):
                 f"use a multiple of {spec.stride}"
             )
         self.spec, self.image_size, self.num_classes = spec, image_size, num_classes
-        self.pool, self.head_type = pool, head
+        self.pool, self.head_type, self.head_bias = pool, head, head_bias
         self.grad_checkpointing = grad_checkpointing
         D = spec.width
         self.grid = image_size // spec.stride
@@ -191,7 +213,8 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, D))  # (1, N+1, D)
         self.pos_drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(D, spec.mlp_dim, spec.heads, dropout, attn_dropout) for _ in range(spec.depth)
+            Block(D, spec.mlp_dim, spec.heads, dropout, attn_dropout, rate)
+            for rate in drop_path_rates(drop_path, spec.depth)
         )
         self.norm = nn.LayerNorm(D, eps=1e-6)
         if head == "pretrain":
@@ -261,8 +284,9 @@ class ViT(nn.Module):
 
     @torch.no_grad()
     def zero_head(self) -> None:
+        """A new head: zero weights (logits equal at step 0) and bias `head_bias`."""
         nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        nn.init.constant_(self.head.bias, self.head_bias)
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names excluded from weight decay: biases, norms, pos-embed, class token."""
@@ -346,6 +370,7 @@ def build_vit(cfg: ModelConfig, image_size: int, device: torch.device | str | No
         return ViT(
             cfg.variant, image_size=image_size, num_classes=cfg.num_classes, pool=cfg.pool,
             head=cfg.head, representation_size=cfg.representation_size, dropout=cfg.dropout,
-            attn_dropout=cfg.attn_dropout, grad_checkpointing=cfg.grad_checkpointing, init=init,
+            attn_dropout=cfg.attn_dropout, drop_path=cfg.drop_path, head_bias=cfg.head_bias,
+            grad_checkpointing=cfg.grad_checkpointing, init=init,
             resnet_norm=cfg.resnet_norm, mpp=mpp,
         )

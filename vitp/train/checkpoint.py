@@ -25,6 +25,7 @@ log = get_logger(__name__)
 # Layout of one checkpoint directory (the merge of every rank's files):
 #     state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
 #     rng/rank_00000.pt          each rank's torch / numpy / python RNG state
+#     ema/rank_00000.safetensors with train.ema_decay: each rank's EMA fragments (ema.py)
 #     complete/rank_00000.json   written by each rank *after* its files are on disk: step, world,
 #                                and the size of every file it wrote
 #     meta.json                  rank 0: step, world size, ZeRO stage, data position, config
@@ -69,11 +70,12 @@ def rank_world() -> tuple[int, int]:
 
 
 def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
-         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None) -> str:
+         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None, ema=None) -> str:
     """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local).
 
     `metrics` (the step's logged metrics, e.g. val/top1) go into meta.json: a finished run that is
-    started again reports them without training (`trainer.run_training`).
+    started again reports them without training (`trainer.run_training`). `ema` (ema.WeightEMA):
+    this rank's EMA fragments go into ema/, listed by the marker like the rest.
 
     DeepSpeed's save is collective. The marker is written last, after this rank's files are
     flushed, so a rank killed mid-save leaves no marker and the checkpoint stays incomplete.
@@ -91,6 +93,8 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         os.path.join(directory, "rng", f"rank_{rank:05d}.pt"),
     )
+    if ema is not None:
+        ema.save(directory, rank)
     if rank == 0:
         # the config redacted: a checkpoint is copied and shared; resuming reads only its seed,
         # steps and model shape from it (the run's own config comes from the command)

@@ -1,6 +1,6 @@
 """DeepSpeed engine built from our config: the one place the DeepSpeed config dict is made.
 
-Owns optimizer parameter groups, the LR schedule, the ZeRO / precision / offload settings and
+Owns optimizer parameter groups (weight decay, layer-wise LR decay), the LR schedule, the ZeRO / precision / offload settings and
 process-group set-up. Plain torch + DeepSpeed, no Ray: a GPU benchmark or a debug run builds the
 same engine as a Ray Train worker does.
 """
@@ -108,23 +108,48 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int | None = None,
 # --------------------------------------------------------------------------- optimizer + LR
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: biases, norms, position embedding and class token get no decay."""
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0, layer_decay: float = 1.0,
+                 head_lr_mult: float = 1.0) -> list[dict[str, Any]]:
+    """Decay matrices only: biases, norms, position embedding and class token get no decay. With
+    layer-wise LR decay or a head multiplier, one group per (LR scale, decay) pair, its "lr" lr x scale
+    (lr_scales); the first group is the one at scale 1, whose LR the progress line reports."""
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    scales = lr_scales(model, layer_decay, head_lr_mult) if (layer_decay != 1 or head_lr_mult != 1) else {}
+    groups: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if name in skip or len(full_shape(p)) <= 1 else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        decays = not (name in skip or len(full_shape(p)) <= 1)  # the full shape: ZeRO-3 flattens partitions
+        groups.setdefault((scales.get(name, 1.0), decays), []).append(p)
+    order = sorted(groups, key=lambda k: (k[0] != 1.0, -k[0], not k[1]))
+    if not scales:
+        return [{"params": groups.get((1.0, True), []), "weight_decay": weight_decay},
+                {"params": groups.get((1.0, False), []), "weight_decay": 0.0}]
+    return [{"params": groups[k], "weight_decay": weight_decay if k[1] else 0.0, "lr": lr * k[0], "lr_scale": k[0]}
+            for k in order]
+
+
+def lr_scales(model: torch.nn.Module, layer_decay: float, head_lr_mult: float = 1.0) -> dict[str, float]:
+    """Each parameter's LR scale: layer_decay^(L + 1 - layer) with the embedding (patch embedding, class
+    token, position embedding) layer 0, block i layer i + 1, everything after the blocks layer L + 1
+    (BEiT's and MAE's rule); the head and pre-logits times head_lr_mult."""
+    depth = len(model.blocks)
+    out = {}
+    for name, _ in model.named_parameters():
+        if name.startswith(("patch_embed.", "cls_token", "pos_embed", "mpp.mask_token")):
+            layer = 0
+        elif name.startswith("blocks."):
+            layer = int(name.split(".")[1]) + 1
+        else:
+            layer = depth + 1
+        mult = head_lr_mult if name.startswith(("head.", "pre_logits.")) else 1.0
+        out[name] = layer_decay ** (depth + 1 - layer) * mult
+    return out
 
 
 def build_optimizer(model: torch.nn.Module, cfg: ExperimentConfig) -> torch.optim.Optimizer:
     o, p = cfg.optim, cfg.parallel
-    groups = param_groups(model, o.weight_decay)
+    groups = param_groups(model, o.weight_decay, o.lr, o.layer_decay, o.head_lr_mult)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
     if p.offload_optimizer:

@@ -21,10 +21,15 @@ from ..model import weights
 from ..model.vit import ViT, build_vit
 from ..safe_load import torch_load, weights_only
 from . import checkpoint as ckpt
+from .ema import full_ema
 
 
-def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """fp32 state dict of the model in a checkpoint written by `checkpoint.save` (any ZeRO stage)."""
+WEIGHTS = ("model", "ema")  # `vitp export --weights`: the trained weights, or their EMA (train.ema_decay)
+
+
+def consolidate(checkpoint_dir: str, weights_of: str = "model") -> dict[str, torch.Tensor]:
+    """fp32 state dict of the model in a checkpoint written by `checkpoint.save` (any ZeRO stage), or
+    (`weights_of="ema"`) of the weight EMA saved with it."""
     if not storage.exists(checkpoint_dir):
         raise InputError(f"{checkpoint_dir}: no such checkpoint directory; give one written by "
                          "`vitp pretrain` (it prints the path at the end)")
@@ -35,6 +40,12 @@ def consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     if not ok:
         raise InputError(f"cannot export an incomplete checkpoint: {reason}")
     meta = ckpt.read_meta(checkpoint_dir)
+    if weights_of == "ema":
+        sd = full_ema(checkpoint_dir)
+        if sd is None:
+            raise InputError(f"{checkpoint_dir}: no weight EMA in this checkpoint; train with --set "
+                             "train.ema_decay=0.9998 (for example) to keep one, or export --weights model")
+        return sd
     with _local_checkpoint(checkpoint_dir, meta["tag"]) as local:
         if meta["zero_stage"] == 0:
             # Without ZeRO the full module state sits in rank 0's model-states file (fp32 master
@@ -86,13 +97,13 @@ def class_names(cfg_dict: dict | None) -> list[str] | None:
     return names if ok else None
 
 
-def export(checkpoint_dir: str, out_dir: str) -> str:
+def export(checkpoint_dir: str, out_dir: str, weights_of: str = "model") -> str:
     """Write `out_dir/model.safetensors` and `out_dir/config.json` (with the class names, when the
-    training shards still say them); returns out_dir."""
-    sd = consolidate(checkpoint_dir)
+    training shards still say them); returns out_dir. `weights_of`: "model" or its "ema"."""
+    sd = consolidate(checkpoint_dir, weights_of)
     meta = ckpt.read_meta(checkpoint_dir)
     facts = {"step": meta["step"], "source": storage.abspath(checkpoint_dir),
-             "mlflow_run_id": meta.get("mlflow_run_id")}
+             "mlflow_run_id": meta.get("mlflow_run_id"), **({"weights": "ema"} if weights_of == "ema" else {})}
     classes = class_names(meta.get("config"))
     if classes:
         facts["classes"] = classes
@@ -102,17 +113,22 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
 FORMATS = ("ours", "timm", "hf")  # `vitp export --format`
 
 
-def export_as(source: str, out: str, fmt: str = "ours") -> str:
-    """A checkpoint dir (consolidated first) or an export dir -> `fmt`: our export dir, timm-named
-    weights (a .safetensors file) or a Hugging Face ViTForImageClassification dir; returns `out`."""
+def export_as(source: str, out: str, fmt: str = "ours", weights_of: str = "model") -> str:
+    """A checkpoint dir (consolidated first; its EMA with weights_of="ema") or an export dir -> `fmt`: our
+    export dir, timm-named weights (a .safetensors file) or a Hugging Face ViTForImageClassification dir;
+    returns `out`."""
     from ..model.convert import export_hf, export_timm  # lazy: the converters
 
+    is_checkpoint = weights.source_info(source).kind == "checkpoint"
+    if weights_of == "ema" and not is_checkpoint:
+        raise InputError(f"{source}: --weights ema reads a training checkpoint's EMA; this is an export")
     if fmt == "ours":
-        return export(source, out)
+        return export(source, out, weights_of)
     with contextlib.ExitStack() as stack:
         ours = source
-        if weights.source_info(source).kind == "checkpoint":
-            ours = export(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="vitp-export-")))
+        if is_checkpoint:
+            ours = export(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="vitp-export-")),
+                          weights_of)
         return export_timm(ours, out) if fmt == "timm" else export_hf(ours, out, name=source)
 
 

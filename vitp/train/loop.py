@@ -56,6 +56,8 @@ class LoopHooks:
     # (step) every train.fewshot_every steps, after the step's log and checkpoint: take a
     # snapshot of the weights for an evaluation off the training path (a collective under ZeRO-3)
     on_fewshot: Optional[Callable[[int], None]] = None
+    # (step, applied) after every optimizer step; applied: the update was not skipped (the weight EMA)
+    after_step: Optional[Callable[[int, bool], None]] = None
 
 
 @dataclass
@@ -188,10 +190,13 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 f"the training data ran out at step {state.step} of {t.steps}: the stream must cover "
                 "train.steps x parallel.global_batch images (add epochs or lower train.steps)"
             ) from None
+        objective.at_step(state.step, rank)  # Mixup / CutMix draws: the same for this step after a resume
         res = train_step(engine, micro, nan_drill=state.step + 1 in drill, objective=objective)
         state.step += 1
         state.samples_seen += res.images * world
         guard.after_step(state.step, res)  # raises on a run of non-finite steps
+        if hooks.after_step is not None:
+            hooks.after_step(state.step, not res.skipped)
         if not res.skipped:
             window_loss += res.loss
             window_applied += 1

@@ -25,6 +25,7 @@ from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per
 from ..data.position import with_world
 from ..paths import staging_root
 from . import checkpoint as ckpt
+from .ema import WeightEMA
 from .engine import device_for
 from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
@@ -134,6 +135,7 @@ class _Rank:
     logger: RunLogger | None
     mlflow_run_id: str | None
     epoch_rows: int  # training rows in one epoch of the shards
+    ema: WeightEMA | None = None  # train.ema_decay: this rank's EMA of its fp32 fragments
 
     def say(self, line: str) -> None:
         if self.rank == 0:
@@ -156,7 +158,9 @@ def _setup(config: dict[str, Any]) -> _Rank:
 
         logger = RunLogger.attach(mlflow["uri"], mlflow["run_id"], timeout_s=cfg.tracking.log_timeout_s,
                                   spool_max_mb=cfg.tracking.spool_max_mb)
-    return _Rank(recipe, cfg, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(cfg))
+    ema = WeightEMA(engine, cfg.train.ema_decay) if cfg.train.ema_decay else None  # from the initial weights
+    return _Rank(recipe, cfg, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(cfg),
+                 ema)
 
 
 def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
@@ -168,6 +172,8 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
         with restored.as_directory() as d:
             state = load_checkpoint(r.engine, d)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
+            if r.ema and not r.ema.load(d):
+                r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")
         r.say(f"resumed from {where} at step {state.step}")
     elif cfg.train.resume == "must":
         raise RuntimeError(
@@ -214,7 +220,12 @@ class _Reporter:
     def hooks(self, has_val: bool) -> LoopHooks:
         return LoopHooks(on_log=self.on_log, on_checkpoint=self.on_checkpoint,
                          eval_batches=self.eval_batches if has_val else None, checkpoint_now=self.watch,
-                         restore=self.restore, on_fewshot=self.probes.snapshot if self.probes else None)
+                         restore=self.restore, on_fewshot=self.probes.snapshot if self.probes else None,
+                         after_step=self.after_step if self.r.ema else None)
+
+    def after_step(self, step: int, applied: bool) -> None:
+        if applied:  # a skipped (non-finite) step left the weights as they were
+            self.r.ema.update()
 
     def eval_batches(self) -> Iterator[Batch]:
         cfg = self.r.cfg
@@ -256,7 +267,7 @@ class _Reporter:
         local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{r.rank}-", dir=self.staging)
         try:
             ckpt.save(r.engine, local, st, r.cfg.to_dict() if r.rank == 0 else None,
-                      mlflow_run_id=r.mlflow_run_id, metrics=metrics)
+                      mlflow_run_id=r.mlflow_run_id, metrics=metrics, ema=r.ema)
             t1 = time.perf_counter()
             ray.train.report({"step": step, **metrics}, checkpoint=ray.train.Checkpoint.from_directory(local),
                              checkpoint_dir_name=ckpt.checkpoint_dir_name(step))
@@ -273,7 +284,10 @@ class _Reporter:
             return None
         fs, inner = storage.filesystem(path)
         with ray.train.Checkpoint(inner, filesystem=fs).as_directory() as d:
-            return load_checkpoint(self.r.engine, d).step
+            step = load_checkpoint(self.r.engine, d).step
+            if self.r.ema:
+                self.r.ema.load(d)
+            return step
 
     def close(self) -> None:
         if self.probes:
