@@ -91,7 +91,12 @@ def ema_run(rank, world, zero, steps, decay, save_dir=None, load_dir=None, preci
         out = _broadcast(out)
     ckpt.save(engine, out, state, cfg.to_dict(), ema=ema if save_ema else None)
     whole = {k: v.numpy().copy() for k, v in full_ema(out).items()} if rank == 0 and save_ema else None
-    return {"history": history if rank == 0 else None, "ema": whole, "updates": ema.updates}
+    gathered = ema.whole(everywhere=False)  # what the few-shot probes get (rank 0), a collective
+    everywhere = ema.whole()  # what an evaluation builds its model from, on every rank
+    same = all(torch.equal(everywhere[k], v) for k, v in (gathered or everywhere).items())
+    return {"history": history if rank == 0 else None, "ema": whole, "updates": ema.updates,
+            "gathered": {k: v.numpy().copy() for k, v in gathered.items()} if rank == 0 else gathered,
+            "same": same}
 
 
 def _broadcast(obj):

@@ -17,14 +17,14 @@ def _history(client, run_id, key):
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def check_probes(cfg, summary, digits) -> None:
+def check_probes(cfg, summary, digits, weights_of: str = "model") -> None:
     """fewshot/digits_<k>shot_top1 at every multiple of train.fewshot_every and nothing for the
-    unreadable dataset; the last probe is `vitp fewshot`'s evaluation of the final checkpoint and
-    not what the same model untrained scores."""
+    unreadable dataset; the last probe is `vitp fewshot`'s evaluation of the final checkpoint (of its
+    weight EMA with weights_of="ema") and not what the same model untrained scores."""
     import torch
 
     from vitp.tracking.store import get_client, resolve_tracking_uri
-    from vitp.train.export import load_model
+    from vitp.train.export import export, load_model
     from vitp.train.fewshot_features import FeatureExtractor, read_split
     from vitp.tune.fewshot_solver import fewshot_accuracy
 
@@ -46,7 +46,12 @@ def check_probes(cfg, summary, digits) -> None:
     # the same features is tests/tune/test_fewshot.py's) and the solver give the same accuracies
     # (a float32 feature may move in its last bits between batchings, which can flip one test
     # prediction, rarely).
-    model = load_model(summary.checkpoint)
+    if weights_of == "ema":
+        import tempfile
+
+        model = load_model(export(summary.checkpoint, tempfile.mkdtemp(prefix="ema-export-"), "ema"))
+    else:
+        model = load_model(summary.checkpoint)
     train, val = (read_split(digits, split, model.image_size) for split in ("train", "val"))
     extract = FeatureExtractor(model, digits.data.mean, digits.data.std, threads=torch.get_num_threads())
 

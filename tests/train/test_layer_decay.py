@@ -5,7 +5,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import augreg_workers as workers  # noqa: E402

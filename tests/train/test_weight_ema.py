@@ -38,9 +38,12 @@ def check(ema, history, decay):
                                                   (3, 2, "fp32"), (0, 2, "bf16"), (2, 2, "bf16")])
 def test_the_ema_is_the_formula_over_the_whole_weights(zero, world, precision):
     """bf16: the EMA is of the fp32 master weights (DeepSpeed's bf16 optimizer below ZeRO-1 too)."""
-    res = launch(workers.ema_run, world, zero, 4, DECAY, None, None, precision)[0]
+    results = launch(workers.ema_run, world, zero, 4, DECAY, None, None, precision)
+    res = results[0]
     assert res["updates"] == 4 and len(res["history"]) == 5
     check(res["ema"], res["history"], DECAY)
+    check(res["gathered"], res["history"], DECAY)  # gathered in memory, as the probes and evaluation do
+    assert all(r["same"] for r in results) and all(r["gathered"] is None for r in results[1:])
 
 
 @pytest.mark.parametrize("zero", [2, 3])

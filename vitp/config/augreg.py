@@ -55,6 +55,8 @@ def augreg_problems(cfg) -> list[str]:
         if changed:
             problems.append(f"train.augreg={cfg.train.augreg} sets {', '.join(SET_BY_NAME)} and {', '.join(changed)} "
                             "is set too: leave those keys out, or set train.augreg='' and set them yourself")
+    if cfg.train.fewshot_weights == "ema" and not cfg.train.ema_decay:
+        problems.append("train.fewshot_weights=ema needs a weight EMA: set train.ema_decay (e.g. 0.9998)")
     mixes = augreg_of(cfg).mixup_alpha > 0 or cfg.train.cutmix_alpha > 0
     if cfg.train.objective == "mpp" and (mixes or cfg.train.label_smoothing or cfg.train.loss != "softmax"):
         problems.append("train.objective=mpp predicts patch colours, not labels: Mixup, CutMix, label smoothing "

@@ -151,6 +151,7 @@ class TrainConfig:
     # weight EMA: each rank averages its own fp32 master fragments after every step (ema.py), saved with
     # the checkpoint; `vitp export --weights ema` exports it. 0 = off (timm 0.9998, DeiT 0.99996)
     ema_decay: float = 0.0
+    fewshot_weights: Literal["model", "ema"] = "model"  # what the few-shot probes score (ema: needs ema_decay)
 
 
 @dataclass

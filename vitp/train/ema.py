@@ -78,6 +78,34 @@ class WeightEMA:
             self.ema[name][1].lerp_(t.float(), 1.0 - self.decay)
         self.updates += 1
 
+    def whole(self, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
+        """The whole EMA state dict (fp32) on every rank (or on rank 0 only, None elsewhere): a collective
+        that gathers one block's fragments at a time (the model's `init_groups`), never all at once."""
+        module = self.engine.module
+        dist = torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+        names = {id(p): n for n, p in module.named_parameters()}
+        out = {}
+        for params in module.init_groups():
+            group = [names[id(p)] for p in params]
+            mine = {} if self.replicated and rank else {n: self.ema[n] for n in group if n in self.ema}
+            parts = [None] * world
+            if not dist:
+                parts = [mine]
+            elif everywhere:
+                torch.distributed.all_gather_object(parts, mine)
+            else:
+                torch.distributed.gather_object(mine, parts if rank == 0 else None, dst=0)
+            if everywhere or rank == 0:
+                for p, n in zip(params, group):
+                    flat = torch.zeros(_full_shape(p).numel())
+                    for part in parts:
+                        if n in part:
+                            offset, t = part[n]
+                            flat[offset:offset + t.numel()] = t
+                    out[n] = flat.view(_full_shape(p))
+        return out if everywhere or rank == 0 else None
+
     def save(self, directory: str, rank: int) -> None:
         """This rank's fragments into <directory>/ema/rank_NNNNN.safetensors (local; the checkpoint's marker
         lists it)."""

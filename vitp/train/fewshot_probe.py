@@ -172,8 +172,9 @@ class FewshotProbes:
     log finished results in step order; `close()` ends the actor."""
 
     def __init__(self, cfg: ExperimentConfig, engine, rank: int, logger=None,
-                 say: Callable[[str], None] = _log.info):
+                 say: Callable[[str], None] = _log.info, ema=None):
         self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say
+        self.ema = ema  # train.fewshot_weights=ema: the probes score the weight EMA (ema.WeightEMA)
         self.roots = dataset_roots(cfg)
         self.actor = None
         self.pending: collections.deque = collections.deque()  # (step, ObjectRef) in step order
@@ -197,7 +198,11 @@ class FewshotProbes:
     def snapshot(self, step: int) -> None:
         t0 = time.perf_counter()
         try:
-            weights = snapshot_weights(self.engine.module, self.cfg.parallel.zero_stage, self.rank)
+            if self.ema is not None:
+                whole = self.ema.whole(everywhere=False)  # a collective, one block at a time
+                weights = {k: v.numpy() for k, v in whole.items()} if whole is not None else None
+            else:
+                weights = snapshot_weights(self.engine.module, self.cfg.parallel.zero_stage, self.rank)
         except Exception as e:  # noqa: BLE001 - a failed copy costs this probe, not the run
             self._warn(f"few-shot snapshot of step {step} failed ({type(e).__name__}: {e})")
             return

@@ -58,6 +58,8 @@ class LoopHooks:
     on_fewshot: Optional[Callable[[int], None]] = None
     # (step, applied) after every optimizer step; applied: the update was not skipped (the weight EMA)
     after_step: Optional[Callable[[int, bool], None]] = None
+    # () -> a model with the weight EMA: each evaluation also scores it (val_ema/*); a collective
+    ema_model: Optional[Callable[[], torch.nn.Module]] = None
 
 
 @dataclass
@@ -227,6 +229,9 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
             }
             if eval_due:
                 metrics.update(run_eval(engine, hooks.eval_batches(), device, objective))
+                if hooks.ema_model is not None:
+                    ema = run_eval(hooks.ema_model(), hooks.eval_batches(), device, objective)
+                    metrics.update({k.replace("val/", "val_ema/"): v for k, v in ema.items()})
             result.history.append({"step": state.step, **metrics})
             hooks.on_log(state.step, metrics, checkpoint_due)
             window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()

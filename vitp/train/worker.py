@@ -23,6 +23,7 @@ from ..config import ExperimentConfig, Run, for_world
 from ..data.executor import pace_streaming_executor
 from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
 from ..data.position import with_world
+from ..model.vit import build_vit
 from ..paths import staging_root
 from . import checkpoint as ckpt
 from .ema import WeightEMA
@@ -215,13 +216,23 @@ class _Reporter:
         self.watch = PreemptionWatch(r.device, r.say)
         self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None
         # train.fewshot_every: weights copied at those steps, scored by an actor off the training path
-        self.probes = FewshotProbes(r.cfg, r.engine, r.rank, r.logger, r.say) if r.cfg.train.fewshot_every else None
+        self.probes = FewshotProbes(r.cfg, r.engine, r.rank, r.logger, r.say,
+                                    ema=r.ema if r.cfg.train.fewshot_weights == "ema" else None) \
+            if r.cfg.train.fewshot_every else None
 
     def hooks(self, has_val: bool) -> LoopHooks:
         return LoopHooks(on_log=self.on_log, on_checkpoint=self.on_checkpoint,
                          eval_batches=self.eval_batches if has_val else None, checkpoint_now=self.watch,
                          restore=self.restore, on_fewshot=self.probes.snapshot if self.probes else None,
-                         after_step=self.after_step if self.r.ema else None)
+                         after_step=self.after_step if self.r.ema else None,
+                         ema_model=self.ema_model if self.r.ema else None)
+
+    def ema_model(self) -> torch.nn.Module:
+        """A plain ViT with the whole EMA weights, on every rank (each scores its share of val)."""
+        cfg = self.r.cfg
+        model = build_vit(cfg.model, cfg.data.image_size, device="meta", mpp=cfg.train.objective == "mpp")
+        model.load_state_dict(self.r.ema.whole(), assign=True)
+        return model.to(self.r.device).eval()
 
     def after_step(self, step: int, applied: bool) -> None:
         if applied:  # a skipped (non-finite) step left the weights as they were
