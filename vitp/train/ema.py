@@ -69,12 +69,18 @@ class WeightEMA:
 
     def reset(self) -> None:
         """Start from the weights as they are (a fresh run, or a checkpoint saved without EMA)."""
-        self.ema = {name: (offset, t.detach().float().clone()) for name, offset, t in fp32_fragments(self.engine)}
+        self._watch()
+        self.ema = {name: (offset, t.detach().float().clone()) for name, offset, t in self.views}
         self.updates = 0
+
+    def _watch(self) -> None:
+        """The master fragments' views, looked up once (ZeRO-3's lookup synchronises a CUDA stream per
+        parameter) and again after every checkpoint load, which may replace DeepSpeed's buffers."""
+        self.views = list(fp32_fragments(self.engine))
 
     @torch.no_grad()
     def update(self) -> None:
-        for name, _, t in fp32_fragments(self.engine):
+        for name, _, t in self.views:
             self.ema[name][1].lerp_(t.float(), 1.0 - self.decay)
         self.updates += 1
 
@@ -127,6 +133,7 @@ class WeightEMA:
         if not saved:
             self.reset()
             return False
+        self._watch()
         for name, (offset, t) in self.ema.items():
             filled = 0
             for meta, handle in saved:

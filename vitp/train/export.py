@@ -119,14 +119,13 @@ def export_as(source: str, out: str, fmt: str = "ours", weights_of: str = "model
     returns `out`."""
     from ..model.convert import export_hf, export_timm  # lazy: the converters
 
-    is_checkpoint = weights.source_info(source).kind == "checkpoint"
-    if weights_of == "ema" and not is_checkpoint:
+    if weights_of == "ema" and weights.source_info(source).kind != "checkpoint":
         raise InputError(f"{source}: --weights ema reads a training checkpoint's EMA; this is an export")
     if fmt == "ours":
         return export(source, out, weights_of)
     with contextlib.ExitStack() as stack:
         ours = source
-        if is_checkpoint:
+        if weights.source_info(source).kind == "checkpoint":
             ours = export(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="vitp-export-")),
                           weights_of)
         return export_timm(ours, out) if fmt == "timm" else export_hf(ours, out, name=source)
