@@ -5,8 +5,8 @@
   (c) fine-tuning the demo's pre-trained export on the same task: layer-wise LR decay 0.75 vs none.
 
 Each is one `vitp sweep` (the seeds are a swept key), read back with `vitp compare --seeds` (best
-val/top1 of each seed, mean +- std). (b), pre-training with and without augmentation, is
-`--pretraining` (longer: two settings x two lengths x three seeds).
+val/top1 of each seed, mean +- std). A rerun with the same --workdir continues the sweeps (--resume)
+and reuses the pre-training.
 
 Run:  .venv/bin/python benchmarks/augreg_demo.py --workdir work/augreg-demo
 The tables are printed and appended, with this command line, the date and the machine, to
@@ -38,6 +38,12 @@ def vitp(*args: str) -> str:
     return proc.stdout
 
 
+def sweep(work: str, name: str, *args: str) -> None:
+    """`vitp sweep demo_fractals --name NAME ...`, continued (--resume) where an earlier run left it."""
+    resume = ["--resume"] if os.path.isdir(os.path.join(work, "sweeps", name)) else []
+    vitp("sweep", "demo_fractals", "--name", name, *args, *resume)
+
+
 def seeds_table(work: str, sweep: str) -> str:
     return vitp("compare", "--recipe", "demo_fractals", "--set", f"work_dir={work}", "--sweep", sweep, "--seeds")
 
@@ -62,12 +68,10 @@ def main() -> None:
     common = ["--set", f"work_dir={work}", "--set", f"data.train_fraction={args.fraction}",
               "--space", f"train.seed={SEEDS}"]
     t0 = time.time()
-    vitp("sweep", "demo_fractals", "--name", "augreg-scratch", "--from", "scratch",
-         "--space", "train.augreg=none,light2,medium2", *common)
+    sweep(work, "augreg-scratch", "--from", "scratch", "--space", "train.augreg=none,light2,medium2", *common)
     scratch = seeds_table(work, "augreg-scratch")
     export = export_of_demo_pretraining(work)
-    vitp("sweep", "demo_fractals", "--name", "augreg-llrd", "--from", export,
-         "--space", "optim.layer_decay=1.0,0.75", *common)
+    sweep(work, "augreg-llrd", "--from", export, "--space", "optim.layer_decay=1.0,0.75", *common)
     llrd = seeds_table(work, "augreg-llrd")
     notes = (f"demo_fractals (10 fractal classes never seen in pre-training, pico/8 at 32 px, SGD lr 0.03, 200 "
              f"steps of batch 32), {args.fraction:.0%} of the train split's labels, seeds {SEEDS} (train.seed: "

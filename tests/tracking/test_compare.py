@@ -91,7 +91,7 @@ def test_sweep_table_lists_trials_and_the_best_trial_per_dataset(store):
     rows = compare_rows(uri, exp, sweep="s1")
     by_name = {r["run_name"]: r for r in rows}
     assert sorted(by_name) == sorted(t[0] for t in S1_TRIALS)  # no parent, no other sweep
-    assert all(set(r) == set(COLUMNS) for r in rows)
+    assert all(set(r) == {*COLUMNS, "params"} for r in rows)  # params: for --seeds, not a column
 
     pre = by_name["t-dig-pre"]
     assert pre["best_top1"] == pytest.approx(0.95) and pre["final_top1"] == pytest.approx(0.85)
@@ -231,7 +231,7 @@ def test_seeds_aggregate_to_one_row_per_configuration(sqlite_uri, experiment):
     in seed order, mean and sample std of the best top-1s; the KILLED run is not counted."""
     import statistics
 
-    from vitp.tracking.compare import aggregate_rows, format_aggregate
+    from vitp.tracking.seeds import aggregate_rows, format_aggregate
 
     peaks = {("scratch", 0): 0.31, ("scratch", 1): 0.27, ("scratch", 2): 0.35,
              (CKPT, 0): 0.52, (CKPT, 1): 0.61, (CKPT, 2): 0.49}
@@ -267,3 +267,22 @@ def test_seeds_aggregate_to_one_row_per_configuration(sqlite_uri, experiment):
     parsed = list(csv.DictReader(io.StringIO(format_aggregate(groups, "csv"))))
     assert [float(v) for v in parsed[0]["values"].split()] == pytest.approx([0.52, 0.61, 0.49])
     assert json.loads(format_aggregate(groups, "json"))[1]["seeds"] == [0, 1, 2]
+
+
+def test_seeds_of_a_sweep_with_another_axis_are_one_row_per_value_of_it(sqlite_uri, experiment):
+    """A sweep over train.augreg x train.seed: one row per augreg value (its "setting"), not one row
+    for all of them; tracking.* and train.seed, which differ per run by construction, split nothing."""
+    from vitp.tracking.seeds import aggregate_rows, format_aggregate
+
+    for augreg, base in (("none", 0.2), ("medium2", 0.4)):
+        for seed in range(3):
+            with RunLogger.start(sqlite_uri, experiment, f"s-{augreg}-{seed}", resume_by_name=False,
+                                 tags={"recipe": "demo_fractals", "dataset": "synthetic-seed1", "source": "scratch"}) as run:
+                run.log_params({"train": {"seed": seed, "augreg": augreg}, "optim": {"lr": 0.03},
+                                "tracking": {"run_name": f"s-{augreg}-{seed}"}})
+                run.log_metrics({"val/top1": base + seed / 100}, step=10)
+    groups = aggregate_rows(compare_rows(sqlite_uri, experiment))
+    assert [(g["setting"], g["n"]) for g in groups] == [("augreg=medium2", 3), ("augreg=none", 3)]
+    assert groups[0]["values"] == pytest.approx([0.40, 0.41, 0.42])
+    text = format_aggregate(groups)
+    assert "setting" in text.splitlines()[0] and "augreg=none" in text

@@ -86,7 +86,8 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
              objective: str = "classify") -> dict:
     from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
-    from vitp.tracking.compare import aggregate_rows, compare_rows  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.compare import compare_rows  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.seeds import aggregate_rows  # lazy: mlflow (through compare)
     from vitp.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.store import get_client, resolve_tracking_uri, ui_url  # lazy: keeps vitp --help fast (mlflow)
     from vitp.train.export import export  # lazy: keeps vitp --help fast (torch)

@@ -30,7 +30,7 @@ def verdict(main: dict[str, dict[str, Any]], margin: float) -> dict[str, Any]:
 def print_summary(result: dict[str, Any], main: tuple[str, float], margin: float, quick: bool,
                   main_cfg: Any, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Print the summary block; returns the verdict (empty when the results stage failed)."""
-    from vitp.tracking.compare import format_aggregate  # lazy: mlflow
+    from vitp.tracking.seeds import format_aggregate  # lazy: mlflow
 
     recipe, fraction = main
     groups = result.get("groups") or []

@@ -233,8 +233,8 @@ def _require_store(uri: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from vitp.tracking.compare import (aggregate_rows, compare_rows, format_aggregate,  # lazy: keeps vitp --help fast (mlflow)
-                                           format_table, sweep_parents)
+    from vitp.tracking.compare import compare_rows, format_table, sweep_parents  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.seeds import aggregate_rows, format_aggregate  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 

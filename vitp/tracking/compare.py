@@ -193,6 +193,7 @@ def _row(tracking_uri: str, run: dict[str, Any], experiment_names: dict[str, str
         "wall_time_s": (end - start) / 1000.0 if start and end else None,
         "status": run["status"],
         "run_name": run["run_name"],
+        "params": params,  # every logged param (seeds.py groups by the swept ones); not a column
         "run_id": run["run_id"],
         "parent": run["parent_run_id"],
         "sweep": tags.get("sweep"),
@@ -254,7 +255,7 @@ def best_per_dataset(rows: Iterable[dict[str, Any]], key: str = "best_top1",
     return best
 
 
-def _cell(key: str, value: Any) -> str:
+def cell(key: str, value: Any) -> str:
     if value is None or value == "":
         return "-"
     if key in ("best_top1", "final_top1") or key.startswith("fewshot_"):
@@ -297,7 +298,7 @@ def format_table(rows: Iterable[dict[str, Any]], fmt: str = "text") -> str:
     keys = [k for k in _HEADERS if k not in _OPTIONAL and not k.startswith("fewshot_")
             or any(r.get(k) is not None for r in rows)]
     table = [["", *(_HEADERS[k] for k in keys)]]
-    table += [["*" if id(r) in winners else "", *(_cell(k, r.get(k)) for k in keys)] for r in rows]
+    table += [["*" if id(r) in winners else "", *(cell(k, r.get(k)) for k in keys)] for r in rows]
     numeric = {i + 1 for i, k in enumerate(keys)
                if k in ("lr", "train_fraction", "seed", "best_top1", "final_top1", "images_per_sec",
                         "wall_time_s")
@@ -316,58 +317,6 @@ def format_table(rows: Iterable[dict[str, Any]], fmt: str = "text") -> str:
 # --------------------------------------------------------------------------------------
 
 # What makes two runs the same configuration (they differ in seed, name and id only).
-CONFIG_KEYS = ("experiment", "recipe", "variant", "dataset", "source", "lr", "train_fraction")
-
-
-def aggregate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """compare_rows rows -> one row per configuration (CONFIG_KEYS) of its FINISHED runs with a
-    best top-1: the CONFIG_KEYS plus n, seeds, values (best top-1 per run, in seed order),
-    mean and std (sample std, 0 for one run), min and max. Sorted by dataset, fraction, mean desc."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("status", "FINISHED") == "FINISHED" and r.get("best_top1") is not None:
-            groups.setdefault(tuple(r.get(k) for k in CONFIG_KEYS), []).append(r)
-    out = []
-    for key, runs in groups.items():
-        runs = sorted(runs, key=lambda r: (r.get("seed") is None, r.get("seed") or 0, r.get("run_name") or ""))
-        values = [r["best_top1"] for r in runs]
-        mean = sum(values) / len(values)
-        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-        out.append({**dict(zip(CONFIG_KEYS, key)), "n": len(values), "seeds": [r.get("seed") for r in runs],
-                    "values": values, "mean": mean, "std": math.sqrt(var), "min": min(values),
-                    "max": max(values)})
-    return sorted(out, key=lambda a: (a.get("dataset") or "~", a.get("train_fraction") or 0.0, -a["mean"]))
-
-
-def format_aggregate(groups: Iterable[dict[str, Any]], fmt: str = "text") -> str:
-    """aggregate_rows as "text" (per-seed values and mean +- std), "csv" or "json"."""
-    groups = list(groups)
-    if fmt == "json":
-        return json.dumps(groups, indent=2)
-    fields = [*CONFIG_KEYS, "n", "seeds", "values", "mean", "std", "min", "max"]
-    if fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-        writer.writeheader()
-        for g in groups:
-            writer.writerow({k: " ".join(map(str, g[k])) if k in ("seeds", "values") else
-                             ("" if g.get(k) is None else g.get(k)) for k in fields})
-        return buf.getvalue()
-    if fmt != "text":
-        raise TrackingError(f"table format {fmt!r} is not known: use text, csv or json")
-    if not groups:
-        return "(no finished runs with val/top1 match: check --experiment, --sweep and --tag)"
-    table = [["dataset", "train", "source", "lr", "n", "per seed (best top-1)", "mean +- std"]]
-    for g in groups:
-        table.append([_cell("dataset", g["dataset"]), _cell("train_fraction", g["train_fraction"]),
-                      _cell("source", g["source"]), _cell("lr", g["lr"]), str(g["n"]),
-                      " ".join(f"{v:.3f}" for v in g["values"]), f"{g['mean']:.3f} +- {g['std']:.3f}"])
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def sweep_parents(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Run ids of the sweep parents the rows' trials belong to (where `--plot` logs the PNG)."""
     return sorted({r["parent"] for r in rows if r.get("parent")})

@@ -126,7 +126,7 @@ def plot_low_data(groups: Iterable[dict[str, Any]], path: str | os.PathLike,
                   label=_source_label) -> str:
     """Write the low-data curve PNG to `path`: per dataset, mean best top-1 (error bar: std over
     seeds, each seed a dot) vs the fraction of its train split, one line per source (`label`
-    names it). Groups come from compare.aggregate_rows."""
+    names it). Groups come from seeds.aggregate_rows."""
     Figure = _figure_class()
     groups = [g for g in groups if g.get("train_fraction") is not None]
     datasets = sorted({g.get("dataset") or "?" for g in groups})
