@@ -24,18 +24,28 @@ def fp32_fragments(engine) -> Iterator[tuple[str, int, torch.Tensor]]:
     masters = _replicated_masters(engine.optimizer)
     for name, p in engine.module.named_parameters():
         if hasattr(p, "ds_id"):  # ZeRO-3: rank r holds [r x part, (r + 1) x part), the last one padded
-            from deepspeed.utils import safe_get_local_fp32_param  # lazy: deepspeed
-
             part, whole = p.partition_numel(), p.ds_numel
             n = max(0, min(part, whole - rank * part))
             if n:
-                yield name, rank * part, safe_get_local_fp32_param(p).view(-1)[:n]
+                yield name, rank * part, _zero3_partition(p).view(-1)[:n]
         elif getattr(p, "_hp_mapping", None) is not None:
             yield name, p._hp_mapping.lp_fragment_address.start, p._hp_mapping.get_hp_fragment().view(-1)
         elif id(p) in masters:  # 16-bit weights without ZeRO: DeepSpeed's fp32 copy of all of them
             yield name, 0, masters[id(p)]
         elif p.dtype == torch.float32 and engine.zero_optimization_stage() == 0:
             yield name, 0, p.detach().view(-1)
+
+
+def _zero3_partition(p) -> torch.Tensor:
+    """ZeRO-3's fp32 partition of `p`, where the optimizer keeps it. DeepSpeed's public
+    `safe_get_local_fp32_param` moves it to the accelerator: with the optimizer offloaded to the CPU
+    that is a copy, which the EMA would then average forever; its own lookup (0.19) is the view."""
+    opt = p._z3_optimizer
+    if hasattr(opt, "_get_fp32_opt_state_partition"):
+        return opt._get_fp32_opt_state_partition(p, release_swap_buffers=True)[0]
+    from deepspeed.utils import safe_get_local_fp32_param  # lazy: deepspeed
+
+    return safe_get_local_fp32_param(p)
 
 
 def _replicated_masters(optimizer) -> dict[int, torch.Tensor]:
