@@ -121,10 +121,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0, l
             continue
         decays = not (name in skip or len(full_shape(p)) <= 1)  # the full shape: ZeRO-3 flattens partitions
         groups.setdefault((scales.get(name, 1.0), decays), []).append(p)
-    order = sorted(groups, key=lambda k: (k[0] != 1.0, -k[0], not k[1]))
     if not scales:
         return [{"params": groups.get((1.0, True), []), "weight_decay": weight_decay},
                 {"params": groups.get((1.0, False), []), "weight_decay": 0.0}]
+    order = sorted(groups, key=lambda k: (k[0] != 1.0, -k[0], not k[1]))  # scale 1 first, then by scale
     return [{"params": groups[k], "weight_decay": weight_decay if k[1] else 0.0, "lr": lr * k[0], "lr_scale": k[0]}
             for k in order]
 
