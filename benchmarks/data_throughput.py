@@ -73,6 +73,15 @@ def make_corpus(root: str, n: int, classes: int, seed: int = 0) -> None:
             os.path.join(d, f"{i:06d}.jpg"), quality=90)
 
 
+def corpus_in(work: str, images: int, classes: int) -> str:
+    """<work>/corpus, made with make_corpus unless it is there (a rerun with the same --workdir)."""
+    corpus = os.path.join(work, "corpus")
+    if not os.path.isdir(corpus):
+        print(f"making {images} JPEGs in {corpus} ...", flush=True)
+        make_corpus(corpus, images, classes)
+    return corpus
+
+
 def kind(p: psutil.Process) -> str:
     """'consumer' (this process), 'ray workers' (tasks, actors: titled ray::*) or 'other'
     (DataLoader workers; Ray's GCS, raylet and agents)."""
@@ -304,10 +313,7 @@ def main():
     from ray.data import DataContext
 
     work = args.workdir or tempfile.mkdtemp(prefix="vitp-bench-")
-    corpus = os.path.join(work, "corpus")
-    if not os.path.isdir(corpus):
-        print(f"making {args.images} JPEGs in {corpus} ...", flush=True)
-        make_corpus(corpus, args.images, args.classes)
+    corpus = corpus_in(work, args.images, args.classes)
     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(corpus) for f in fs)
     labels = [int(os.path.basename(os.path.dirname(f))[1:]) for f in files]
     loads = [os.getloadavg()[0]]

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from data_throughput import cpu_snapshot, cpu_used, make_corpus, med, Pass  # noqa: E402 (this directory)
+from data_throughput import Pass, corpus_in, cpu_snapshot, cpu_used, med  # benchmarks/, beside this script
 from record import add_results_args, append_result
 from vitp.data.augment import row_rng
 from vitp.data.commands import run_preprocess
@@ -68,10 +68,7 @@ def main():
     from ray.data import DataContext
 
     work = args.workdir or tempfile.mkdtemp(prefix="vitp-bench-")
-    corpus = os.path.join(work, "corpus")
-    if not os.path.isdir(corpus):
-        print(f"making {args.images} JPEGs in {corpus} ...", flush=True)
-        make_corpus(corpus, args.images, args.classes)
+    corpus = corpus_in(work, args.images, args.classes)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     DataContext.get_current().enable_progress_bars = False
     torch.set_num_threads(1)  # the consuming process: the --cpus cores are the workers'

@@ -113,13 +113,8 @@ class WeightEMA:
             else:
                 torch.distributed.gather_object(mine, parts if rank == 0 else None, dst=0)
             if everywhere or rank == 0:
-                for p, n in zip(params, group):
-                    flat = torch.zeros(_full_shape(p).numel())
-                    for part in parts:
-                        if n in part:
-                            offset, t = part[n]
-                            flat[offset:offset + t.numel()] = t
-                    out[n] = flat.view(_full_shape(p))
+                out.update(_put_together({n: _full_shape(p) for p, n in zip(params, group)},
+                                         ((n, o, t) for part in parts for n, (o, t) in part.items())))
         return out if everywhere or rank == 0 else None
 
     def save(self, directory: str, rank: int) -> None:
@@ -184,10 +179,14 @@ def full_ema(directory: str) -> dict[str, torch.Tensor] | None:
         saved = list(_saved(folder))
         if not saved:
             return None
-        shapes = saved[0][0]["shapes"]
-        out = {n: torch.zeros(int(torch.Size(s).numel())) for n, s in shapes.items()}
-        for meta, handle in saved:
-            for name, start in meta["offsets"].items():
-                t = handle.get_tensor(name)
-                out[name][start:start + t.numel()] = t
-    return {n: out[n].view(*shapes[n]) for n in out}
+        return _put_together({n: torch.Size(s) for n, s in saved[0][0]["shapes"].items()},
+                             ((n, start, handle.get_tensor(n)) for meta, handle in saved
+                              for n, start in meta["offsets"].items()))
+
+
+def _put_together(shapes: dict[str, torch.Size], pieces) -> dict[str, torch.Tensor]:
+    """{name: whole fp32 tensor of `shapes[name]`} from (name, offset in the flattened tensor, fragment)."""
+    flat = {n: torch.zeros(shape.numel()) for n, shape in shapes.items()}
+    for name, offset, t in pieces:
+        flat[name][offset:offset + t.numel()] = t
+    return {n: flat[n].view(shapes[n]) for n in flat}
