@@ -50,21 +50,10 @@ done
 state_dir="${state_dir:-/tmp/vitp-ray-$port}"
 
 free_port() {
-  # A free port on 127.0.0.1 that is none of the ports given: a port --port/--dashboard-port names
-  # (free until its component binds it) can be handed out again, and `ray start` refuses two
-  # components on one port.
-  "$PYTHON" - "$@" <<'EOF'
-import socket, sys
-taken = {int(p) for p in sys.argv[1:]}
-while True:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    if p not in taken:
-        print(p)
-        break
-EOF
+  # A free port on 127.0.0.1 that is none of the ports given (a port --port/--dashboard-port names is
+  # free until its component binds it, and `ray start` refuses two components on one port), chosen
+  # below the ephemeral range so no outgoing connection takes it before its server binds it.
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m vitp.net "$@"
 }
 
 port_in_use() {

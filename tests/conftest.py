@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+from vitp.net import free_port
+
 # A test that uses one of these (directly or through another fixture) starts or joins Ray: it is
 # marked `ray` here, so `make test-fast` (-m "not ray ...") leaves it out without anyone having to
 # remember the marker.
@@ -102,7 +104,6 @@ def digits_shards(ray_session, tmp_path_factory) -> str:
 
 
 def pytest_configure(config):
-    import socket
     import tempfile
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -116,10 +117,7 @@ def pytest_configure(config):
     # ends 6-7 s (~17%) sooner; every process of the test run (Ray, clusters, vitp) inherits it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     for key, value in {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint,
                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
+
+from vitp.net import free_port
 
 BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)  # newest major first
 
@@ -34,9 +35,7 @@ class PostgresServer:
         self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self._as:
             shutil.chown(self.root, "postgres", "postgres")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self._run(_tool("initdb"), "-D", str(self.data), "-A", "scram-sha-256", "--auth-local=trust",
                   "-U", "postgres")
         # TCP on loopback with passwords; the admin connects through the socket in root (trust)

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vitp.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 VITP = Path(sys.executable).parent / "vitp"  # the console script the venv installed
 COMMANDS = ("config", "model", "plan", "synth", "preprocess", "pretrain", "finetune", "sweep", "export",
@@ -89,12 +91,6 @@ def one_line_error(r: Run, command: str, code: int, mentions: str) -> None:
     assert len(lines) == 1 and lines[0].startswith(f"vitp {command}: "), str(r)
     assert mentions in lines[0], str(r)
     assert r.out == "", str(r)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_tensors(path: Path) -> dict[str, np.ndarray]:

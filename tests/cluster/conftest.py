@@ -13,20 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from vitp.net import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SH = ROOT / "cluster" / "local.sh"
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports on 127.0.0.1 (all held open until every one is chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class PortForward:

@@ -8,9 +8,10 @@ import pytest
 
 from vitp.cluster.doctor import (EXIT_FAILED, PROBE_DIR, Check, _tracking_line, exit_code, probe_storage,
                                  probe_tracking, storage_fix, timed)
+from vitp.net import free_ports
 from vitp.tracking.server import AuthSettings, start_server
 
-from .conftest import LocalCluster, PortForward, free_ports, vitp
+from .conftest import LocalCluster, PortForward, vitp
 
 PASSWORD = f"doctor-{uuid.uuid4().hex}"  # the MLflow admin's; never printed
 

@@ -1,0 +1,27 @@
+"""Free ports: chosen below the ephemeral range, so no client's connect can take one meanwhile."""
+import socket
+import subprocess
+import sys
+
+from vitp.net import _ephemeral_low, free_port, free_ports
+
+
+def test_a_free_port_is_bindable_outside_the_ephemeral_range_and_not_taken():
+    low = _ephemeral_low()
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    for p in ports:
+        assert p < low, (p, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    held = socket.create_server(("127.0.0.1", ports[0]))
+    try:
+        assert all(free_port(taken={ports[1]}) not in (ports[0], ports[1]) for _ in range(50))
+    finally:
+        held.close()
+
+
+def test_the_shell_launcher_gets_a_port_from_the_module():
+    out = subprocess.run([sys.executable, "-m", "vitp.net", "6390", "8275"], capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out) not in (6390, 8275) and int(out) < _ephemeral_low()
