@@ -71,6 +71,7 @@ def pretrained_export(work: str, setting: str, steps: int, seed: int) -> str:
     out = os.path.join(work, f"pretrain-{setting}-{steps}-s{seed}")
     if not os.path.exists(os.path.join(out, "config.json")):
         said = vitp("pretrain", "demo", "--set", f"work_dir={work}", "--set", f"train.augreg={setting}",
+                    "--set", f"tracking.run_name={os.path.basename(out)}",  # one run each, not a resume
                     "--set", f"train.seed={seed}", "--set", f"train.steps={steps}",
                     "--set", f"train.eval_every={steps // 2}", "--set", f"train.checkpoint_every={steps // 2}")
         vitp("export", re.search(r"checkpoint: (\S+)", said).group(1), "--out", out)

@@ -1,7 +1,11 @@
 """Shared fixtures: one local Ray instance per pytest run (tests marked `ray` use it)."""
 import os
+import sys
 
 import pytest
+
+# the suites' helpers beside this file (netproxy, postgres, numerics, ...) import by their names
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vitp.net import free_port
 

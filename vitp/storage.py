@@ -235,13 +235,16 @@ def within(path: str, root: str) -> bool:
 
 
 def rmtree(path: str, root: str) -> None:
-    """Remove a directory tree (or prefix) if it exists. Every recursive delete goes through here
+    """Remove a directory tree (or prefix, or one file) if it exists. Every recursive delete goes through here
     and names the root its caller owns (the directory it made, the output the user named):
     ValueError, deleting nothing, when `path` is not `root` or under it."""
     if not within(path, root):
         raise ValueError(f"refusing to delete {path}: it is not inside {root}")
     if not is_uri(path):
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
         return
     if isdir(path):
         fs, inner = filesystem(path)
@@ -259,6 +262,17 @@ def upload_dir(local_dir: str, dest: str) -> int:
     fs.create_dir(inner, recursive=True)
     pafs.copy_files(os.path.abspath(local_dir), inner, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
+    return sum(file_sizes(local_dir).values())
+
+
+def download_dir(src: str, local_dir: str) -> int:
+    """Copy the files under `src` (a path or URI) into `local_dir`; returns bytes copied."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(src)
+    os.makedirs(local_dir, exist_ok=True)
+    pafs.copy_files(inner, os.path.abspath(local_dir), source_filesystem=fs,
+                    destination_filesystem=pafs.LocalFileSystem())
     return sum(file_sizes(local_dir).values())
 
 

@@ -1,10 +1,8 @@
 """Local Ray clusters for the cluster tests: `cluster/local.sh` on free ports, always stopped; the
 rehearsal's cluster additionally shares nothing but an S3 bucket (moto) and an MLflow server."""
-import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,48 +13,10 @@ import pytest
 
 from vitp.net import free_ports
 
+from netproxy import PortForward  # noqa: F401  (tests/netproxy.py; the cluster tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SH = ROOT / "cluster" / "local.sh"
-
-
-class PortForward:
-    """A TCP forwarder to 127.0.0.1:`port` on a port of its own, as `kubectl port-forward` gives a
-    laptop its own address for an in-cluster service; `connections` counts who came through it."""
-
-    def __init__(self, port: int):
-        import threading
-
-        self.connections, self._port = 0, port
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._thread = threading.Thread
-        self._thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                near, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            far = socket.create_connection(("127.0.0.1", self._port))
-            for a, b in ((near, far), (far, near)):
-                self._thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 def vitp_env(env=None) -> dict[str, str]:

@@ -62,6 +62,7 @@ def ema_run(rank, world, zero, steps, decay, save_dir=None, load_dir=None, preci
     """Train `steps` steps keeping a WeightEMA (resumed from `load_dir` if given, any world size),
     recording the whole fp32 weights after every step; save a checkpoint with the EMA to `save_dir`.
     Rank 0 returns the weights history and the EMA put together from the saved files."""
+    import shutil
     import tempfile
 
     from vitp.train import checkpoint as ckpt
@@ -94,6 +95,11 @@ def ema_run(rank, world, zero, steps, decay, save_dir=None, load_dir=None, preci
     gathered = ema.whole(everywhere=False)  # what the few-shot probes get (rank 0), a collective
     everywhere = ema.whole()  # what an evaluation builds its model from, on every rank
     same = all(torch.equal(everywhere[k], v) for k, v in (gathered or everywhere).items())
+    if not save_dir:  # a directory of our own: gone once every rank is done with it
+        if world > 1:
+            torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(out)
     return {"history": history if rank == 0 else None, "ema": whole, "updates": ema.updates,
             "gathered": {k: v.numpy().copy() for k, v in gathered.items()} if rank == 0 else gathered,
             "same": same}

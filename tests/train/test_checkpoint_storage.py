@@ -8,8 +8,10 @@ from vitp.train import checkpoint as ckpt
 
 
 def _write_checkpoint(root: str, step: int, world: int = 2, *, markers=None, truncate=None,
-                      offset: int = 0) -> str:
-    """A checkpoint laid out as `checkpoint.save` leaves it after Ray merged every rank's files."""
+                      offset: int = 0, attempts=None) -> str:
+    """A checkpoint laid out as `checkpoint.save` leaves it after every rank's upload (`attempts`:
+    each rank's worker-group attempt, meta.json has rank 0's)."""
+    attempts = attempts or ["a"] * world
     d = storage.join(root, f"checkpoint_{step:08d}")
     markers = range(world) if markers is None else markers
     for r in range(world):
@@ -18,10 +20,12 @@ def _write_checkpoint(root: str, step: int, world: int = 2, *, markers=None, tru
             storage.write_bytes(storage.join(d, rel), b"x" * (n - (1 if rel == truncate else 0)))
         if r in markers:
             storage.write_json(storage.join(d, f"complete/rank_{r:05d}.json"),
-                               {"rank": r, "world_size": world, "step": step, "files": files})
+                               {"rank": r, "world_size": world, "step": step, "attempt": attempts[r],
+                                "files": files})
     state = {"step": step, "samples_seen": step * 8, "epoch": 0, "epoch_offset": offset, "best_metric": None}
     storage.write_json(storage.join(d, "meta.json"), {"step": step, "world_size": world, "tag": "state",
-                                                      "train_state": state, "zero_stage": 2})
+                                                      "train_state": state, "zero_stage": 2,
+                                                      "attempt": attempts[0]})
     return d
 
 
@@ -40,6 +44,9 @@ def test_completeness_on_any_storage(work_dir):
     short = _write_checkpoint(storage.join(work_dir, "b"), 30, truncate="state/zero_rank_1.pt")
     assert "state/zero_rank_1.pt from rank 1 is missing or truncated" in ckpt.verify(short)[1]
     assert "no meta.json" in ckpt.verify(storage.join(work_dir, "nothing"))[1]
+    # a restarted worker group writing the same step again: rank 1's part is still the old attempt's
+    mixed = _write_checkpoint(storage.join(work_dir, "c"), 40, attempts=["new", "old"])
+    assert "rank 1's part is from another attempt" in ckpt.verify(mixed)[1]
 
 
 def test_newest_complete_checkpoint_and_samples_consumed(work_dir):
@@ -52,3 +59,22 @@ def test_newest_complete_checkpoint_and_samples_consumed(work_dir):
     _write_checkpoint(run, 30, markers=[1])  # rank 0 died before its marker: never restored
     assert ckpt.latest_complete_checkpoint(cfg) == newest_complete
     assert ckpt.samples_consumed(cfg) == 20 * 8  # the newest complete one's samples_seen
+
+
+def test_retention_keeps_the_newest_k_and_every_mth_complete_one(work_dir):
+    """10 checkpoints every 10 steps, K=2, M=5: steps 50 and 100 (every 5th) and 90, 100 (the newest two)
+    stay; an incomplete one newer than all is neither kept nor deleted, and a resume finds step 100."""
+    cfg = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r", "train.steps=200",
+                            "train.checkpoint_every=10", "train.keep_checkpoints=2", "train.keep_every=5"])
+    run = ckpt.run_dir(cfg)
+    for step in range(10, 101, 10):
+        _write_checkpoint(run, step)
+    partial = _write_checkpoint(run, 110, markers=[0])  # still uploading (or its rank 1 died)
+    gone = ckpt.retain(cfg)
+    assert gone == [f"checkpoint_{s:08d}" for s in (10, 20, 30, 40, 60, 70, 80)]
+    left = [n for n in storage.listdir(run)]
+    assert left == [f"checkpoint_{s:08d}" for s in (50, 90, 100, 110)]
+    assert ckpt.latest_complete_checkpoint(cfg) == storage.join(run, "checkpoint_00000100")
+    assert ckpt.retain(cfg) == [] and storage.exists(storage.join(partial, "meta.json"))
+    keep_all = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r", "train.keep_checkpoints=0"])
+    assert ckpt.retain(keep_all) == []

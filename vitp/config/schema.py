@@ -122,7 +122,8 @@ class TrainConfig:
     log_every: int = 50  # steps between progress lines and MLflow metrics
     eval_every: int = 0  # 0 = only at the end
     checkpoint_every: int = 1000  # steps between checkpoints; 0 = at the end only
-    keep_checkpoints: int = 2  # newest checkpoints kept in storage; 0 = all
+    keep_checkpoints: int = 2  # newest complete checkpoints kept in storage; 0 = all
+    keep_every: int = 0  # also keep every M-th checkpoint (step a multiple of M x checkpoint_every); 0 = none
     seed: int = 0  # model init, data order and augmentation
     max_failures: int = 3  # Ray Train worker-group restarts before the run fails (preemptions aside)
     nonfinite_patience: int = 3  # consecutive non-finite steps (skipped) before a rollback

@@ -259,9 +259,12 @@ def _schedule_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
     if t.steps <= 0:
         problems.append(f"train.steps={t.steps}: must be positive")
-    for name in ("log_every", "checkpoint_every", "eval_every", "max_failures"):
+    for name in ("log_every", "checkpoint_every", "eval_every", "max_failures", "keep_checkpoints", "keep_every"):
         if getattr(t, name) < 0:
             problems.append(f"train.{name}={getattr(t, name)}: must be >= 0")
+    if t.keep_every and not t.checkpoint_every:
+        problems.append(f"train.keep_every={t.keep_every} keeps every M-th of the periodic checkpoints, but "
+                        "train.checkpoint_every=0 takes none: set train.checkpoint_every")
     if not 0 <= t.pause_at <= t.steps:
         problems.append(f"train.pause_at={t.pause_at} must be in 0..train.steps={t.steps} (0 = no pause)")
     if t.fewshot_every < 0:

@@ -26,11 +26,11 @@ log = get_logger(__name__)
 #     state/...                  DeepSpeed's files (model states, ZeRO optimizer shards)
 #     rng/rank_00000.pt          each rank's torch / numpy / python RNG state
 #     ema/rank_00000.safetensors with train.ema_decay: each rank's EMA fragments (ema.py)
-#     complete/rank_00000.json   written by each rank *after* its files are on disk: step, world,
-#                                and the size of every file it wrote
+#     complete/rank_00000.json   written by each rank *after* its files are in place: step, world,
+#                                the worker group's attempt, and the size of every file it wrote
 #     meta.json                  rank 0: step, world size, ZeRO stage, data position, config
-# A checkpoint is complete only when meta.json and one marker per rank are present and every
-# file a marker lists exists with its recorded size.
+# A checkpoint is complete only when meta.json and one marker per rank are present, all of one
+# attempt, and every file a marker lists exists with its recorded size.
 TAG = "state"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}$")  # Ray Train's own files beside them do not match
 
@@ -70,8 +70,10 @@ def rank_world() -> tuple[int, int]:
 
 
 def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
-         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None, ema=None) -> str:
-    """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local).
+         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None, ema=None,
+         mark: bool = True, attempt: str | None = None) -> dict[str, Any]:
+    """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local);
+    returns this rank's completion marker.
 
     `metrics` (the step's logged metrics, e.g. val/top1) go into meta.json: a finished run that is
     started again reports them without training (`trainer.run_training`). `ema` (ema.WeightEMA):
@@ -79,6 +81,9 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
 
     DeepSpeed's save is collective. The marker is written last, after this rank's files are
     flushed, so a rank killed mid-save leaves no marker and the checkpoint stays incomplete.
+    `mark=False` leaves it unwritten: an uploader writes it where the files went, after them.
+    `attempt` (the same on every rank of one worker group) goes into meta.json and each marker:
+    where a restarted group writes the same step again, parts of two attempts never count as one.
     """
     import torch
 
@@ -98,7 +103,7 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     if rank == 0:
         # the config redacted: a checkpoint is copied and shared; resuming reads only its seed,
         # steps and model shape from it (the run's own config comes from the command)
-        meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state),
+        meta = {"step": state.step, "world_size": world, "tag": TAG, "train_state": asdict(state), "attempt": attempt,
                 "zero_stage": engine.zero_optimization_stage(), "config": redact(cfg_dict) if cfg_dict else cfg_dict,
                 "mlflow_run_id": mlflow_run_id, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
         storage.write_json(os.path.join(directory, "meta.json"), meta)
@@ -107,11 +112,18 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     # Markers are left out: other ranks may be writing theirs into a shared directory now.
     files = {k: v for k, v in storage.file_sizes(directory, skip_dirs=("complete",)).items()
              if k not in before}
-    storage.write_json(os.path.join(directory, "complete", f"rank_{rank:05d}.json"),
-                {"rank": rank, "world_size": world, "step": state.step, "files": files})
-    if distributed():
-        torch.distributed.barrier()  # every marker is written: a shared directory is complete
-    return directory
+    marker = {"rank": rank, "world_size": world, "step": state.step, "attempt": attempt, "files": files}
+    if mark:
+        write_marker(directory, marker)
+        if distributed():
+            torch.distributed.barrier()  # every marker is written: a shared directory is complete
+    return marker
+
+
+def write_marker(directory: str, marker: dict[str, Any]) -> None:
+    """Rank `marker["rank"]`'s completion marker in `directory` (a path or URI): only once every
+    file it lists is there."""
+    storage.write_json(join(directory, "complete", f"rank_{marker['rank']:05d}.json"), marker)
 
 
 def verify(directory: str) -> tuple[bool, str]:
@@ -130,9 +142,12 @@ def verify(directory: str) -> tuple[bool, str]:
         if marker not in present:
             return False, f"{directory}: rank {r} of {world} has no completion marker"
         try:
-            listed = storage.read_json(join(directory, marker))["files"]
+            mark = storage.read_json(join(directory, marker))
+            listed = mark["files"]
         except (OSError, ValueError, KeyError) as e:
             return False, f"{directory}: marker of rank {r} is unreadable ({e}); still being written?"
+        if mark.get("attempt") != meta.get("attempt"):  # a restarted group is writing this step again
+            return False, f"{directory}: rank {r}'s part is from another attempt than meta.json's"
         for rel, size in listed.items():
             if present.get(rel.replace(os.sep, "/")) != size:
                 return False, f"{directory}: {rel} from rank {r} is missing or truncated"
@@ -165,6 +180,24 @@ def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
         if warn:
             warn(f"passing over {path}: {reason}")
     return None
+
+
+def retain(cfg: ExperimentConfig) -> list[str]:
+    """Delete the complete checkpoints of this run that retention does not keep; their names.
+
+    Kept: the newest train.keep_checkpoints complete ones (0: all) and, with train.keep_every=M,
+    every M-th (step a multiple of M x train.checkpoint_every). Only complete checkpoints older than
+    those are deleted: never the newest complete one (a resume's pick) nor one still being written."""
+    keep, every = cfg.train.keep_checkpoints, cfg.train.keep_every * cfg.train.checkpoint_every
+    if not keep:
+        return []
+    root = run_dir(cfg)
+    complete = [n for n in storage.listdir(root) if CHECKPOINT_NAME.match(n) and verify(join(root, n))[0]]
+    kept = set(complete[-keep:]) | {n for n in complete if every and int(n.split("_")[1]) % every == 0}
+    gone = [n for n in complete if n not in kept]
+    for name in gone:
+        storage.rmtree(join(root, name), root)
+    return gone
 
 
 def data_position(cfg: ExperimentConfig) -> dict[str, Any] | None:

@@ -180,13 +180,16 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
     result = LoopResult(state=state)
     window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
     window_applied = 0  # steps of the window that updated the weights (their loss is logged)
+    window_wait = 0.0  # seconds of the window spent waiting for the next batch
     steps = group(batches, p.grad_accum)
     guard, drill = NonFiniteGuard(cfg, hooks.restore, rank), drill_steps(t.nan_drill)
     objective = objective_for(cfg)  # class labels, or masked patch prediction
     end = t.pause_at or t.steps  # pause_at: stop there with a checkpoint, schedule unchanged
     while state.step < end:
+        t_wait = time.perf_counter()
         try:
             micro = next(steps)
+            window_wait += time.perf_counter() - t_wait
         except StopIteration:
             raise RuntimeError(
                 f"the training data ran out at step {state.step} of {t.steps}: the stream must cover "
@@ -214,7 +217,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
             elapsed = time.perf_counter() - window_t0
             mean_loss = window_loss / window_applied if window_applied else float("nan")
             sums = all_reduce_sum({"loss": mean_loss, "images": window_images,
-                                   "seconds": elapsed}, device)
+                                   "seconds": elapsed, "wait": window_wait}, device)
             ips = sums["images"] / (sums["seconds"] / world)  # images/s of the whole world
             metrics = {
                 "train/loss": sums["loss"] / world,
@@ -225,6 +228,9 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
                 "perf/mem_gb": memory_gb(device),
                 "perf/mem_model_gb": mem_model_gb,
                 "perf/step_time_s": elapsed / window_steps,
+                # the mean rank's wait for its next batch, and its part of the window's wall time
+                "perf/data_wait_s": sums["wait"] / world,
+                "perf/data_wait_frac": sums["wait"] / max(sums["seconds"], 1e-9),
                 **guard.metrics(),
             }
             if eval_due:
@@ -235,7 +241,7 @@ def run_loop(cfg: ExperimentConfig, engine, batches: Iterator[Batch], state: ckp
             result.history.append({"step": state.step, **metrics})
             hooks.on_log(state.step, metrics, checkpoint_due)
             window_loss, window_steps, window_images, window_t0 = 0.0, 0, 0, time.perf_counter()
-            window_applied = 0
+            window_applied, window_wait = 0, 0.0
         if checkpoint_due:
             hooks.on_checkpoint(state.step, state, result.history[-1] if result.history else {})
         if hooks.on_fewshot is not None and t.fewshot_every and state.step % t.fewshot_every == 0:

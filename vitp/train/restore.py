@@ -13,7 +13,7 @@ import random
 import socket
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -103,6 +103,44 @@ def _seed_rng(meta: dict[str, Any], rank: int) -> None:
 
 
 # --------------------------------------------------------------------------- another world size
+
+
+@contextlib.contextmanager
+def node_copy(path: str, node: str) -> Iterator[str]:
+    """Collective: the checkpoint at `path` as a local directory. From object storage the lowest
+    rank of each `node` downloads it ($TMPDIR, the checkpoint's size) and the node's other ranks
+    read the same copy, removed once all are done; a local path is used where it is."""
+    if not storage.is_uri(path) or path.startswith("file://"):
+        yield path.removeprefix("file://")
+        return
+    rank, _ = rank_world()
+    nodes = _all_gather(node)
+    leader = nodes.index(node)
+    out, err, t0 = None, None, time.perf_counter()
+    if rank == leader:
+        tmp = tempfile.mkdtemp(prefix="restore_")
+        try:
+            size = storage.download_dir(path, tmp)
+            out = tmp
+            log.info("downloaded %s (%.1f MB) in %.1f s for %d rank(s) on this node", path, size / 1e6,
+                     time.perf_counter() - t0, nodes.count(node))
+        except Exception as e:  # share the failure: the other ranks must not wait forever
+            storage.rmtree(tmp, tempfile.gettempdir())
+            err = f"rank {rank}: downloading {path} failed: {e}"
+    results = _all_gather((out, err))
+    errors = [e for _, e in results if e]
+    if errors:
+        raise RuntimeError(errors[0])
+    out = results[leader][0]
+    try:
+        yield out
+    except BaseException:
+        if rank == leader:
+            storage.rmtree(out, tempfile.gettempdir())
+        raise
+    _all_gather(None)  # every rank on the node is done with the copy
+    if rank == leader:
+        storage.rmtree(out, tempfile.gettempdir())
 
 
 def needs_universal(directory: str, world: int) -> bool:

@@ -7,6 +7,7 @@ must not run training steps itself.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -75,6 +76,24 @@ def _elastic_start_timeout(cfg: ExperimentConfig) -> Iterator[None]:
         os.environ.pop(_START_TIMEOUT_ENV, None)
 
 
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the run's reported checkpoints
+
+
+def _forget_removed_checkpoints(cfg: ExperimentConfig) -> None:
+    """Ray Train refuses to continue a run whose list of reported checkpoints names one that is
+    gone, which retention (checkpoint.retain) does: such a list is dropped. A resume picks the
+    newest complete checkpoint in storage (worker.py), not from that list."""
+    root = ckpt.run_dir(cfg)
+    path = storage.join(root, RAY_SNAPSHOT)
+    try:
+        named = set(re.findall(r'"checkpoint_dir_name": *"([^"]+)"', storage.read_bytes(path).decode()))
+    except (OSError, UnicodeDecodeError):  # none (a run Ray never registered a checkpoint of)
+        return
+    if named - set(storage.listdir(root)):
+        storage.rmtree(path, root)
+        log.info("[%s] Ray Train's checkpoint list named checkpoints retention removed: dropped", cfg.run_name)
+
+
 def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
                   with_val: bool = True, callbacks: Optional[list] = None):
     """The TorchTrainer for `run` (not yet started)."""
@@ -108,7 +127,8 @@ def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
             # preemptions (a node drained with a deadline) have their own, unlimited budget
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures,
                                                    max_preemption_failures=-1),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
+            # retention is ours (checkpoint.retain, after each commit): Ray Train keeps its list whole
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             callbacks=callbacks or None,
             logging_config=ray.train.LoggingConfig(log_level=library_log_level()),
         ),
@@ -170,6 +190,8 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", uri)
+    if existing:
+        _forget_removed_checkpoints(cfg)
     trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
         with _elastic_start_timeout(cfg):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
@@ -24,16 +22,15 @@ from ..data.executor import pace_streaming_executor
 from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
 from ..data.position import with_world
 from ..model.vit import build_vit
-from ..paths import staging_root
 from . import checkpoint as ckpt
 from .ema import WeightEMA
 from .engine import device_for
 from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
-from .restore import load as load_checkpoint
-from .step import all_reduce_max, all_reduce_sum
+from .restore import load as load_checkpoint, node_copy
 from .sysmetrics import SystemSampler
+from .uploads import CheckpointWriter, report_metrics
 
 log = get_logger(__name__)
 
@@ -67,6 +64,9 @@ class SampleRecorder:
             storage.write_bytes(storage.join(self.dir, name), lines.encode())
 
 
+INPUT_BOUND = 0.25  # the progress line says so when the loop waits this part of its time for data
+
+
 def _rate(x: float) -> str:
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # a large model on CPU makes < 1 image/s
 
@@ -79,6 +79,8 @@ def _progress_line(cfg: ExperimentConfig, step: int, m: dict[str, float], t_star
     line = (f"[{cfg.run_name}] step {step}/{cfg.train.steps} loss {m['train/loss']:.4f} "
             f"lr {m['train/lr']:.2e} {_rate(m['perf/images_per_sec'])} img/s mfu {m['perf/mfu']:.2%} "
             f"mem {m['perf/mem_gb']:.1f} GB (model {m['perf/mem_model_gb']:.1f}) ETA {eta_s}")
+    if m.get("perf/data_wait_frac", 0.0) >= INPUT_BOUND:
+        line += f" | input-bound: {m['perf/data_wait_frac']:.0%} of the time waiting for data"
     if "val/top1" in m:
         line += f" | val top1 {m['val/top1']:.3f} loss {m['val/loss']:.3f}"
     return line
@@ -96,30 +98,6 @@ def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch
     if logger:
         logger.log_metrics({"train/init_logit_absmax": absmax}, step=0)
     return itertools.chain([first], stream)
-
-
-def _pick_checkpoint(cfg: ExperimentConfig, reported):
-    """(checkpoint, its path or URI) to resume from: the newest one in the run's storage whose completion
-    markers are all present (local disk or object storage), else Ray's latest registered one.
-    A worker killed inside `ray.train.report` leaves a checkpoint that every rank finished
-    writing but Ray never registered; the markers make it safe to use, so no work is lost."""
-    newest = ckpt.latest_complete_checkpoint(cfg)
-    if newest is None:
-        return reported, reported.path if reported else None
-    fs, inner = storage.filesystem(newest)
-    return ray.train.Checkpoint(inner, filesystem=fs), newest
-
-
-def checkpoint_io(rank_bytes: int, save_s: float, persist_s: float, device) -> dict[str, float]:
-    """Checkpoint I/O of all ranks (a collective): MB written, MB/s to storage (ranks persist in
-    parallel: total MB over the slowest rank's persist time), seconds the loop was blocked."""
-    sums = all_reduce_sum({"bytes": rank_bytes}, device)
-    slowest = all_reduce_max({"save": save_s, "persist": persist_s}, device)
-    mb = sums["bytes"] / 1e6
-    return {"perf/ckpt_mb": mb, "perf/ckpt_save_s": slowest["save"],
-            "perf/ckpt_persist_s": slowest["persist"],
-            "perf/ckpt_write_mb_s": mb / max(slowest["persist"], 1e-9),
-            "perf/ckpt_blocked_s": slowest["save"] + slowest["persist"]}
 
 
 @dataclass
@@ -164,18 +142,24 @@ def _setup(config: dict[str, Any]) -> _Rank:
                  ema)
 
 
-def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
-    """The training state to go on from (the newest complete checkpoint's, else a fresh one), the
-    data position brought to the world running now; True when a checkpoint was restored."""
-    cfg, state = r.cfg, ckpt.TrainState()
-    restored, where = _pick_checkpoint(cfg, ray.train.get_checkpoint())
-    if restored is not None:
-        with restored.as_directory() as d:
+def _node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
+    """The training state to go on from and the seconds its restore took (None: fresh), the data
+    position brought to the world running now. The newest checkpoint in storage whose markers are
+    all present: a worker killed inside an upload, or after it but before Ray registered the
+    checkpoint, leaves a newer one than Ray knows of, or an incomplete one that is never picked."""
+    cfg, state, t0 = r.cfg, ckpt.TrainState(), time.perf_counter()
+    where = ckpt.latest_complete_checkpoint(cfg)
+    if where is not None:
+        with node_copy(where, _node()) as d:  # one download per node from object storage
             state = load_checkpoint(r.engine, d)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")
-        r.say(f"resumed from {where} at step {state.step}")
+        r.say(f"resumed from {where} at step {state.step} ({time.perf_counter() - t0:.1f} s to restore)")
     elif cfg.train.resume == "must":
         raise RuntimeError(
             f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "
@@ -183,12 +167,12 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, bool]:
         )
     state.worlds = with_world(state.worlds, r.world, state.samples_seen)  # what RankStreams read
     state.unit_rows = state.unit_rows or default_unit_rows(r.epoch_rows, state.worlds[0][0])
-    return state, restored is not None
+    return state, (time.perf_counter() - t0 if where is not None else None)
 
 
-def _announce(r: _Rank, state: ckpt.TrainState, resumed: bool) -> None:
+def _announce(r: _Rank, state: ckpt.TrainState, restore_s: float | None) -> None:
     """The batch arithmetic where the world differs from the recipe's, and the parallel layout
-    (plus the step resumed from) as metrics at the starting step."""
+    (plus the step resumed from and the restore's seconds) as metrics at the starting step."""
     p, rp = r.cfg.parallel, r.recipe.parallel
     if (p.grad_accum, p.micro_batch) != (rp.grad_accum, rp.micro_batch):
         r.say(f"{r.world} worker(s): micro batch {p.micro_batch} x grad_accum {p.grad_accum} x {r.world} = "
@@ -197,7 +181,8 @@ def _announce(r: _Rank, state: ckpt.TrainState, resumed: bool) -> None:
     if r.logger:
         r.logger.log_metrics({"parallel/workers": r.world, "parallel/grad_accum": p.grad_accum,
                               "parallel/micro_batch": p.micro_batch,
-                              **({"train/resumed_from": state.step} if resumed else {})}, step=state.step)
+                              **({"train/resumed_from": state.step, "perf/restore_s": restore_s}
+                                 if restore_s is not None else {})}, step=state.step)
 
 
 class _Reporter:
@@ -207,11 +192,8 @@ class _Reporter:
 
     def __init__(self, r: _Rank, state: ckpt.TrainState, recorder: SampleRecorder | None):
         self.r, self.recorder = r, recorder
-        # Checkpoints are staged on this node before Ray copies them to storage. A worker killed
-        # mid-checkpoint leaves its copy behind; every start of the run's workers clears them.
-        root = staging_root()
-        self.staging = os.path.join(root, r.cfg.run_name)
-        storage.rmtree(self.staging, root)
+        self.writer = CheckpointWriter(r.cfg, r.engine, r.rank, r.device, r.say,
+                                       r.logger.log_metrics if r.logger else None, r.mlflow_run_id, r.ema)
         self.t_start, self.start_step = time.time(), state.step
         self.watch = PreemptionWatch(r.device, r.say)
         self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None
@@ -253,39 +235,27 @@ class _Reporter:
                 self.probes.poll()  # results that are in, logged at their snapshot's step
         if "val/top1" in metrics and not checkpoint_due:
             # evaluations reach Ray (and a Tune scheduler) between checkpoints; all ranks report
-            ray.train.report({"step": step, **metrics})
+            report_metrics({"step": step, **metrics})
 
     def on_checkpoint(self, step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> None:
+        """The snapshot blocks; the upload goes on in the background (uploads.py). A preemption's
+        checkpoint also waits for its upload, so the deadline rule counts the upload
+        (PreemptionWatch.checkpoint_s) and the checkpoint is in storage before the node goes."""
         r = self.r
+        preempted = bool(self.watch.steps) and self.watch.steps[-1] == step
         st.epoch, st.epoch_offset = divmod(st.samples_seen, max(r.epoch_rows, 1))
         if self.recorder:  # before the checkpoint can count as complete: a rank killed right after it
             self.recorder.flush(step)  # must not lose the record of the steps that checkpoint covers
-        io = self._save_and_report(step, st, metrics)
-        self.watch.checkpoint_s = io["perf/ckpt_blocked_s"]
-        r.say(f"checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, {io['perf/ckpt_write_mb_s']:.1f} MB/s to "
-              f"storage, training blocked {io['perf/ckpt_blocked_s']:.2f} s")
+        io = self.writer.write(step, st, metrics)
+        if preempted:
+            self.writer.wait()
+            self.writer.commit()
+        self.watch.checkpoint_s = io["perf/ckpt_blocked_s"] + self.writer.upload_s
+        r.say(f"checkpoint {step}: {io['perf/ckpt_mb']:.1f} MB, training blocked {io['perf/ckpt_blocked_s']:.2f} s"
+              + ("" if preempted else ", uploading in the background"))
         if r.logger:
-            preempted = self.watch.steps and self.watch.steps[-1] == step
             r.logger.log_metrics({**io, **({"train/preempt_checkpoint": 1.0} if preempted else {})}, step=step)
         self.watch.park()
-
-    def _save_and_report(self, step: int, st: ckpt.TrainState, metrics: dict[str, float]) -> dict[str, float]:
-        """Save into a staging dir on this node, report it to Ray Train (which persists it to the
-        run's storage), remove the staged copy; the checkpoint I/O of all ranks."""
-        r = self.r
-        t0 = time.perf_counter()
-        os.makedirs(self.staging, exist_ok=True)
-        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{r.rank}-", dir=self.staging)
-        try:
-            ckpt.save(r.engine, local, st, r.cfg.to_dict() if r.rank == 0 else None,
-                      mlflow_run_id=r.mlflow_run_id, metrics=metrics, ema=r.ema)
-            t1 = time.perf_counter()
-            ray.train.report({"step": step, **metrics}, checkpoint=ray.train.Checkpoint.from_directory(local),
-                             checkpoint_dir_name=ckpt.checkpoint_dir_name(step))
-            written = sum(storage.file_sizes(local).values())
-        finally:
-            storage.rmtree(local, self.staging)
-        return checkpoint_io(written, t1 - t0, time.perf_counter() - t1, r.device)
 
     def restore(self) -> int | None:
         """Non-finite steps in a row: model and optimizer back to the newest complete checkpoint
@@ -293,12 +263,17 @@ class _Reporter:
         path = ckpt.latest_complete_checkpoint(self.r.cfg)
         if path is None:
             return None
-        fs, inner = storage.filesystem(path)
-        with ray.train.Checkpoint(inner, filesystem=fs).as_directory() as d:
+        with node_copy(path, _node()) as d:
             step = load_checkpoint(self.r.engine, d).step
             if self.r.ema:
                 self.r.ema.load(d)
             return step
+
+    def finish(self) -> None:
+        """After the loop, on every rank: the last checkpoint's upload committed; rank 0's queued probes."""
+        self.writer.finish()
+        if self.probes and self.r.rank == 0:
+            self.probes.finish()  # the queued probes, before the run's metrics are flushed
 
     def close(self) -> None:
         if self.probes:
@@ -313,8 +288,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
     `config` = {"cfg": resolved config dict, "mlflow": {"uri", "run_id"} or None, "datasets"}.
     """
     r = _setup(config)
-    state, resumed = _restore(r)
-    _announce(r, state, resumed)
+    state, restore_s = _restore(r)
+    _announce(r, state, restore_s)
     # This rank's stream starts right after what it consumed before the restored checkpoint
     # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
     cfg = r.cfg
@@ -328,7 +303,6 @@ def train_per_worker(config: dict[str, Any]) -> None:
     try:
         run_loop(cfg, r.engine, stream, state, reporter.hooks("val" in config.get("datasets", ["val"])),
                  r.rank, r.world)
-        if reporter.probes and r.rank == 0:
-            reporter.probes.finish()  # the queued probes, before the run's metrics are flushed
+        reporter.finish()
     finally:
         reporter.close()

@@ -1,0 +1,56 @@
+"""A TCP forwarder for tests: a service's port seen through one of its own, counting what passes.
+
+Used as `kubectl port-forward` gives a laptop its own address for an in-cluster service, and in
+front of the S3 server where a test must know the bytes a run downloaded or make uploads slow.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+
+class PortForward:
+    """Forwards 127.0.0.1:<own port> (`uri`) to 127.0.0.1:`port`. `connections` counts clients,
+    `down` the bytes the service sent them, `up` the bytes they sent it; `up_rate` (bytes/s, 0 =
+    unlimited) slows what clients send, as a thin uplink would."""
+
+    def __init__(self, port: int, up_rate: float = 0.0):
+        self.connections, self.down, self.up, self.up_rate, self._port = 0, 0, 0, up_rate, port
+        self._lock = threading.Lock()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            far = socket.create_connection(("127.0.0.1", self._port))
+            threading.Thread(target=self._pipe, args=(near, far, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(far, near, False), daemon=True).start()
+
+    def _pipe(self, src, dst, upstream: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if upstream and self.up_rate:
+                    time.sleep(len(data) / self.up_rate)
+                dst.sendall(data)
+                with self._lock:
+                    if upstream:
+                        self.up += len(data)
+                    else:
+                        self.down += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._sock.close()
