@@ -140,7 +140,9 @@ def pytest_unconfigure(config):
 
 
 class S3Server:
-    """moto_server on the port chosen in pytest_configure; `bucket()` makes a fresh bucket."""
+    """moto_server, reached through `proxy` (tests/netproxy.py) on the port chosen in pytest_configure:
+    a test can count the bytes a run downloaded (`proxy.down`) or slow its uploads (`proxy.up_rate`).
+    `bucket()` makes a fresh bucket."""
 
     def __init__(self, log_dir):
         import subprocess
@@ -148,12 +150,15 @@ class S3Server:
         import time
         import urllib.request
 
+        from netproxy import PortForward
+
         self.endpoint = os.environ["AWS_ENDPOINT_URL"]
-        port = self.endpoint.rsplit(":", 1)[1]
+        port = free_port()
         moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
         self.log = open(os.path.join(log_dir, "moto.log"), "w")
-        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", port], stdout=self.log,
+        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=self.log,
                                      stderr=subprocess.STDOUT)
+        self.proxy = PortForward(port, listen_port=int(self.endpoint.rsplit(":", 1)[1]))
         deadline = time.time() + 60
         while True:
             try:
@@ -186,6 +191,7 @@ class S3Server:
         return f"s3://{name}"
 
     def stop(self):
+        self.proxy.close()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=20)

@@ -12,14 +12,15 @@ import time
 
 
 class PortForward:
-    """Forwards 127.0.0.1:<own port> (`uri`) to 127.0.0.1:`port`. `connections` counts clients,
-    `down` the bytes the service sent them, `up` the bytes they sent it; `up_rate` (bytes/s, 0 =
-    unlimited) slows what clients send, as a thin uplink would."""
+    """Forwards 127.0.0.1:`listen_port` (`uri`; 0: a port of its own) to 127.0.0.1:`port`.
+    `connections` counts clients, `down` the bytes the service sent them, `up` the bytes they sent
+    it; `up_rate` (bytes/s per connection, 0 = unlimited) slows what clients send, as a thin
+    uplink would."""
 
-    def __init__(self, port: int, up_rate: float = 0.0):
+    def __init__(self, port: int, listen_port: int = 0, up_rate: float = 0.0):
         self.connections, self.down, self.up, self.up_rate, self._port = 0, 0, 0, up_rate, port
         self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock = socket.create_server(("127.0.0.1", listen_port))
         self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -30,7 +31,11 @@ class PortForward:
             except OSError:
                 return
             self.connections += 1
-            far = socket.create_connection(("127.0.0.1", self._port))
+            try:
+                far = socket.create_connection(("127.0.0.1", self._port))
+            except OSError:  # the service is not up (yet): the client sees its connection close
+                near.close()
+                continue
             threading.Thread(target=self._pipe, args=(near, far, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(far, near, False), daemon=True).start()
 

@@ -47,3 +47,25 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
         runs[order] = p.stdout.splitlines()[-1].split()  # (DeepSpeed prints its accelerator first)
     assert runs["deepspeed"] == ["deepspeed", "False", "False", "MlflowClient"]
     assert runs["first"] == ["deepspeed", "True", "True", "MlflowClient"]
+
+
+LOAD = "from vitp.train.engine import load_ops; load_ops('ShareMemCommBuilder'); print('loaded')"
+
+
+def test_a_lock_left_by_a_killed_loader_does_not_hang_the_next_one():
+    """torch's loader leaves `<op>/lock` behind when killed inside it (a worker killed while it
+    starts); the next load must not wait for it forever. The lock is planted under our flock, as
+    no live loader could be inside then."""
+    import fcntl
+
+    root = os.path.join(sys.prefix, "torch-extensions")
+    if not os.path.isdir(os.path.join(root, "deepspeed_shm_comm")):
+        subprocess.run([sys.executable, "-c", LOAD], check=True, timeout=600)  # built once, as make install does
+    with open(os.path.join(root, ".vitp-load-lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        open(os.path.join(root, "deepspeed_shm_comm", "lock"), "w").close()
+        fcntl.flock(f, fcntl.LOCK_UN)
+    p = subprocess.run([sys.executable, "-c", LOAD], env={**os.environ, "TORCH_EXTENSIONS_DIR": root},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-2000:]
+    assert not os.path.exists(os.path.join(root, "deepspeed_shm_comm", "lock"))

@@ -123,11 +123,11 @@ def _worker_pids():
     return out
 
 
-def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
-    """The first complete mid-run checkpoint (step < train.steps) in storage.
+def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True, after=0):
+    """The first complete mid-run checkpoint (step < train.steps) in storage past step `after`.
 
-    Any one will do: with keep_checkpoints=2 Ray deletes the oldest as soon as a third is
-    registered, so waiting for one particular step could miss it on a busy host.
+    Any one will do: with keep_checkpoints=2 retention deletes the oldest as soon as a third is
+    committed, so waiting for one particular step could miss it on a busy host.
     """
     from vitp import storage
     from vitp.train import checkpoint as ckpt
@@ -139,12 +139,38 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True):
         names = storage.listdir(run_dir)
         for name in names:
             path = storage.join(run_dir, name)
-            if name.startswith("checkpoint_") and ckpt.verify(path)[0]:
+            if ckpt.CHECKPOINT_NAME.match(name) and int(name.split("_")[1]) > after and ckpt.verify(path)[0]:
                 if ckpt.read_meta(path)["step"] >= cfg.train.steps:
                     raise AssertionError(f"the run finished before a mid-run checkpoint was seen: {names}")
                 return path
         time.sleep(0.2)
     raise AssertionError(f"no complete checkpoint under {run_dir} after {time.time() - t0:.0f}s")
+
+
+def _kill_a_worker_mid_upload(cfg, timeout=240, alive=lambda: True) -> tuple[str, str]:
+    """Once a checkpoint is complete and a newer one is in the bucket but not yet (every rank's
+    files, then its marker): SIGKILL a Train worker. (complete, partial) paths."""
+    from vitp import storage
+    from vitp.paths import RunPaths
+    from vitp.train import checkpoint as ckpt
+
+    run_dir = RunPaths.of(cfg.work_dir).run(cfg.run_name)
+    t0 = time.time()
+    while time.time() - t0 < timeout and alive():
+        names = [n for n in storage.listdir(run_dir) if ckpt.CHECKPOINT_NAME.match(n)]
+        done = [n for n in names if ckpt.verify(storage.join(run_dir, n))[0]]
+        partial = [n for n in names if done and n > done[-1] and n not in done]
+        if partial and (pids := _worker_pids()):
+            os.kill(pids[-1], signal.SIGKILL)
+            return storage.join(run_dir, done[-1]), storage.join(run_dir, partial[0])
+        time.sleep(0.1)
+    raise AssertionError(f"no upload in flight seen under {run_dir} after {time.time() - t0:.0f}s")
+
+
+def _resumed_from(log: str) -> list[tuple[str, int]]:
+    import re
+
+    return [(m[0], int(m[1])) for m in re.findall(r"resumed from (\S+) at step (\d+)", log)]
 
 
 def _wait_workers_gone(timeout=120):
@@ -168,11 +194,14 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
 
 @pytest.mark.e2e
 def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards, ray_session, s3):
-    """work_dir on the S3 server. The `vitp pretrain` driver SIGKILLed after a checkpoint in the
-    bucket: started again, it resumes into the same MLflow run; checkpoints land in the bucket
-    (URIs), each with its timings; the finished run started again trains nothing; raising
-    train.steps continues the same MLflow run with the schedule re-planned (the first value of
-    train.steps kept, the new one recorded per continuation)."""
+    """work_dir on the S3 server, uploads slowed by its proxy. A Train worker SIGKILLed while a
+    checkpoint uploads: the restarted workers resume from the previous complete one, never the
+    partial. The `vitp pretrain` driver SIGKILLed after a later checkpoint: started again, it
+    resumes into the same MLflow run, downloading the checkpoint once for its two ranks (bytes
+    through the proxy); no step's metric lost or repeated; checkpoints land in the bucket (URIs),
+    each with its timings; the finished run started again trains nothing; raising train.steps
+    continues the same MLflow run with the schedule re-planned (the first value of train.steps
+    kept, the new one recorded per continuation)."""
     import ray
 
     from vitp import storage
@@ -187,19 +216,29 @@ def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards
     cfg = resolve("debug", base + ["train.steps=100"])
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1"}
 
+    s3.proxy.up_rate = 100_000  # bytes/s per connection: each upload takes seconds, training goes on
     first = _vitp_pretrain(args, env, log_path=tmp_path / "first.log")
     try:
-        _wait_for_checkpoint(cfg, alive=lambda: first.poll() is None)
+        complete, partial = _kill_a_worker_mid_upload(cfg, alive=lambda: first.poll() is None)
+        complete_step = int(complete.rsplit("_", 1)[1])
+        s3.proxy.up_rate = 0
+        _wait_for_checkpoint(cfg, alive=lambda: first.poll() is None, after=complete_step)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{(tmp_path / 'first.log').read_text()[-3000:]}") from None
+    finally:
+        s3.proxy.up_rate = 0
     first.send_signal(signal.SIGKILL)  # the driver dies; its Train controller goes with it
     first.wait()
     _wait_workers_gone()  # else the old rank 0 could still log a step beside the new one
+    # the restarted workers went on from the last complete checkpoint, not the one mid-upload
+    assert _resumed_from((tmp_path / "first.log").read_text())[0] == (complete, complete_step), partial
 
+    down = s3.proxy.down
     second = _vitp_pretrain(args, env)
     log, _ = second.communicate(timeout=600)
     assert second.returncode == 0, log[-3000:]
-    assert "resumed" in log
+    (where, step), = _resumed_from(log)  # the newest complete one, which the first driver waited for
+    assert step > complete_step and where.endswith(f"checkpoint_{step:08d}"), (where, step)
 
     client = get_client(db)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -211,9 +250,14 @@ def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards
     checkpoint = storage.join(work, "runs", cfg.run_name, "checkpoint_00000100")
     assert f"checkpoint: {checkpoint}" in log  # in the bucket
     assert ckpt.verify(checkpoint)[0] and ckpt.read_meta(checkpoint)["mlflow_run_id"] == run_id
-    for key in ("perf/ckpt_blocked_s", "perf/ckpt_write_mb_s", "perf/ckpt_mb"):
+    for key in ("perf/ckpt_blocked_s", "perf/ckpt_mb", "perf/ckpt_upload_s", "perf/ckpt_commit_s"):
         assert [s for s, _ in _history(cfg, run_id, key)] == [20, 40, 60, 80, 100], key
+    assert [s for s, _ in _history(cfg, run_id, "perf/restore_s")] == [step]
+    waits = _history(cfg, run_id, "perf/data_wait_frac")
+    assert len(waits) == 20 and all(0 <= w <= 1 for _, w in waits)
     assert _history(cfg, run_id, "perf/ckpt_mb")[0][1] > 0.1  # the model's state, in MB
+    size = dict(_history(cfg, run_id, "perf/ckpt_mb"))[step] * 1e6  # the resumed one's files, all ranks
+    assert size <= s3.proxy.down - down < 1.5 * size, (size, s3.proxy.down - down)  # one download, 2 ranks
 
     again = run_training(Run.of(cfg))
     assert again.already_finished and again.mlflow_run_id == run_id

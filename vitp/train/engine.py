@@ -156,6 +156,8 @@ def build_optimizer(model: torch.nn.Module, cfg: ExperimentConfig) -> torch.opti
         # ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's vectorised Adam.
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: deepspeed (slow import)
 
+        load_ops("CPUAdamBuilder")
+
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), adamw_mode=True)
     # fused: one kernel per tensor, no full-size temporaries (on a ZeRO partition they are the
     # size of the partition); CUDA and CPU both have it
@@ -197,6 +199,40 @@ def return_freed_host_memory() -> None:
         pass
 
 
+@contextlib.contextmanager
+def _extensions_lock() -> Iterator[None]:
+    """torch's JIT loader guards an extension's build folder with a `lock` file that a process
+    killed inside it (a worker killed or preempted while starting) leaves behind, and every later
+    load waits for it forever. Our loads take an flock first, which dies with its holder: holding
+    it, a `lock` file there can only be a dead loader's, and is removed."""
+    import fcntl
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    if not os.path.isdir(root):
+        yield
+        return
+    with open(os.path.join(root, ".vitp-load-lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        for name in os.listdir(root):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(root, name, "lock"))
+        yield
+
+
+def load_ops(*builders: str) -> None:
+    """Load DeepSpeed's JIT-built CPU ops (e.g. ShareMemCommBuilder, CPUAdamBuilder) under
+    `_extensions_lock`; DeepSpeed keeps them per process, so its own later loads take no lock."""
+    import_deepspeed()
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    with _extensions_lock():
+        for name in builders:
+            builder = get_accelerator().create_op_builder(name)
+            if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+                builder.load(verbose=False)
+
+
 def init_distributed(use_gpu: bool) -> None:
     """Join (or create) the process group DeepSpeed uses.
 
@@ -204,6 +240,7 @@ def init_distributed(use_gpu: bool) -> None:
     benchmark, a debug session — we make a world of one on 127.0.0.1.
     """
     deepspeed = import_deepspeed()
+    load_ops("ShareMemCommBuilder")  # DeepSpeed's comm layer loads it, outside any lock of ours
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # DeepSpeed's own comm layer wraps the existing group (deepspeed.initialize would do the
         # same; zero.Init, which runs before it, needs it to see the real world size)

@@ -36,6 +36,19 @@ def report_metrics(metrics: dict[str, Any]) -> None:
     ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
 
 
+def commit_metrics(path: str) -> dict[str, float]:
+    """The commit metrics of the complete checkpoint at `path`, from its markers: for a resume from
+    a checkpoint whose commit the killed attempt had no time to log."""
+    world = int(ckpt.read_meta(path)["world_size"])
+    marks = [storage.read_json(storage.join(path, "complete", f"rank_{r:05d}.json")) for r in range(world)]
+    if any("upload_s" not in m for m in marks):
+        return {}  # written in place, not uploaded
+    upload = max(m["upload_s"] for m in marks)
+    mb = sum(sum(m["files"].values()) for m in marks) / 1e6
+    return {"perf/ckpt_upload_s": upload, "perf/ckpt_commit_s": max(m["committed"] - m["started"] for m in marks),
+            "perf/ckpt_write_mb_s": mb / max(upload, 1e-9)}
+
+
 def _shared(value):
     """Rank 0's `value` on every rank (a collective)."""
     import torch
@@ -127,8 +140,10 @@ class CheckpointWriter:
                 t0 = time.perf_counter()
                 dest = storage.join(self.run_dir, dir_name)
                 storage.upload_dir(local, dest)
-                ckpt.write_marker(dest, marker)  # last: now this rank's part counts
                 up.upload_s, up.committed = time.perf_counter() - t0, time.time()
+                # last: now this rank's part counts (with its times: a resume logs a commit it missed)
+                ckpt.write_marker(dest, {**marker, "started": up.started, "upload_s": up.upload_s,
+                                         "committed": up.committed})
                 storage.rmtree(local, self.staging)
                 fs, inner = storage.filesystem(dest)
                 return ray.train.Checkpoint(inner, filesystem=fs)

@@ -30,7 +30,7 @@ from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .restore import load as load_checkpoint, node_copy
 from .sysmetrics import SystemSampler
-from .uploads import CheckpointWriter, report_metrics
+from .uploads import CheckpointWriter, commit_metrics, report_metrics
 
 log = get_logger(__name__)
 
@@ -148,7 +148,8 @@ def _node() -> str:
 
 def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
     """The training state to go on from and the seconds its restore took (None: fresh), the data
-    position brought to the world running now. The newest checkpoint in storage whose markers are
+    position brought to the world running now; rank 0 logs the restored checkpoint's commit if the
+    attempt that wrote it had no time to. The newest checkpoint in storage whose markers are
     all present: a worker killed inside an upload, or after it but before Ray registered the
     checkpoint, leaves a newer one than Ray knows of, or an incomplete one that is never picked."""
     cfg, state, t0 = r.cfg, ckpt.TrainState(), time.perf_counter()
@@ -160,6 +161,8 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")
         r.say(f"resumed from {where} at step {state.step} ({time.perf_counter() - t0:.1f} s to restore)")
+        if r.logger and r.logger.last_step_of("perf/ckpt_upload_s") < state.step:
+            r.logger.log_metrics(commit_metrics(where), step=state.step)
     elif cfg.train.resume == "must":
         raise RuntimeError(
             f"train.resume='must' but run {cfg.run_name!r} has no checkpoint in storage: "
