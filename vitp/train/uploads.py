@@ -1,14 +1,7 @@
-"""Checkpoints that upload while training goes on (a Train worker's side of them).
-
-Training blocks only for the snapshot: every rank writes its part into a staging directory on its
-node's disk and reports it to Ray Train in its asynchronous upload mode, with our upload function,
-which copies the files to the run's storage, writes the rank's completion marker after them, and
-only then removes the staged copy. A checkpoint therefore counts (checkpoint.verify) only once every
-rank's upload has finished; a rank killed mid-upload leaves the previous one as the newest complete.
-
-One upload in flight per rank: a checkpoint that falls due while the previous one still uploads
-waits for it (so checkpoints land at the steps the config names, and a slow store is said, not
-hidden); a preemption checkpoint also waits for its own upload (worker.py).
+"""Checkpoints that upload while training goes on: a rank's snapshot, staged on its node, is
+reported in Ray Train's asynchronous mode with our upload function, which writes the rank's marker
+after its files and only then removes the staged copy. One upload in flight per rank: a checkpoint
+due meanwhile waits for it (and says so). Rules and metrics: docs/training.md.
 """
 from __future__ import annotations
 
