@@ -32,6 +32,8 @@ def _invalid(**overrides):
     ({"optim.layer_decay": 0.0}, ["optim.layer_decay=0.0: must be > 0"]),
     ({"data.randaug_layers": -1}, ["data.randaug_layers=-1", "0..16"]),
     ({"train.label_smoothing": 1.0}, ["train.label_smoothing=1.0"]),
+    ({"train.keep_every": -1}, ["train.keep_every=-1: must be >= 0"]),
+    ({"train.keep_every": 5, "train.checkpoint_every": 0}, ["train.keep_every=5", "train.checkpoint_every=0"]),
 ])
 def test_validation_names_field_and_fix(overrides, needles):
     with pytest.raises(ConfigError) as e:
