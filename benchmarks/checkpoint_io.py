@@ -5,12 +5,12 @@ Run (from the repository root):
   # the debug model and a ViT-B/16-sized state, to the local disk and to an S3 API
   .venv/bin/python benchmarks/checkpoint_io.py --variant pico/8 --variant B/16 --dest local --dest s3
 
-What one checkpoint costs, as a Train worker pays it (train/worker.py `on_checkpoint`): a real
-DeepSpeed engine (world of one, fp32, ZeRO `--zero`, AdamW state after one step) writes its
-checkpoint into a local temporary directory with `checkpoint.save` (the "save" column), then the
-files are copied to storage with `storage.upload_dir`, the same pyarrow copy Ray Train's
-`report(checkpoint=...)` makes (the "persist" column). Blocked = save + persist; MB/s = MB over
-persist. `--dest local` persists to another local directory; `--dest s3` to an S3 HTTP API:
+What one checkpoint costs: a real DeepSpeed engine (world of one, fp32, ZeRO `--zero`, AdamW state
+after one step) writes its checkpoint into a local temporary directory with `checkpoint.save` (the
+"save" column), then the files are copied to storage with `storage.upload_dir`, the copy a Train
+worker's upload makes (the "persist" column). Blocked = save + persist is what a synchronous
+checkpoint cost; since checkpoints upload in the background (train/uploads.py), a Train worker is
+blocked for about the save only. MB/s = MB over persist. `--dest local` persists to another local directory; `--dest s3` to an S3 HTTP API:
 AWS_ENDPOINT_URL if set, else a moto server started on 127.0.0.1 for the run (in memory, so the
 figure is this machine's loopback and CPU, not a network). Median of `--repeats` checkpoints.
 
