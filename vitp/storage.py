@@ -296,9 +296,7 @@ def local_copy(path: str) -> Iterator[str]:
             pafs.copy_files(inner, target, source_filesystem=fs,
                             destination_filesystem=pafs.LocalFileSystem())
         else:
-            os.makedirs(target)
-            pafs.copy_files(inner, target, source_filesystem=fs,
-                            destination_filesystem=pafs.LocalFileSystem())
+            download_dir(path, target)
         yield target
 
 

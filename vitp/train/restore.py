@@ -127,11 +127,7 @@ def node_copy(path: str, node: str) -> Iterator[str]:
         except Exception as e:  # share the failure: the other ranks must not wait forever
             storage.rmtree(tmp, tempfile.gettempdir())
             err = f"rank {rank}: downloading {path} failed: {e}"
-    results = _all_gather((out, err))
-    errors = [e for _, e in results if e]
-    if errors:
-        raise RuntimeError(errors[0])
-    out = results[leader][0]
+    out = _from_leader(leader, out, err)
     try:
         yield out
     except BaseException:
@@ -195,11 +191,7 @@ def _load_resized(engine, directory: str, meta: dict[str, Any], load_optimizer: 
         except Exception as e:  # share the failure: the other ranks must not wait forever
             storage.rmtree(tmp, tempfile.gettempdir())  # nor leave a half-converted copy
             err = f"rank {rank}: {e}"
-    results = _all_gather((out, err))
-    errors = [e for _, e in results if e]
-    if errors:
-        raise RuntimeError(errors[0])
-    out = results[leader][0]
+    out = _from_leader(leader, out, err)
     seconds = time.perf_counter() - t0
     if rank == 0:
         log.info("checkpoint of %d ranks -> %d ranks: converted to universal in %.1f s",
@@ -242,6 +234,16 @@ def _repair_zero3_load(optimizer, universal_dir: str) -> None:
             f"{len(optimizer.param_groups)}: resume with the model and optimizer config it was saved with")
     for group, old in zip(optimizer.param_groups, saved):
         group.update({k: v for k, v in old.items() if k != "params"})
+
+
+def _from_leader(leader: int, out: Any, err: str | None) -> Any:
+    """Collective: rank `leader`'s `out` on every rank, or the first rank's `err` raised on all
+    (a failure is shared: the other ranks must not wait forever)."""
+    results = _all_gather((out, err))
+    errors = [e for _, e in results if e]
+    if errors:
+        raise RuntimeError(errors[0])
+    return results[leader][0]
 
 
 def _all_gather(obj: Any) -> list[Any]:
