@@ -14,6 +14,16 @@ blocked for about the save only. MB/s = MB over persist. `--dest local` persists
 AWS_ENDPOINT_URL if set, else a moto server started on 127.0.0.1 for the run (in memory, so the
 figure is this machine's loopback and CPU, not a network). Median of `--repeats` checkpoints.
 
+With `--train`, what a real run pays (here B/16 and L/16 states on 32 px images, so steps stay short):
+
+  .venv/bin/python benchmarks/checkpoint_io.py --train --variant B/16 --variant L/16 --dest local --dest s3
+
+runs `vitp pretrain`'s Ray Train path on the debug recipe's data (2 workers, ZeRO-2, fp32,
+`--train-steps` steps): once without checkpoints, then once per storage with a checkpoint every
+`--every` steps. Per checkpoint (median, from the run's MLflow metrics): the snapshot, the time the
+workers were blocked (waiting for the previous upload + the snapshot) and the background upload;
+over the run, images/s beside the run without checkpoints.
+
 The table is printed and appended to benchmarks/RESULTS.md (`--results PATH`, `--no-results`).
 """
 from __future__ import annotations
@@ -109,24 +119,111 @@ def measure(variant: str, zero: int, dests: dict[str, str], repeats: int) -> lis
     return rows
 
 
+def _history(client, run_id: str, key: str) -> list[float]:
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def run_rate(client, run_id: str, log_every: int) -> float:
+    """Images/s of a run over its log windows after the first (which holds the start-up): the
+    windows' images over their seconds, checkpoint pauses included."""
+    ips = _history(client, run_id, "perf/images_per_sec")[1:]
+    secs = [t * log_every for t in _history(client, run_id, "perf/step_time_s")[1:]]
+    return sum(i * s for i, s in zip(ips, secs)) / sum(secs)
+
+
+def train(variant: str, dests: dict[str, str], args: argparse.Namespace, work: str) -> list[dict]:
+    """Ray Train pre-trainings of `variant` on the debug recipe's data, as `vitp pretrain` runs them
+    (2 workers, ZeRO-2, fp32): one without checkpoints, then one per storage with a checkpoint every
+    `--every` steps. From each run's MLflow metrics: per checkpoint, the snapshot and the time the
+    workers were blocked (median), the upload; over the run, images/s."""
+    from vitp.cluster.connect import connect_ray
+    from vitp.config import Run
+    from vitp.data.commands import run_preprocess
+    from vitp.recipes import resolve
+    from vitp.tracking.store import get_client
+    from vitp.train.trainer import run_training
+
+    shards, db = os.path.join(work, "shards"), f"sqlite:///{work}/mlflow.db"
+    common = [f"data.shards={shards}", f"tracking.uri={db}", f"model.variant={variant}",
+              f"data.image_size={args.train_px}", f"data.storage_size={args.train_px + args.train_px // 4}",
+              f"train.steps={args.train_steps}", "train.log_every=5", "train.eval_every=0",
+              "parallel.zero_stage=2", "parallel.num_workers=2", "train.keep_checkpoints=1",
+              "optim.warmup_steps=1", "train.device_peak_tflops=1"]
+    cfg = resolve("debug", [f"work_dir={work}/none", *common, "train.checkpoint_every=0"])
+    connect_ray(cfg)  # first: a Ray that Ray Data started by itself would not know its address
+    if not os.path.exists(os.path.join(shards, "manifest.json")):
+        run_preprocess(cfg, log=lambda s: None)
+    client = get_client(db)
+    tag = variant.replace("/", "")
+    base = run_training(Run.of(cfg), with_val=False)
+    plain = run_rate(client, base.mlflow_run_id, 5)
+    print(f"{variant} without checkpoints: {plain:.1f} images/s", flush=True)
+    rows = []
+    for name, dest in dests.items():
+        c = resolve("debug", [f"work_dir={dest}/{tag}", *common, f"train.checkpoint_every={args.every}",
+                              f"tracking.run_name=ckpt-{tag}-{name}"])
+        res = run_training(Run.of(c), with_val=False)
+        h = {k: _history(client, res.mlflow_run_id, f"perf/ckpt_{k}") for k in ("mb", "save_s", "blocked_s", "upload_s")}
+        rate = run_rate(client, res.mlflow_run_id, 5)
+        row = {"variant": variant, "dest": name, "checkpoints": len(h["mb"]), "mb": statistics.median(h["mb"]),
+               **{k: statistics.median(v) for k, v in h.items() if k != "mb"}, "ips": rate, "ips_plain": plain}
+        rows.append(row)
+        print(f"{variant} -> {name}: {row['checkpoints']} checkpoints of {row['mb']:.0f} MB, snapshot "
+              f"{row['save_s']:.2f} s, blocked {row['blocked_s']:.2f} s, upload {row['upload_s']:.2f} s; "
+              f"{rate:.1f} images/s ({rate / plain:.3f}x without checkpoints)", flush=True)
+    return rows
+
+
+def train_table(rows: list[dict]) -> str:
+    local = {r["variant"]: r["save_s"] for r in rows if r["dest"] == "local"}
+    lines = ["| variant | storage | checkpoints | MB | snapshot s | blocked s | blocked / local snapshot | "
+             "upload s | images/s | without checkpoints | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = local.get(r["variant"])
+        lines.append(f"| {r['variant']} | {r['dest']} | {r['checkpoints']} | {r['mb']:.0f} | {r['save_s']:.2f} | "
+                     f"{r['blocked_s']:.2f} | {r['blocked_s'] / ref:.2f}x | {r['upload_s']:.2f} | {r['ips']:.1f} | "
+                     f"{r['ips_plain']:.1f} | {r['ips'] / r['ips_plain']:.3f} |" if ref else "")
+    return "\n".join(line for line in lines if line)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", action="append", help="model variant (repeatable; default pico/8)")
     ap.add_argument("--dest", action="append", choices=["local", "s3"], help="storage (repeatable; default both)")
     ap.add_argument("--zero", type=int, default=0, help="ZeRO stage of the engine (default 0)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--train", action="store_true",
+                    help="measure Ray Train pre-trainings instead (2 workers, ZeRO-2; --zero and --repeats unused)")
+    ap.add_argument("--train-steps", type=int, default=60, help="steps of each --train run")
+    ap.add_argument("--every", type=int, default=20, help="--train: a checkpoint every this many steps")
+    ap.add_argument("--train-px", type=int, default=32, help="--train: image size (the state is the variant's)")
     add_results_args(ap)
     args = ap.parse_args()
     variants, dest_kinds = args.variant or ["pico/8"], args.dest or ["local", "s3"]
+    if args.train:
+        from vitp.console import log_env, quiet_env
+
+        os.environ.update({**quiet_env(), **log_env()})
     moto = _moto() if "s3" in dest_kinds else None
     tmp = tempfile.mkdtemp(prefix="ckpt-bench-store-")
     try:
         dests = {k: os.path.join(tmp, "store") if k == "local" else _bucket() for k in dest_kinds}
-        rows = [r for v in variants for r in measure(v, args.zero, dests, args.repeats)]
+        if args.train:
+            rows = [r for v in variants for r in train(v, dests, args, tmp)]
+        else:
+            rows = [r for v in variants for r in measure(v, args.zero, dests, args.repeats)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if moto:
             moto.terminate()
+    if args.train:
+        table = train_table(rows)
+        print(table)
+        append_result(args.results, "Checkpoints during Ray Train runs (`benchmarks/checkpoint_io.py --train`)", table,
+                      notes="blocked = the slowest rank's wait for the previous upload + its snapshot, per "
+                            "checkpoint (median); upload runs in the background; images/s over the log windows "
+                            "after the first, checkpoint pauses included; s3 = moto on 127.0.0.1.")
+        return 0
     table = "\n".join(["| variant | ZeRO | params | storage | MB | save s | persist s | MB/s | blocked s |",
                        "|---|---|---|---|---|---|---|---|---|"] +
                       [f"| {r['variant']} | {r['zero']} | {r['params'] / 1e6:.1f}M | {r['dest']} | {r['mb']:.1f} | "

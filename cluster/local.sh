@@ -5,6 +5,8 @@
 #                          [--state-dir DIR] [--fake-autoscaling CONFIG]
 #   cluster/local.sh stop   [--port P | --state-dir DIR]
 #   cluster/local.sh status [--port P | --state-dir DIR]
+#   cluster/local.sh add-node  [--port P | --state-dir DIR]      (one more worker node joins)
+#   cluster/local.sh kill-node I [--port P | --state-dir DIR]    (SIGKILL all of node I: a lost VM)
 #
 # Every node runs `ray start --block` in its own process group, recorded in DIR/pids; `stop` ends
 # exactly those groups (never `ray stop`, which would kill every Ray on the machine).
@@ -30,7 +32,9 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PYTHON")"
 
 cmd="${1:-}"; shift || true
-case "$cmd" in -h|--help) sed -n '2,22p' "$0"; exit 0 ;; esac
+case "$cmd" in -h|--help) sed -n '2,24p' "$0"; exit 0 ;; esac
+node_index=""
+if [ "$cmd" = kill-node ]; then node_index="${1:-}"; shift || true; fi
 workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90; autoscaling=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -42,7 +46,7 @@ while [ $# -gt 0 ]; do
     --state-dir) state_dir="$2"; shift 2 ;;
     --timeout) timeout="$2"; shift 2 ;;
     --fake-autoscaling) autoscaling="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "cluster/local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -150,6 +154,28 @@ node_dirs() {
   chmod 700 "$state_dir/node-$1"
 }
 
+node_env() {
+  # The environment every node of this cluster starts in (start, add-node).
+  export PATH="$BIN:$PATH"
+  export RAY_USAGE_STATS_ENABLED=0
+  # `stop` SIGTERMs each node's `ray start`, which first drains its node until it is idle, for up to
+  # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (Ray's default: 30 s). Ray Data's detached actors never
+  # leave, so after any job that read data every stop sat out its 20 s and ended in SIGKILL. No
+  # node here serves traffic a drain would protect: off unless the caller exports a value.
+  export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
+  if [ "$auth" = 1 ]; then
+    export RAY_AUTH_MODE=token
+    export RAY_AUTH_TOKEN_PATH="$state_dir/auth_token"
+    unset RAY_AUTH_TOKEN
+  else
+    export RAY_AUTH_MODE=disabled
+  fi
+  # Every process of every node finds this cluster by RAY_ADDRESS, as KubeRay sets it in each Ray
+  # container: Ray's state API, which Train's placement-group cleaner asks every second, otherwise
+  # scans the machine and fails with a traceback when another Ray runs beside this one.
+  export RAY_ADDRESS="127.0.0.1:$port"
+}
+
 start_cluster() {
   if [ -f "$state_dir/pids" ]; then
     echo "cluster/local.sh: a cluster is already recorded in $state_dir: run 'cluster/local.sh stop --state-dir $state_dir' first" >&2
@@ -163,27 +189,16 @@ start_cluster() {
   done
   mkdir -p "$state_dir/logs"
   chmod 700 "$state_dir"
-  export PATH="$BIN:$PATH"
-  export RAY_USAGE_STATS_ENABLED=0
-  # `stop` SIGTERMs each node's `ray start`, which first drains its node until it is idle, for up to
-  # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (Ray's default: 30 s). Ray Data's detached actors never
-  # leave, so after any job that read data every stop sat out its 20 s and ended in SIGKILL. No
-  # node here serves traffic a drain would protect: off unless the caller exports a value.
-  export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
   if [ "$auth" = 1 ]; then
     # A fresh random token per cluster, readable only by this user.
     (umask 077; "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$state_dir/auth_token")
-    export RAY_AUTH_MODE=token
-    export RAY_AUTH_TOKEN_PATH="$state_dir/auth_token"
-    unset RAY_AUTH_TOKEN
   else
-    export RAY_AUTH_MODE=disabled
     echo "cluster/local.sh: token authentication is off (pass --auth to turn it on)" >&2
   fi
-  # Every process of every node finds this cluster by RAY_ADDRESS, as KubeRay sets it in each Ray
-  # container: Ray's state API, which Train's placement-group cleaner asks every second, otherwise
-  # scans the machine and fails with a traceback when another Ray runs beside this one.
-  export RAY_ADDRESS="127.0.0.1:$port"
+  # what add-node needs to know of this cluster
+  printf 'port=%s\ndash_port=%s\nnum_cpus=%s\nauth=%s\n' "$port" "$dash_port" "$num_cpus" "$auth" \
+    > "$state_dir/settings"
+  node_env
   # Every raylet here would hand out worker ports from the same default range (10002-19999);
   # 0/0 lets the OS pick each worker's port, so nodes on one machine never collide.
   local agent_port client_port
@@ -239,9 +254,85 @@ start_cluster() {
   echo "  stop: cluster/local.sh stop --state-dir $state_dir"
 }
 
+read_settings() {
+  # The settings `start` recorded for the cluster in $state_dir (known keys only).
+  if [ ! -f "$state_dir/pids" ] || [ ! -f "$state_dir/settings" ]; then
+    echo "cluster/local.sh: no cluster recorded in $state_dir (start one first)" >&2; exit 1
+  fi
+  local key value
+  while IFS='=' read -r key value; do
+    case "$key" in
+      port) port="$value" ;; dash_port) dash_port="$value" ;;
+      num_cpus) num_cpus="$value" ;; auth) auth="$value" ;;
+    esac
+  done < "$state_dir/settings"
+}
+
+wait_joined() {
+  # wait_joined I PID: node I (its raylet's socket under its own temp dir) is alive in the GCS;
+  # gives up when PID (its `ray start` leader) has exited. (Counting nodes would not do: a killed
+  # node counts as alive until the GCS misses its heartbeats.)
+  local deadline=$((SECONDS + timeout))
+  while [ $SECONDS -lt $deadline ]; do
+    kill -0 "$2" 2>/dev/null || return 1
+    if "$PYTHON" - "$port" "$state_dir/node-$1/ray/" <<'EOF' 2>/dev/null
+import sys
+from ray._private.state import GlobalState
+from ray._raylet import GcsClientOptions
+gs = GlobalState()
+gs._initialize_global_state(GcsClientOptions.create(f"127.0.0.1:{sys.argv[1]}", None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False))
+sys.exit(0 if any(n["Alive"] and n["RayletSocketName"].startswith(sys.argv[2]) for n in gs.node_table()) else 1)
+EOF
+    then
+      return 0
+    fi
+    sleep 1
+  done
+  return 1
+}
+
+add_node() {
+  read_settings
+  node_env
+  # start_worker's new port avoids these (the head's agent and client ports need no avoiding now:
+  # they are bound)
+  local i head_pid worker_pids=() agent_port="$port" client_port="$dash_port"
+  mapfile -t worker_pids < "$state_dir/pids"
+  head_pid="${worker_pids[0]}"
+  worker_pids=("${worker_pids[@]:1}")
+  i=$((${#worker_pids[@]} + 1))  # a new index: a killed node's directories stay as they were
+  start_worker "$i"
+  write_pids
+  if ! wait_joined "$i" "${worker_pids[$((i - 1))]}"; then
+    echo "cluster/local.sh: node $i did not join within ${timeout}s; log $state_dir/logs/worker-$i.log:" >&2
+    tail -n 30 "$state_dir/logs/worker-$i.log" >&2
+    exit 1
+  fi
+  echo "node $i joined ($num_cpus CPUs, directories $state_dir/node-$i/{ray,work,tmp})"
+}
+
+kill_node() {
+  read_settings
+  local pids last
+  mapfile -t pids < "$state_dir/pids"
+  last=$((${#pids[@]} - 1))
+  case "$node_index" in
+    ''|*[!0-9]*) echo "cluster/local.sh: kill-node takes a worker node's index (1..$last; 0 is the head: use stop)" >&2; exit 2 ;;
+  esac
+  if [ "$node_index" -lt 1 ] || [ "$node_index" -gt "$last" ]; then
+    echo "cluster/local.sh: no worker node $node_index in $state_dir (1..$last; 0 is the head: use stop)" >&2
+    exit 2
+  fi
+  # Its session: raylet, object store, agents, and the workers (each in a process group of its own)
+  pkill -KILL -s "${pids[$node_index]}" 2>/dev/null || true
+  echo "node $node_index killed (session ${pids[$node_index]})"
+}
+
 case "$cmd" in
   start) start_cluster ;;
   stop) stop_cluster ;;
+  add-node) add_node ;;
+  kill-node) kill_node ;;
   status)
     if [ -f "$state_dir/pids" ]; then
       for pid in $(cat "$state_dir/pids"); do
@@ -250,5 +341,5 @@ case "$cmd" in
     else
       echo "no cluster recorded in $state_dir"
     fi ;;
-  *) echo "usage: cluster/local.sh start|stop|status [options] (see --help)" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh start|stop|status|add-node|kill-node [options] (see --help)" >&2; exit 2 ;;
 esac

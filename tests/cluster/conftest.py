@@ -64,6 +64,22 @@ class LocalCluster:
         # head first: Ray temp dir (ray/), working directory (work/) and TMPDIR (tmp/) of each node
         self.node_dirs = [self.state_dir / f"node-{i}" for i in range(workers + 1)]
 
+    def add_node(self) -> int:
+        """`cluster/local.sh add-node`: one more worker node joins; its index (node_dirs grows)."""
+        out = subprocess.run([str(LOCAL_SH), "add-node", "--state-dir", str(self.state_dir), "--timeout", "300"],
+                             capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable},
+                             timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        index = len((self.state_dir / "pids").read_text().split()) - 1
+        self.node_dirs.append(self.state_dir / f"node-{index}")
+        return index
+
+    def kill_node(self, index: int) -> None:
+        """`cluster/local.sh kill-node`: node `index`'s processes SIGKILLed at once (a lost VM)."""
+        out = subprocess.run([str(LOCAL_SH), "kill-node", str(index), "--state-dir", str(self.state_dir)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
     def stop(self, keep_logs: bool = False) -> str:
         """`cluster/local.sh stop`; returns what it printed on stderr. The nodes' logs (Ray's temp
         dirs: every worker's output) stay when `keep_logs`, for a failed test's post-mortem."""

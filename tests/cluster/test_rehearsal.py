@@ -371,6 +371,24 @@ def _wait_for(pattern: str, log: Path, proc, timeout: float = 600) -> re.Match:
     pytest.fail(f"no {pattern!r} within {timeout} s:\n{log.read_text()[-6000:]}")
 
 
+def _pretrain(rehearsal, common: list[str], settings: list[str], log: Path) -> subprocess.Popen:
+    """`vitp preprocess debug` on the cluster, then `vitp pretrain debug` started there, its output
+    in `log`."""
+    gcs = f"127.0.0.1:{rehearsal.cluster.port}"
+    r = vitp("preprocess", "debug", "--address", gcs, *sets(common), env=rehearsal.env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vitp.cli", "pretrain", "debug", "--address", gcs,
+             "--tracking-uri", rehearsal.mlflow.uri, *sets(common + settings)],
+            cwd=ROOT, env=vitp_env(rehearsal.env), stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _story(log: str) -> str:
+    """A run's output without its per-step progress lines (a failure's message would be all steps)."""
+    return "\n".join(line for line in log.splitlines() if not re.search(r"\] step \d+/", line))
+
+
 @pytest.mark.timeout(1800)
 def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehearsal, tmp_path):
     from mlflow.tracking import MlflowClient
@@ -378,20 +396,13 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
 
     from vitp import storage
 
-    env, cluster = rehearsal.env, rehearsal.cluster
+    cluster = rehearsal.cluster
     gcs = f"127.0.0.1:{cluster.port}"
     work = storage.join(rehearsal.store, "preempt")
     common = [f"work_dir={work}", f"data.shards={storage.join(work, 'shards')}",
               "tracking.run_name=preempted"]
-    r = vitp("preprocess", "debug", "--address", gcs, *sets(common), env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-
     log = tmp_path / "pretrain.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vitp.cli", "pretrain", "debug", "--address", gcs,
-             "--tracking-uri", rehearsal.mlflow.uri, *sets(common + PREEMPT_SETTINGS)],
-            cwd=ROOT, env=vitp_env(env), stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc = _pretrain(rehearsal, common, PREEMPT_SETTINGS, log)
     try:
         _wait_for(r"\[preempted\] step 1[0-9]/", log, proc)
         nodes = list_nodes(address=cluster.address, detail=True)
@@ -413,8 +424,7 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     text = log.read_text()
-    # what happened, without the per-step progress lines (a failure's message would be all steps)
-    story = "\n".join(line for line in text.splitlines() if not re.search(r"\] step \d+/", line))
+    story = _story(text)
     assert proc.returncode == 0, story[-8000:]
 
     last = re.findall(r"last checkpoint at step (\d+)", text)
@@ -439,3 +449,80 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
     assert sorted(steps) == list(range(1, 401)), "a step is missing or logged twice"
     workers = dict((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "parallel/workers"))
     assert workers[0] == 2 and workers[saved] == 1, workers  # went on with the capacity left
+
+
+NODE_LOST_SETTINGS = [
+    "parallel.num_workers=2", "parallel.min_workers=1", "parallel.cpus_per_worker=2",
+    "parallel.zero_stage=2", "parallel.global_batch=32", "parallel.micro_batch=16",
+    "parallel.grad_accum=1", "train.steps=160", "train.log_every=1", "train.eval_every=0",
+    "train.checkpoint_every=40", "train.keep_checkpoints=2", "optim.warmup_steps=5",
+]
+
+
+def _node_of_a_rank_off_the_head(cluster) -> int:
+    """The index of a worker node that runs a Train worker (its session is that node's)."""
+    from ray.util.state import list_actors
+
+    leaders = [int(p) for p in (cluster.state_dir / "pids").read_text().split()]
+    for actor in list_actors(address=cluster.address, detail=True,
+                             filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]):
+        try:
+            session = os.getsid(actor.pid)
+        except ProcessLookupError:
+            continue
+        if session in leaders[1:]:
+            return leaders.index(session)
+    raise AssertionError("no Train worker runs on a worker node")
+
+
+@pytest.mark.timeout(1200)
+def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoint(rehearsal, s3, tmp_path):
+    """A node joins (the drill before took one). An elastic two-worker run (2 CPUs each, 3 per node)
+    checkpoints into the bucket through the S3 proxy, slowed after its first checkpoint; while the
+    second uploads, the node of a rank off the head is SIGKILLed, raylet and all. Train goes on
+    with the rank left, from the first checkpoint (the newest complete one), never the partial
+    one; every step's metric is in MLflow once and the run FINISHED."""
+    from mlflow.tracking import MlflowClient
+    from ray.util.state import list_nodes
+
+    from vitp.paths import RunPaths
+    from vitp.train import checkpoint as ckpt
+
+    cluster = rehearsal.cluster
+    cluster.add_node()
+    work = storage.join(rehearsal.store, "node-lost")
+    common = [f"work_dir={work}", f"data.shards={storage.join(work, 'shards')}", "tracking.run_name=node-lost"]
+    run_dir = RunPaths.of(work).run("node-lost")
+    log = tmp_path / "pretrain.log"
+    proc = _pretrain(rehearsal, common, NODE_LOST_SETTINGS, log)
+    try:
+        _wait_for(r"checkpoint 40 committed", log, proc)
+        s3.proxy.up_rate = 50_000  # bytes/s per connection: the next upload takes seconds
+        _wait_for(r"checkpoint 80: .*uploading in the background", log, proc)
+        node = _node_of_a_rank_off_the_head(cluster)
+        partial = storage.join(run_dir, "checkpoint_00000080")
+        assert storage.exists(partial) and not ckpt.verify(partial)[0], "checkpoint 80 was not mid-upload"
+        cluster.kill_node(node)
+        s3.proxy.up_rate = 0
+        proc.wait(timeout=900)
+    finally:
+        s3.proxy.up_rate = 0
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    text = log.read_text()
+    story = _story(text)
+    assert proc.returncode == 0, story[-8000:]
+    resumed = re.findall(r"\[node-lost\] resumed from (\S+) at step (\d+)", text)
+    assert resumed and resumed[0] == (storage.join(run_dir, "checkpoint_00000040"), "40"), story[-8000:]
+
+    client = MlflowClient(rehearsal.mlflow.uri)
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                             "attributes.run_name = 'node-lost'")[0]
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 161)), "a step is missing or logged twice"
+    # went on with the workers the nodes left can hold (alone: another node; after the drill: one)
+    alive = [n for n in list_nodes(address=cluster.address, detail=True) if n.state == "ALIVE"]
+    fit = min(2, sum(int(n.resources_total.get("CPU", 0) // 2) for n in alive))
+    workers = dict((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "parallel/workers"))
+    assert workers[0] == 2 and workers[40] == fit, (workers, fit)

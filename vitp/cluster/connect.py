@@ -17,6 +17,11 @@ from ..net import free_port
 from . import output
 
 
+# Logical CPUs a local Ray has beside its Train workers' own: Train's controller and Ray Data's
+# read/augment tasks (1 CPU each) need slots there.
+READER_CPUS = 2
+
+
 @contextlib.contextmanager
 def _environ(**values: str) -> Iterator[None]:
     """os.environ with `values` set, restored afterwards."""
@@ -30,6 +35,13 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def local_cpus(cfg: ExperimentConfig) -> int:
+    """Logical CPUs of a local Ray for `cfg`: the machine's, and at least the Train workers' plus
+    READER_CPUS."""
+    p = cfg.parallel
+    return max(os.cpu_count() or 1, int(p.num_workers * p.cpus_per_worker + 0.999) + READER_CPUS)
 
 
 def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
@@ -55,8 +67,6 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
                  logging_config=logging_config, runtime_env={"env_vars": remote_env})
     else:
-        p = cfg.parallel
-        need = int(p.num_workers * p.cpus_per_worker + 0.999) + 2
         # Its address is chosen here and given to the processes it starts, which inherit this
         # environment: Ray's state API (Train's placement-group cleaner calls it every second)
         # finds the cluster by scanning the machine when RAY_ADDRESS is unset, and fails with a
@@ -67,7 +77,7 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
             # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth
             # on a local cluster, ...) are not for the user to act on
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+            ray.init(address="local", num_cpus=local_cpus(cfg), include_dashboard=False,
                      logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
     if not verbose():
         output.install()
