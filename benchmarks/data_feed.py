@@ -5,9 +5,8 @@ Run (from the repository root):
   .venv/bin/python benchmarks/data_feed.py --recipe debug --recipe demo --rounds 3
 
 For each recipe (its shards made once in a temporary directory) a local Ray sized as `vitp` sizes
-it (`connect.local_cpus`: `--reader-cpus N` sets its READER_CPUS, the logical CPUs beside the Train
-workers' own) runs
-`--rounds` rounds of two Train runs, in alternating order:
+it (`connect.local_cpus`; `--reader-cpus N` sets its READER_CPUS, the logical CPUs beside the Train
+workers' own) runs `--rounds` rounds of two Train runs, in alternating order:
 
   stream: each rank trains on its Ray Data stream as `vitp pretrain` does (RankStreams: shards read,
           decoded and augmented by Ray Data tasks while the loop trains);
@@ -19,8 +18,9 @@ loop (`run_loop`: no evaluation, no checkpoints) for `--steps` steps. Reported p
 images/s (the median of the log windows after the first, which holds the start-up), the loop's measured
 `perf/data_wait_frac` over the same windows, and the ratio stream / memory (median over rounds).
 The memory side's time to take its batches is not counted: it is what the stream side overlaps.
-"starved": how many times Ray Data logged that a dataset's share of the cluster could not run one
-of its tasks for a minute ("Cluster resources are not enough to run any task from ...").
+"starved": how many datasets Ray Data warned about: its share of the cluster could not run one of
+its tasks for `--starved-after` seconds ("Cluster resources are not enough to run any task from
+..."; Ray's own delay is a minute, longer than these runs).
 
 The table is printed and appended to benchmarks/RESULTS.md (`--results PATH`, `--no-results`).
 """
@@ -125,6 +125,7 @@ def bench_recipe(recipe: str, args: argparse.Namespace, work: str) -> list[dict]
         connect.READER_CPUS = args.reader_cpus
     cpus = connect.local_cpus(cfg)
     connect.connect_ray(cfg)  # as `vitp pretrain` starts its local Ray
+    # this Ray's session directory (no public API names it), where Ray Data writes its logs
     logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "ray-data")
     try:
         print(f"{recipe}: making the shards", flush=True)
@@ -138,8 +139,9 @@ def bench_recipe(recipe: str, args: argparse.Namespace, work: str) -> list[dict]
                       f"waiting for data {wait:.1%} of the time", flush=True)
     finally:
         ray.shutdown()
-    starved = sum(open(os.path.join(logs, f), errors="replace").read().count(STARVED)
-                  for f in os.listdir(logs)) if os.path.isdir(logs) else 0
+    # one log per dataset (ray-data.log repeats their warnings)
+    starved = sum(STARVED in open(os.path.join(logs, f), errors="replace").read()
+                  for f in os.listdir(logs) if f.startswith("ray-data-dataset_")) if os.path.isdir(logs) else 0
     med = {f: (statistics.median(r[0] for r in rows[f]), statistics.median(r[1] for r in rows[f])) for f in rows}
     ratios = [s[0] / m[0] for s, m in zip(rows["stream"], rows["memory"])]
     return [{"recipe": recipe, "variant": cfg.model.variant, "px": cfg.data.image_size,
@@ -155,11 +157,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: the recipe's)")
     ap.add_argument("--reader-cpus", type=int, default=None,
                     help="logical CPUs beside the Train workers' (default: what vitp gives a local Ray)")
+    ap.add_argument("--starved-after", type=float, default=5.0,
+                    help="seconds a dataset's share must stay too small to run one task before Ray Data "
+                         "warns (Ray's default: 60)")
     add_results_args(ap)
     args = ap.parse_args()
     from vitp.console import log_env, quiet_env
 
     os.environ.update({**quiet_env(), **log_env()})  # Ray Data's lines stay in its log files
+    # Ray Data warns of a dataset starved for a minute; these runs are shorter
+    os.environ["RAY_DATA_STARVATION_WARNING_DELAY_S"] = str(args.starved_after)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vitp-feed-") as work:
         for recipe in args.recipe or ["debug", "demo"]:

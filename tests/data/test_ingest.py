@@ -163,11 +163,18 @@ def test_each_train_worker_gets_its_own_stream_of_whole_batches(shards):
     """What Train's workers get: the streams RankStreams (the DataConfig the trainer passes Train)
     hands each rank, consumed at once as the workers do (configure() is what Train calls; no
     Train run is needed for it): each rank has whole batches for every step of the run, as host
-    and as device batches, and within an epoch no key reaches two ranks."""
+    and as device batches, and within an epoch no key reaches two ranks. Each stream may use its
+    equal part of the CPUs the Train workers leave, no more (so no stream takes them all)."""
+    import ray
+
     from vitp.train.streams import RankStreams, train_placeholder
 
     cfg, _ = shards
     streams = RankStreams(cfg.to_dict()).configure({"train": train_placeholder()}, WORLD, None, [None] * WORLD)
+    spare = ray.cluster_resources()["CPU"] - WORLD * cfg.parallel.cpus_per_worker
+    for r in range(WORLD):
+        limits = streams[r]["train"]._base_dataset.context.execution_options.resource_limits
+        assert limits.cpu == max(1, spare // WORLD) and limits.cpu * WORLD <= max(spare, WORLD)
     out: list = [None] * WORLD
 
     def consume(r):

@@ -48,7 +48,7 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     """Join the cluster at `address` (or $RAY_ADDRESS); else start a local Ray sized for `cfg`.
 
     Locally the CPU count is logical: Train's controller and Ray Data's read/augment tasks need
-    slots beside the workers, so we ask for at least workers x cpus_per_worker + 2.
+    slots beside the workers, so we ask for at least workers x cpus_per_worker + READER_CPUS.
     """
     if ray.is_initialized():
         return

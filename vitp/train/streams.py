@@ -44,11 +44,27 @@ class RankStreams(DataConfig):
             DataContext.get_current().enable_progress_bars = False
             cfg = ExperimentConfig.from_dict(self.cfg_dict)
             resume = ckpt.data_position(cfg)
+            share = reader_share(cfg, world_size)
             for r in range(world_size):
                 ds = build_train_dataset(cfg, rank=r, world=world_size, resume=resume)
-                ds.context.execution_options = self._resolve_execution_options("train")
+                options = self._resolve_execution_options("train")
+                options.resource_limits = options.resource_limits.copy(cpu=share)
+                ds.context.execution_options = options
                 out[r]["train"] = ds.iterator()
         return out
+
+
+def reader_share(cfg: ExperimentConfig, world: int) -> float:
+    """CPUs one rank's stream may use: an equal part of those the Train workers leave (at least 1).
+
+    Each stream is a Ray Data execution whose autoscaler asks for more CPUs while its reads are
+    busy, and Ray Data hands them out first come: uncapped, the first stream of a fixed-size
+    cluster took every spare CPU and another had none to run one read task on ("Cluster resources
+    are not enough to run any task", benchmarks/data_feed.py)."""
+    import ray
+
+    spare = ray.cluster_resources().get("CPU", 0.0) - world * cfg.parallel.cpus_per_worker
+    return max(1.0, float(spare // world))
 
 
 class EvalDatasetFactory:
