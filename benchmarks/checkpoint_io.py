@@ -162,7 +162,13 @@ def train(variant: str, dests: dict[str, str], args: argparse.Namespace, work: s
     for name, dest in dests.items():
         c = resolve("debug", [f"work_dir={dest}/{tag}", *common, f"train.checkpoint_every={args.every}",
                               f"tracking.run_name=ckpt-{tag}-{name}"])
-        res = run_training(Run.of(c), with_val=False)
+        try:
+            res = run_training(Run.of(c), with_val=False)
+        except Exception as e:  # e.g. Ray's memory monitor: the other rows still count
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            rows.append({"variant": variant, "dest": name, "failed": reason})
+            print(f"{variant} -> {name}: failed: {reason}", flush=True)
+            continue
         h = {k: _history(client, res.mlflow_run_id, f"perf/ckpt_{k}") for k in ("mb", "save_s", "blocked_s", "upload_s")}
         rate = run_rate(client, res.mlflow_run_id, 5)
         row = {"variant": variant, "dest": name, "checkpoints": len(h["mb"]), "mb": statistics.median(h["mb"]),
@@ -175,10 +181,13 @@ def train(variant: str, dests: dict[str, str], args: argparse.Namespace, work: s
 
 
 def train_table(rows: list[dict]) -> str:
-    local = {r["variant"]: r["save_s"] for r in rows if r["dest"] == "local"}
+    local = {r["variant"]: r["save_s"] for r in rows if r["dest"] == "local" and "failed" not in r}
     lines = ["| variant | storage | checkpoints | MB | snapshot s | blocked s | blocked / local snapshot | "
              "upload s | images/s | without checkpoints | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['variant']} | {r['dest']} | failed: {r['failed']} |" + " |" * 8)
+            continue
         ref = local.get(r["variant"])
         lines.append(f"| {r['variant']} | {r['dest']} | {r['checkpoints']} | {r['mb']:.0f} | {r['save_s']:.2f} | "
                      f"{r['blocked_s']:.2f} | {r['blocked_s'] / ref:.2f}x | {r['upload_s']:.2f} | {r['ips']:.1f} | "
