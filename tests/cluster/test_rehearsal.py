@@ -500,7 +500,9 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
         s3.proxy.up_rate = 50_000  # bytes/s per connection: the next upload takes seconds
         _wait_for(r"checkpoint 80: .*uploading in the background", log, proc)
         node = _node_of_a_rank_off_the_head(cluster)
-        partial = storage.join(run_dir, "checkpoint_00000080")
+        partial, deadline = storage.join(run_dir, "checkpoint_00000080"), time.time() + 60
+        while not storage.exists(partial) and time.time() < deadline:  # its first file to land
+            time.sleep(0.2)
         assert storage.exists(partial) and not ckpt.verify(partial)[0], "checkpoint 80 was not mid-upload"
         cluster.kill_node(node)
         s3.proxy.up_rate = 0
