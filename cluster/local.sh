@@ -103,20 +103,23 @@ stop_cluster() {
 }
 
 wait_nodes() {
-  # wait_nodes WANT [PID...]: ready = the GCS reports WANT nodes alive. (The head's job agent can
-  # come up a few seconds later; `vitp submit` retries while the cluster answers "No available
-  # agent".) Gives up at once when one of the PIDs (nodes' `ray start` leaders) has exited.
-  local want="$1" deadline=$((SECONDS + timeout)) pid
-  shift
+  # wait_nodes WANT PREFIX [PID...]: ready = the GCS reports WANT nodes alive, counting only those
+  # whose raylet socket lies under PREFIX when it is not empty (a node's own temp dir: counting all
+  # would not do after a kill-node, since a killed node counts as alive until the GCS misses its
+  # heartbeats). (The head's job agent can come up a few seconds later; `vitp submit` retries
+  # while the cluster answers "No available agent".) Gives up at once when one of the PIDs
+  # (nodes' `ray start` leaders) has exited.
+  local want="$1" prefix="$2" deadline=$((SECONDS + timeout)) pid
+  shift 2
   while [ $SECONDS -lt $deadline ]; do
     for pid in "$@"; do kill -0 "$pid" 2>/dev/null || return 1; done
-    if "$PYTHON" - "$port" "$want" <<'EOF' 2>/dev/null
-import sys, ray
+    if "$PYTHON" - "$port" "$want" "$prefix" <<'EOF' 2>/dev/null
+import sys
 from ray._private.state import GlobalState
 from ray._raylet import GcsClientOptions
 gs = GlobalState()
 gs._initialize_global_state(GcsClientOptions.create(f"127.0.0.1:{sys.argv[1]}", None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False))
-alive = [n for n in gs.node_table() if n["Alive"]]
+alive = [n for n in gs.node_table() if n["Alive"] and n["RayletSocketName"].startswith(sys.argv[3])]
 sys.exit(0 if len(alive) >= int(sys.argv[2]) else 1)
 EOF
     then
@@ -218,14 +221,14 @@ start_cluster() {
     ${head_extra[@]+"${head_extra[@]}"} > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
   head_pid=$!
   write_pids
-  if ! wait_nodes 1 "$head_pid"; then
+  if ! wait_nodes 1 "" "$head_pid"; then
     echo "cluster/local.sh: head did not come up (it exited, or not within ${timeout}s); log $state_dir/logs/head.log:" >&2
     tail -n 30 "$state_dir/logs/head.log" >&2
     stop_cluster >&2; exit 1
   fi
   for i in $(seq 1 "$workers"); do start_worker "$i"; done
   write_pids
-  if ! wait_nodes $((workers + 1)) ${worker_pids[@]+"${worker_pids[@]}"}; then
+  if ! wait_nodes $((workers + 1)) "" ${worker_pids[@]+"${worker_pids[@]}"}; then
     # A joining `ray start` gives up when its raylet takes over 30 s to register (a limit fixed
     # in Ray), which a loaded machine can hit: start such a node once more before failing.
     local retried=0
@@ -238,7 +241,7 @@ start_cluster() {
       fi
     done
     write_pids
-    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)) ${worker_pids[@]+"${worker_pids[@]}"}; then
+    if [ "$retried" = 0 ] || ! wait_nodes $((workers + 1)) "" ${worker_pids[@]+"${worker_pids[@]}"}; then
       echo "cluster/local.sh: only some of the $((workers + 1)) nodes joined within ${timeout}s; logs in $state_dir/logs" >&2
       tail -n 30 "$state_dir"/logs/worker-*.log >&2
       stop_cluster >&2; exit 1
@@ -268,29 +271,6 @@ read_settings() {
   done < "$state_dir/settings"
 }
 
-wait_joined() {
-  # wait_joined I PID: node I (its raylet's socket under its own temp dir) is alive in the GCS;
-  # gives up when PID (its `ray start` leader) has exited. (Counting nodes would not do: a killed
-  # node counts as alive until the GCS misses its heartbeats.)
-  local deadline=$((SECONDS + timeout))
-  while [ $SECONDS -lt $deadline ]; do
-    kill -0 "$2" 2>/dev/null || return 1
-    if "$PYTHON" - "$port" "$state_dir/node-$1/ray/" <<'EOF' 2>/dev/null
-import sys
-from ray._private.state import GlobalState
-from ray._raylet import GcsClientOptions
-gs = GlobalState()
-gs._initialize_global_state(GcsClientOptions.create(f"127.0.0.1:{sys.argv[1]}", None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False))
-sys.exit(0 if any(n["Alive"] and n["RayletSocketName"].startswith(sys.argv[2]) for n in gs.node_table()) else 1)
-EOF
-    then
-      return 0
-    fi
-    sleep 1
-  done
-  return 1
-}
-
 add_node() {
   read_settings
   node_env
@@ -303,7 +283,7 @@ add_node() {
   i=$((${#worker_pids[@]} + 1))  # a new index: a killed node's directories stay as they were
   start_worker "$i"
   write_pids
-  if ! wait_joined "$i" "${worker_pids[$((i - 1))]}"; then
+  if ! wait_nodes 1 "$state_dir/node-$i/ray/" "${worker_pids[$((i - 1))]}"; then
     echo "cluster/local.sh: node $i did not join within ${timeout}s; log $state_dir/logs/worker-$i.log:" >&2
     tail -n 30 "$state_dir/logs/worker-$i.log" >&2
     exit 1
