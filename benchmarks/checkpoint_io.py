@@ -11,8 +11,8 @@ after one step) writes its checkpoint into a local temporary directory with `che
 worker's upload makes (the "persist" column). Blocked = save + persist is what a synchronous
 checkpoint cost; since checkpoints upload in the background (train/uploads.py), a Train worker is
 blocked for about the save only. MB/s = MB over persist. `--dest local` persists to another local directory; `--dest s3` to an S3 HTTP API:
-AWS_ENDPOINT_URL if set, else a moto server started on 127.0.0.1 for the run (in memory, so the
-figure is this machine's loopback and CPU, not a network). Median of `--repeats` checkpoints.
+AWS_ENDPOINT_URL if set, else a moto server started on 127.0.0.1 for the run (benchmarks/s3_disk_server.py:
+objects in temporary files, so the figure is this machine's loopback, disk and CPU, not a network). Median of `--repeats` checkpoints.
 
 With `--train`, what a real run pays (here B/16 and L/16 states on 32 px images, so steps stay short):
 
@@ -54,9 +54,10 @@ def _moto() -> subprocess.Popen | None:
     from vitp.net import free_port
 
     port = free_port()
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H",
-                             "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # moto, its multipart uploads completed on disk: an L/16 checkpoint does not fit in memory twice
+    server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3_disk_server.py")
+    proc = subprocess.Popen([sys.executable, server, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
                       AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     for _ in range(300):

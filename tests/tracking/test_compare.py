@@ -16,7 +16,7 @@ from vitp.tracking.compare import (
     sweep_parents,
 )
 from vitp.tracking.plots import log_plot_to_parent, plot_compare
-from vitp.tune.sweep import best_trials
+from vitp.tune.outcome import best_trials
 
 CKPT = "/work/ckpt/pretrain-pico8-synthetic/checkpoint_000003"
 

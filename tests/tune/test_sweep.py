@@ -1,5 +1,6 @@
 """Sweeps: Ray Tune over fine-tuning trials, MLflow parent/child runs on a real server,
-driver kill + --resume (and a resume after every trial had finished), a failing grid point, ASHA."""
+driver kill + --resume (and a resume after every trial had finished), a failing grid point, ASHA,
+an Optuna search over distributions."""
 import os
 import signal
 import subprocess
@@ -267,3 +268,38 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
     assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
     tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
     assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "10")
+
+
+@pytest.mark.e2e
+def test_an_optuna_search_draws_from_distributions_and_a_conditional_key(tmp_path, server, ray_session,
+                                                                          digits_shards):
+    """Optuna's TPE over a log-uniform learning rate, an optimizer choice and a momentum that
+    depends on it: each trial's logged config holds the values drawn for it, within their ranges,
+    the conditional one by its optimizer's case; the parent records the search and its seed."""
+    from vitp.tracking.store import get_client
+
+    args = ["sweep", "debug_finetune", "--name", "s-tpe", f"--set=work_dir={_work(tmp_path, digits_shards)}",
+            "--tracking-uri", server.uri, "--search", "optuna", "--set=tune.num_samples=3",
+            "--set=tune.startup_trials=2", "--set=tune.seed=3", "--set=tune.max_concurrent_trials=2",
+            "--space", "optim.lr=loguniform(1e-3,0.3)", "--space", "optim.name=sgd,adamw",
+            "--space", "optim.momentum=when(optim.name, {'sgd': uniform(0.5, 0.9), 'adamw': 0.9})",
+            "--set=train.steps=20", "--set=train.eval_every=10", "--set=train.log_every=10",
+            "--set=parallel.num_workers=1"]
+    proc = _vitp(args, _env(ray_session))
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    client = get_client(server.uri)
+    runs = _children(server.uri, "s-tpe")
+    assert len(runs) == 3 and {r["status"] for r in runs} == {"FINISHED"}, runs
+    drawn = []
+    for r in runs:
+        run = client.get_run(r["run_id"])
+        params = run.data.params
+        lr, name, momentum = float(params["optim.lr"]), params["optim.name"], float(params["optim.momentum"])
+        assert 1e-3 <= lr <= 0.3 and name in ("sgd", "adamw"), params
+        assert (0.5 <= momentum <= 0.9) if name == "sgd" else momentum == 0.9, params
+        assert r["run_name"].endswith("-t" + run.data.tags["trial_id"]), r["run_name"]  # two equal draws: two runs
+        drawn.append(lr)
+    assert len(set(drawn)) == 3, drawn
+    (parent,) = client.search_runs([run.info.experiment_id], "attributes.run_name = 'sweep-s-tpe'")
+    assert (parent.data.params["sweep.search"], parent.data.params["sweep.seed"]) == ("optuna", "3")

@@ -12,7 +12,7 @@ from vitp.model.vit import ViT
 from vitp.model.weights import write_export
 from vitp.recipes import overrides_for, resolve, with_overrides
 from vitp.train.transfer import finetune_config
-from vitp.tune.sweep import _grid, build_spec, dataset_configs, trial_config
+from vitp.tune.sweep import _probes, build_spec, dataset_configs, trial_config
 
 
 @pytest.fixture
@@ -117,12 +117,12 @@ def test_recipe_prefixed_overrides_reach_that_datasets_trials_only(tmp_path):
             "finetune_pets:train.steps=5"]
     base = with_overrides("finetune_cifar10", overrides_for("finetune_cifar10", sets))  # as `vitp sweep` does
     spec = build_spec("t", base, "finetune_cifar10", sets, recipes=["finetune_cifar10", "finetune_pets"])
-    trials = {t["recipe"]: trial_config(spec, t)[0] for t in _grid(spec)}
+    trials = {t["recipe"]: trial_config(spec, t)[0] for t in _probes(spec)}
     assert set(trials) == {"finetune_cifar10", "finetune_pets"}  # one learning rate, two datasets
     assert (trials["finetune_pets"].data.path, trials["finetune_pets"].train.steps) == (f"{tmp_path}/pets", 5)
     assert (trials["finetune_cifar10"].data.path, trials["finetune_cifar10"].train.steps) == (f"{tmp_path}/c10", 7)
     restored = type(spec)(**{k: v for k, v in spec.to_dict().items() if k != "configs"})
-    assert trial_config(restored, _grid(spec)[1])[0].to_dict() == trial_config(spec, _grid(spec)[1])[0].to_dict()
+    assert trial_config(restored, _probes(spec)[1])[0].to_dict() == trial_config(spec, _probes(spec)[1])[0].to_dict()
     with pytest.raises(ConfigError, match=r"finetune_flowers:train.steps=5: the sweep runs no recipe "
                                           r"'finetune_flowers'; its recipes: finetune_cifar10, finetune_pets"):
         build_spec("t", base, "finetune_cifar10", ["finetune_flowers:train.steps=5"],
@@ -140,7 +140,7 @@ def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, expo
     points.append({"recipe": "demo_finetune", "data.train_fraction": 1.0, "train.seed": 0})
     spec = build_spec("s", base, "demo_fractals", [], changes={"work_dir": str(tmp_path)},
                       sources=[export_dir, "scratch"], points=points)
-    trials = _grid(spec)
+    trials = _probes(spec)
     assert len(trials) == 6
     assert sorted((t["recipe"], t["train.seed"], t["source"]) for t in trials) == sorted(
         (p["recipe"], p["train.seed"], s) for p in points for s in (export_dir, "scratch"))
@@ -169,7 +169,7 @@ def test_a_sweep_of_an_experiment_file_in_a_folder_names_its_trials_by_the_files
     exp.write_text(f"recipe: debug_finetune\nwork_dir: {tmp_path}/w\ntrain: {{steps: 30}}\n")
     base = with_overrides(str(exp))
     spec = build_spec("s", base, str(exp), [], extra_space={"optim.lr": [0.5]})
-    (trial,) = _grid(spec)
+    (trial,) = _probes(spec)
     cfg, _ = trial_config(spec, trial)
     assert cfg.tracking.run_name == "s-lr-scratch-lr0.5" and cfg.train.steps == 30
 
@@ -184,4 +184,4 @@ def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, 
     assert spec.work_dir == str(tmp_path / "w") and spec.space["data.shards"] == [str(tmp_path / "a"),
                                                                                   str(tmp_path / "b")]
     monkeypatch.chdir("/")
-    assert {trial_config(spec, t)[0].data.shards for t in _grid(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}
+    assert {trial_config(spec, t)[0].data.shards for t in _probes(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}

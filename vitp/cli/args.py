@@ -85,6 +85,8 @@ def typed_changes(args: argparse.Namespace) -> dict[str, Any]:
         changes["tracking.uri"] = args.tracking_uri
     if getattr(args, "scheduler", None):
         changes["tune.scheduler"] = args.scheduler
+    if getattr(args, "search", None):
+        changes["tune.search"] = args.search
     return changes
 
 

@@ -282,11 +282,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     base = set_values(recipes.with_overrides(args.recipe, recipes.overrides_for(args.recipe, args.overrides)),
                       typed_changes(args))
     from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tune.space import is_expression
     from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
-    space = {}
+    space: dict = {}
     for item in args.space:
         key, _, values = item.partition("=")
+        if key not in AXES and is_expression(values):  # a distribution, e.g. loguniform(1e-4,1e-1)
+            space[key] = values.strip()
+            continue
         # sources are paths: resolved here, where the user's working directory is known
         space[key] = [(abspath(v) if key == "source" else v) if key in AXES else parse_value(key, v)
                       for v in values.split(",") if v]
@@ -316,8 +320,10 @@ def _add_sweep(sub) -> Handler:
                                       "finetune_cifar10,finetune_pets")
     p.add_argument("--from", dest="sources", action="append", default=[], type=abspath,
                    help="a source to start from (repeatable): checkpoint/export path or 'scratch'")
-    p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
-                   help="add a grid axis, e.g. --space optim.lr=0.01,0.03 (repeatable)")
+    p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2|KEY=DIST",
+                   help="add a key to the search space (repeatable): values, e.g. --space optim.lr=0.01,0.03, "
+                        "or a distribution, e.g. --space 'optim.lr=loguniform(1e-4,1e-1)'")
+    p.add_argument("--search", choices=["grid", "random", "optuna"], help="override tune.search")
     p.add_argument("--scheduler", choices=["none", "asha"], help="override tune.scheduler")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     add_tracking(p, can_disable=False)

@@ -159,9 +159,12 @@ class TrainConfig:
 class TuneConfig:
     """Ray Tune sweep over dotted config keys."""
 
-    space: dict[str, list] = field(default_factory=dict)  # e.g. {"optim.lr": [0.001, 0.003]}
-    search: Literal["grid", "random"] = "grid"  # how the space is searched
-    num_samples: int = 1  # random search draws; grid repeats
+    # per key a list ({"optim.lr": [0.001, 0.003]}) or a distribution ("loguniform(1e-4, 1e-1)"): vitp/tune/space.py
+    space: dict[str, Any] = field(default_factory=dict)
+    search: Literal["grid", "random", "optuna"] = "grid"  # grid, random or Optuna TPE (model-based)
+    num_samples: int = 1  # random/optuna: trials; grid: samples of the distributions per grid point
+    seed: int = 0  # the searcher's seed: the same seed draws the same trials
+    startup_trials: int = 5  # optuna: random trials before its model proposes
     scheduler: Literal["none", "asha"] = "none"  # asha: stop poor trials early, at evaluations
     metric: str = "val/top1"  # what the search optimises and the best trial is chosen by
     mode: Literal["max", "min"] = "max"  # whether a higher or a lower metric is better

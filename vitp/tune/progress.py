@@ -23,7 +23,7 @@ STOPPED_AT_TAG = "vitp.stopped_at_step"
 # A trial's last result key holding the user's mistake it ended on (a ConfigError or InputError
 # inside its training: e.g. a source whose weights file is damaged). Such a trial returns instead of
 # raising: Tune retries every error trial_retries times, and the same input fails the same way on
-# every attempt. Its metric is NaN (no score); sweep.summarise and SweepProgress count it as failed.
+# every attempt. Its metric is NaN (no score); outcome.summarise and SweepProgress count it as failed.
 USER_ERROR = "vitp/user_error"
 
 
@@ -44,7 +44,7 @@ class SweepProgress(Callback):
     """Prints `[sweep NAME] trial i/N ...` lines with an ETA, and marks pruned trials' runs."""
 
     def __init__(self, name: str, total: int, concurrency: int, metric: str, tracking_uri: str,
-                 experiment: str, run_name: Callable[[Mapping[str, Any]], str], scheduler: str = "none",
+                 experiment: str, run_name: Callable[[Mapping[str, Any], str], str], scheduler: str = "none",
                  planned_steps: Callable[[Mapping[str, Any]], int] | None = None,
                  log: Callable[[str], None] = _log.info):
         self.name, self.total, self.concurrency, self.metric = name, total, max(1, concurrency), metric
@@ -60,7 +60,7 @@ class SweepProgress(Callback):
         return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, log=_log.info, run_name=lambda config: "?", planned_steps=None)
+        self.__dict__.update(state, log=_log.info, run_name=lambda config, trial_id: "?", planned_steps=None)
 
     def _eta(self) -> str:
         left = self.total - self.ended
@@ -71,7 +71,7 @@ class SweepProgress(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.started[trial.trial_id] = time.time()
-        self.log(f"[sweep {self.name}] trial {trial.trial_id} started: {self.run_name(trial.config)}")
+        self.log(f"[sweep {self.name}] trial {trial.trial_id} started: {self.run_name(trial.config, trial.trial_id)}")
 
     def _end(self, trial, what: str) -> None:
         self.ended += 1
@@ -80,7 +80,7 @@ class SweepProgress(Callback):
         if took is not None:
             self.durations.append(took)
         eta = self._eta()
-        self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config)}: {what}"
+        self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config, trial.trial_id)}: {what}"
                  f"{f' in {_duration(took)}' if took is not None else ''}{f', ETA {eta}' if eta else ''}")
         # on a terminal, a bar of the sweep (the line above already says it elsewhere)
         progress(f"[sweep {self.name}] {self.ended}/{self.total} trials", self.ended, self.total,

@@ -7,7 +7,6 @@ edits only, never `--set` strings. MLflow is written only through `vitp.tracking
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -29,12 +28,14 @@ from ..names import check_name
 from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
-from ..tracking.compare import best_per_dataset
 from ..tracking.redact import is_secret_key
 from ..tracking.store import quote, tag_filters
 from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
-from .progress import USER_ERROR, SweepProgress, trial_error
+from .outcome import summarise
+from .progress import USER_ERROR, SweepProgress
+from .search import check_search, fold_cases, param_space, search_algorithm
+from .space import Dist, grid_size, parse_space, probe_trials
 
 _log = get_logger(__name__)
 
@@ -48,7 +49,7 @@ class SweepSpec:
     name: str
     base_recipe: str
     overrides: list[str]  # the user's --set text, kept for the record (MLflow param sweep.overrides)
-    space: dict[str, list]
+    space: dict[str, Any]  # key -> list of values or a distribution's text (space.py)
     # explicit trial points, each crossed with `space`: {key: value} dicts (config keys or AXES),
     # for designs a grid cannot express (e.g. 3 seeds at one data fraction, 1 at the others)
     points: list[dict[str, Any]] = field(default_factory=list)
@@ -57,6 +58,8 @@ class SweepSpec:
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     search: str = "grid"
     num_samples: int = 1
+    seed: int = 0
+    startup_trials: int = 5
     scheduler: str = "none"
     metric: str = "val/top1"
     mode: str = "max"
@@ -86,7 +89,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     before Ray starts); trials take their Run as resolved (Run.of) and do not validate again.
     """
     check_name("--name", name)  # <work_dir>/sweeps/<name>, the MLflow parent run
-    space: dict[str, list] = {k: list(v) for k, v in base.tune.space.items()}
+    space: dict[str, Any] = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in base.tune.space.items()}
     space.update(extra_space or {})
     if recipes:
         unknown = [r for r in recipes if r not in RECIPES]
@@ -98,8 +101,9 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     for key, values in space.items():
         if key not in AXES:
             field_type(key)  # unknown keys fail here, before Ray starts
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"tune.space[{key!r}] must be a non-empty list, got {values!r}")
+        if (key in AXES or key in PATH_KEYS) and not isinstance(values, list):
+            raise ConfigError(f"tune.space[{key!r}] takes a list of values (paths are not sampled), got {values!r}")
+    check_search(base.tune.search, parse_space(space), points or [])
     points = [dict(p) for p in points or []]
     for point in points:
         for key in point:
@@ -126,11 +130,12 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
         configs[recipe] = absolute_paths(cfg).to_dict()
     t = base.tune
     spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
-                     space=space, points=points, search=t.search, num_samples=t.num_samples, scheduler=t.scheduler,
+                     space=space, points=points, search=t.search, num_samples=t.num_samples, seed=t.seed,
+                     startup_trials=t.startup_trials, scheduler=t.scheduler,
                      metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
                      max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
-    for trial in _grid(spec):
+    for trial in _probes(spec):
         try:
             validate(trial_config(spec, trial)[0])
         except ConfigError as e:
@@ -138,12 +143,16 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     return spec
 
 
-def _grid(spec: SweepSpec) -> list[dict[str, Any]]:
-    """Every trial of a grid search (what random search draws from): each point of the space,
-    merged with each of spec.points."""
-    keys = list(spec.space)
-    grid = [dict(zip(keys, values)) for values in itertools.product(*(spec.space[k] for k in keys))]
-    return [{**g, **p} for g in grid for p in (spec.points or [{}])]
+def _probes(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The trials validation checks (space.probe_trials: every grid point, each end and the middle of
+    every range), each merged with each of spec.points."""
+    return [{**t, **p} for t in probe_trials(parse_space(spec.space)) for p in (spec.points or [{}])]
+
+
+def sampled(spec: SweepSpec) -> bool:
+    """Whether Tune draws any of the sweep's values (so two trials may draw the same ones)."""
+    return spec.search != "grid" or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
+                                        for d in parse_space(spec.space).values())
 
 
 def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
@@ -151,7 +160,7 @@ def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
     from ..data.ingest import shards_dir  # lazy: pyarrow
 
     out, seen = [], set()
-    for trial in _grid(spec):
+    for trial in _probes(spec):
         cfg, _ = trial_config(spec, trial)
         if shards_dir(cfg) not in seen:
             seen.add(shards_dir(cfg))
@@ -167,13 +176,14 @@ def config_of(spec: SweepSpec, recipe: str) -> ExperimentConfig:
     return ExperimentConfig.from_dict(spec.configs[recipe])
 
 
-def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, str]]:
+def trial_config(spec: SweepSpec, trial: dict[str, Any],
+                 trial_id: str = "") -> tuple[ExperimentConfig, dict[str, str]]:
     """One trial's fine-tuning config, by typed edits of its recipe's config (validated by
-    build_spec, not here), and its lineage tags."""
+    build_spec, not here), and its lineage tags; `trial_id` as in trial_run_name."""
     cfg = config_of(spec, trial.get("recipe", spec.base_recipe))
     values = {k: v for k, v in trial.items() if k not in AXES}
     values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
-                   "tracking.run_name": trial_run_name(spec, trial)})
+                   "tracking.run_name": trial_run_name(spec, trial, trial_id)})
     cfg = set_values(cfg, values)
     # one Train report per evaluation, so ASHA can stop a trial between evaluations
     if cfg.train.eval_every:
@@ -181,17 +191,26 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any]) -> tuple[ExperimentConf
     return finetune_config(cfg, trial.get("source", "scratch"))
 
 
-def trial_run_name(spec: SweepSpec, trial: dict[str, Any]) -> str:
-    """Stable, readable child-run name: the same trial always maps to the same name."""
+def trial_run_name(spec: SweepSpec, trial: dict[str, Any], trial_id: str = "") -> str:
+    """Stable, readable child-run name: the same trial always maps to the same name. Numbers drawn
+    from a range show 4 significant digits; where Tune draws values (sampled), the name ends with the number of
+    its Tune trial (`trial_id`), which a resumed sweep keeps, so two equal draws are two runs."""
     parts = [spec.name]
     recipe = recipe_label(trial.get("recipe", spec.base_recipe))
     parts.append(recipe.replace("finetune_", ""))
     src = trial.get("source", "scratch")
     parts.append("scratch" if src == "scratch" else "from-" + _short(src))
+    drawn = {k for k, d in parse_space(spec.space).items() if not (isinstance(d, Dist) and d.values)}
     for k in sorted(trial):
         if k not in AXES:
             v = trial[k]  # a swept path names its last two folders, as a source does
-            parts.append(f"{k.split('.')[-1]}{_short(v) if isinstance(v, str) and '/' in v else v}")
+            if isinstance(v, str) and "/" in v:
+                v = _short(v)
+            elif k in drawn and isinstance(v, float):
+                v = f"{v:.4g}"
+            parts.append(f"{k.split('.')[-1]}{v}")
+    if trial_id and sampled(spec):
+        parts.append("t" + trial_id.rsplit("_", 1)[-1])
     return "-".join(parts)
 
 
@@ -208,7 +227,7 @@ def _short(path: str) -> str:
 
 def trial_params(config: Mapping[str, Any]) -> dict[str, Any]:
     """A Tune trial's config -> the flat trial dict (its explicit point merged in)."""
-    params = {k: v for k, v in config.items() if k != "point" and not k.startswith("__")}
+    params = {k: v for k, v in fold_cases(config).items() if k != "point" and not k.startswith("__")}
     return {**params, **(config.get("point") or {})}
 
 
@@ -220,8 +239,8 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
 
     spec = SweepSpec(**spec)
-    cfg, tags = trial_config(spec, trial_params(trial))
     ctx = tune.get_context()
+    cfg, tags = trial_config(spec, trial_params(trial), ctx.get_trial_id())
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
         summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
@@ -245,14 +264,6 @@ def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
     by_cpu = cpus // (p.num_workers * p.cpus_per_worker + 1)
     by_gpu = gpus // (p.num_workers * p.gpus_per_worker) if p.use_gpu else math.inf
     return max(1, int(min(by_cpu, by_gpu)))
-
-
-def _param_space(spec: SweepSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    axes = dict(spec.space, **({"point": spec.points} if spec.points else {}))
-    for key, values in axes.items():
-        out[key] = tune.grid_search(values) if spec.search == "grid" else tune.choice(values)
-    return out
 
 
 def _parent_run_id(spec: SweepSpec) -> Optional[str]:
@@ -288,7 +299,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
-    first_trial_cfg, _ = trial_config(spec, _grid(spec)[0])
+    first_trial_cfg, _ = trial_config(spec, _probes(spec)[0])
     # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
                              run_id=_parent_run_id(spec) if resume else None,
@@ -297,7 +308,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                                    **source_tags(f"vitp sweep {spec.name}")})
     if not parent.resumed:  # a resumed parent keeps the params of the run that started it
         parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
-                           "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
+                           "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric, "sweep.seed": spec.seed,
                            "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
                            "sweep.overrides": json.dumps(spec.overrides)})
     parent.log_dict(spec.to_dict(), "sweep.json")
@@ -308,9 +319,10 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
     trainable = tune.with_resources(tune.with_parameters(
         finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), {"CPU": 0.01})
-    total = len(_grid(spec)) * spec.num_samples if spec.search == "grid" else spec.num_samples
-    progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri,
-                             spec.experiment, run_name=lambda config: trial_run_name(spec, trial_params(config)),
+    total = spec.num_samples * grid_size(parse_space(spec.space), spec.search) * (
+        len(spec.points) if spec.points and spec.search == "grid" else 1)
+    progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri, spec.experiment,
+                             run_name=lambda config, trial_id="": trial_run_name(spec, trial_params(config), trial_id),
                              scheduler=spec.scheduler, log=log,
                              planned_steps=lambda config: trial_config(spec, trial_params(config))[0].train.steps)
     t0 = time.time()
@@ -324,13 +336,14 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
             scheduler = None
             if spec.scheduler == "asha":
                 scheduler = tune.schedulers.ASHAScheduler(grace_period=1, reduction_factor=2)
-            param_space = _param_space(spec)
             tuner = tune.Tuner(
                 trainable,
-                param_space=param_space,
+                param_space=param_space(spec.space, spec.points, spec.search, spec.seed),
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                             num_samples=spec.num_samples,
-                                            max_concurrent_trials=concurrency,
+                                            search_alg=search_algorithm(
+                                                spec.space, spec.points, spec.search, spec.seed,
+                                                spec.startup_trials, spec.metric, spec.mode, concurrency),
                                             # a trial's driver is light; its process and imports
                                             # are not: the next trial reuses them
                                             reuse_actors=True),
@@ -347,43 +360,3 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     summary = summarise(spec, parent, results, time.time() - t0)
     parent.end("FINISHED")
     return summary
-
-
-def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: str = "val/top1",
-                mode: str = "max") -> dict[str, dict[str, Any]]:
-    """{dataset: {run_id, run_name, top1, source}}: the best FINISHED child of a sweep parent per dataset.
-
-    A trial's score is the best value of `metric` over its history (max or min by `mode`), the same
-    rule as the "best top-1" column of `vitp compare`; ties go to the run name that sorts first.
-    """
-    rows = []
-    for run in find_runs(tracking_uri, experiment, "attributes.status = 'FINISHED'",
-                         parent_run_id=parent_run_id, history=[metric]):
-        values = [v for _, v in run["history"][metric]]
-        if values:
-            rows.append({"dataset": run["tags"].get("dataset", "?"), "run_id": run["run_id"],
-                         "run_name": run["run_name"], "source": run["tags"].get("source", ""),
-                         "top1": max(values) if mode == "max" else min(values)})
-    return {dataset: {k: row[k] for k in ("run_id", "run_name", "top1", "source")}
-            for dataset, row in best_per_dataset(rows, key="top1", mode=mode).items()}
-
-
-def summarise(spec: SweepSpec, parent, results, seconds: float) -> dict[str, Any]:
-    """Best trial per dataset (from the MLflow children) and the failures, into the parent run."""
-    failed = [{"trial": os.path.basename(str(r.path)), "config": {k: v for k, v in (r.config or {}).items()
-                                                                 if not k.startswith("__")},
-               "error": trial_error(r.error, r.metrics)}
-              for r in results if r.error or (r.metrics or {}).get(USER_ERROR)]
-    best = best_trials(spec.tracking_uri, spec.experiment, parent.run_id, spec.metric, spec.mode)
-    name = spec.metric.replace("/", "_")
-    # a resumed sweep's parent may hold an earlier summary: log after it, so the newest is latest
-    step = parent.last_step + 1
-    for dataset, b in best.items():
-        parent.log_metrics({f"best/{dataset}/{name}": b["top1"]}, step=step)
-        parent.set_tags({f"best_trial/{dataset}": b["run_id"]})
-    parent.log_metrics({"sweep/trials": len(results), "sweep/failed": len(failed),
-                        "sweep/seconds": seconds}, step=step)
-    parent.set_tags({"failed_trials": str(len(failed))})
-    parent.log_dict({"best": best, "failed": failed}, "sweep_summary.json")
-    return {"parent_run_id": parent.run_id, "trials": len(results), "failed": failed,
-            "best": best, "seconds": seconds}
