@@ -271,26 +271,45 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
 
 
 @pytest.mark.e2e
-def test_an_optuna_search_draws_from_distributions_and_a_conditional_key(tmp_path, server, ray_session,
-                                                                          digits_shards):
+def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_study(tmp_path, server, ray_session,
+                                                                                   digits_shards):
     """Optuna's TPE over a log-uniform learning rate, an optimizer choice and a momentum that
-    depends on it: each trial's logged config holds the values drawn for it, within their ranges,
-    the conditional one by its optimizer's case; the parent records the search and its seed."""
+    depends on it, one trial at a time; the driver is killed after two trials. Resumed, the same
+    search goes on: the finished trials are not re-run and the study continues where it was (a
+    study started afresh with the same seed would propose the first trial's values again). Each
+    trial's logged config holds the values drawn for it, within their ranges, the conditional one
+    by its optimizer's case; one parent run records the search and its seed."""
     from vitp.tracking.store import get_client
 
     args = ["sweep", "debug_finetune", "--name", "s-tpe", f"--set=work_dir={_work(tmp_path, digits_shards)}",
-            "--tracking-uri", server.uri, "--search", "optuna", "--set=tune.num_samples=3",
-            "--set=tune.startup_trials=2", "--set=tune.seed=3", "--set=tune.max_concurrent_trials=2",
+            "--tracking-uri", server.uri, "--search", "optuna", "--set=tune.num_samples=4",
+            "--set=tune.startup_trials=2", "--set=tune.seed=3", "--set=tune.max_concurrent_trials=1",
             "--space", "optim.lr=loguniform(1e-3,0.3)", "--space", "optim.name=sgd,adamw",
             "--space", "optim.momentum=when(optim.name, {'sgd': uniform(0.5, 0.9), 'adamw': 0.9})",
             "--set=train.steps=20", "--set=train.eval_every=10", "--set=train.log_every=10",
             "--set=parallel.num_workers=1"]
-    proc = _vitp(args, _env(ray_session))
-    log, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, log[-4000:]
+    env, first_log = _env(ray_session), tmp_path / "first.log"
+    first = _vitp(args, env, log_path=first_log)
+    t0, done = time.time(), []
+    while time.time() - t0 < 600 and first.poll() is None and len(done) < 2:
+        done = [r for r in _children(server.uri, "s-tpe") if r["status"] == "FINISHED"]
+        time.sleep(1)
+    assert len(done) >= 2, f"two trials did not finish before the driver exited: {first_log.read_text()[-3000:]}"
+    t0 = time.time()
+    while _terminated_trials(tmp_path / "sweeps" / "s-tpe") < len(done) and time.time() - t0 < 180:
+        time.sleep(0.5)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
     client = get_client(server.uri)
+    finished_before = {r["run_id"]: client.get_run(r["run_id"]).info.end_time for r in done}
+
+    second = _vitp(args + ["--resume"], env)
+    log, _ = second.communicate(timeout=900)
+    assert second.returncode == 0, log[-4000:]
     runs = _children(server.uri, "s-tpe")
-    assert len(runs) == 3 and {r["status"] for r in runs} == {"FINISHED"}, runs
+    assert len(runs) == 4 and {r["status"] for r in runs} == {"FINISHED"}, runs
+    for run_id, end_time in finished_before.items():
+        assert client.get_run(run_id).info.end_time == end_time
     drawn = []
     for r in runs:
         run = client.get_run(r["run_id"])
@@ -300,6 +319,6 @@ def test_an_optuna_search_draws_from_distributions_and_a_conditional_key(tmp_pat
         assert (0.5 <= momentum <= 0.9) if name == "sgd" else momentum == 0.9, params
         assert r["run_name"].endswith("-t" + run.data.tags["trial_id"]), r["run_name"]  # two equal draws: two runs
         drawn.append(lr)
-    assert len(set(drawn)) == 3, drawn
+    assert len(set(drawn)) == 4, drawn
     (parent,) = client.search_runs([run.info.experiment_id], "attributes.run_name = 'sweep-s-tpe'")
     assert (parent.data.params["sweep.search"], parent.data.params["sweep.seed"]) == ("optuna", "3")
