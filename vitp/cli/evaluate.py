@@ -236,6 +236,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vitp.tracking.compare import compare_rows, format_table, sweep_parents  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.seeds import aggregate_rows, format_aggregate  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.search_curve import plot_search, search_plot_path, summary_lines, swept_keys  # lazy (mlflow)
     from vitp.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
@@ -247,11 +248,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _mark_stale(uri, args.experiment, args.stale_after)
     rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)
     print(format_aggregate(aggregate_rows(rows), args.format) if args.seeds else format_table(rows, args.format))
+    if args.sweep and args.format == "text" and not args.seeds:  # the search: best so far, best configuration
+        for line in summary_lines(rows, swept_keys(uri, sweep_parents(rows))):
+            print(line)
     if args.plot:
-        out = plot_compare(uri, rows, args.plot)
-        for parent in sweep_parents(rows):
-            log_plot_to_parent(uri, parent, out)
-        print(f"wrote {out}", file=sys.stderr)
+        plots = [plot_compare(uri, rows, args.plot)]
+        if args.sweep:
+            plots.append(plot_search(rows, search_plot_path(args.plot)))
+        for out in plots:
+            for parent in sweep_parents(rows):
+                log_plot_to_parent(uri, parent, out)
+            print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -282,7 +289,8 @@ def _add_compare(sub) -> Handler:
     p.add_argument("--seeds", action="store_true",
                    help="one row per configuration (runs that differ only in train.seed): the best "
                         "top-1 of each seed and their mean +- std")
-    p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset")
+    p.add_argument("--plot", metavar="PNG", help="also write learning curves + best top-1 per dataset (with "
+                                                 "--sweep, also PNG-search.png: best so far vs trials and time)")
     p.add_argument("--stale-after", type=float, default=600.0, metavar="SECONDS",
                    help="mark RUNNING runs without a heartbeat for this long KILLED first (0: don't)")
     return cmd_compare

@@ -191,6 +191,7 @@ def _row(tracking_uri: str, run: dict[str, Any], experiment_names: dict[str, str
         "images_per_sec": sum(v for _, v in speed) / len(speed) if speed else None,
         # A RUNNING run has no end yet: its wall time is unknown, not "so far".
         "wall_time_s": (end - start) / 1000.0 if start and end else None,
+        "start_time": start, "end_time": end,  # ms; not columns (search_curve orders trials by them)
         "status": run["status"],
         "run_name": run["run_name"],
         "params": params,  # every logged param (seeds.py groups by the swept ones); not a column

@@ -21,7 +21,7 @@ PLOT_ARTIFACT_DIR = "compare"  # where log_plot_to_parent puts the PNG inside th
 _MAX_PANEL_COLUMNS = 3
 
 
-def _figure_class():
+def figure_class():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401 - Agg, headless
         from matplotlib.figure import Figure
@@ -48,7 +48,7 @@ def plot_compare(tracking_uri: str, rows: Iterable[dict[str, Any]], path: str | 
     run, coloured by source; the best run per dataset drawn thick with a star at its best step) and a
     grouped bar chart of best top-1 per dataset and source. Rows come from compare_rows.
     """
-    Figure = _figure_class()
+    Figure = figure_class()
     rows = [r for r in rows if r.get("run_id")]
     curves = {r["run_id"]: metric_history(tracking_uri, r["run_id"], "val/top1")
               for r in rows if r.get("best_top1") is not None}
@@ -127,7 +127,7 @@ def plot_low_data(groups: Iterable[dict[str, Any]], path: str | os.PathLike,
     """Write the low-data curve PNG to `path`: per dataset, mean best top-1 (error bar: std over
     seeds, each seed a dot) vs the fraction of its train split, one line per source (`label`
     names it). Groups come from seeds.aggregate_rows."""
-    Figure = _figure_class()
+    Figure = figure_class()
     groups = [g for g in groups if g.get("train_fraction") is not None]
     datasets = sorted({g.get("dataset") or "?" for g in groups})
     fig = Figure(figsize=(5.6 * max(1, len(datasets)), 4.4), layout="constrained")
