@@ -150,8 +150,8 @@ def _probes(spec: SweepSpec) -> list[dict[str, Any]]:
 
 
 def sampled(spec: SweepSpec) -> bool:
-    """Whether Tune draws any of the sweep's values (so two trials may draw the same ones)."""
-    return spec.search != "grid" or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
+    """Whether two trials may hold the same values: Tune draws some, or repeats the grid."""
+    return spec.search != "grid" or spec.num_samples > 1 or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
                                         for d in parse_space(spec.space).values())
 
 
@@ -193,8 +193,8 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any],
 
 def trial_run_name(spec: SweepSpec, trial: dict[str, Any], trial_id: str = "") -> str:
     """Stable, readable child-run name: the same trial always maps to the same name. Numbers drawn
-    from a range show 4 significant digits; where Tune draws values (sampled), the name ends with the number of
-    its Tune trial (`trial_id`), which a resumed sweep keeps, so two equal draws are two runs."""
+    from a range show 4 significant digits; where two trials may hold the same values (sampled), the
+    name ends with its Tune trial id's counter (`trial_id`), which a resumed sweep keeps."""
     parts = [spec.name]
     recipe = recipe_label(trial.get("recipe", spec.base_recipe))
     parts.append(recipe.replace("finetune_", ""))
@@ -309,6 +309,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     if not parent.resumed:  # a resumed parent keeps the params of the run that started it
         parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
                            "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric, "sweep.seed": spec.seed,
+                           "sweep.startup_trials": spec.startup_trials,
                            "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
                            "sweep.overrides": json.dumps(spec.overrides)})
     parent.log_dict(spec.to_dict(), "sweep.json")
