@@ -150,6 +150,12 @@ def start_live_line() -> LiveLine | None:
     return _live
 
 
+def duration(seconds: float) -> str:
+    """A progress line's duration: `42s`, `3m07s`."""
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def progress(line: str, done: int, total: int, eta: str, log: Callable[[str], None] = print) -> None:
     """A progress report of the driver: the redrawn bar where there is a live line, else `line`
     through `log` (one line per report in logs and CI)."""

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Iterable
 
+from vitp.console import duration
 from vitp.tracking.compare import best_per_dataset
 from vitp.tracking.store import get_client
 
@@ -46,11 +47,6 @@ def swept_keys(tracking_uri: str, parent_run_ids: Iterable[str]) -> list[str]:
     return sorted(keys)
 
 
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 def summary_lines(rows: list[dict[str, Any]], keys: list[str]) -> list[str]:
     """What `vitp compare --sweep` prints under its table: per dataset, the best-so-far curve and
     the best trial with its swept values."""
@@ -66,7 +62,7 @@ def summary_lines(rows: list[dict[str, Any]], keys: list[str]) -> list[str]:
         values = ", ".join(f"{k}={row['params'][k]}" for k in keys if k in (row.get("params") or {}))
         lines.append(f"best configuration on {dataset}: {row['run_name']} top-1 {row['best_top1']:.4f}"
                      f"{': ' + values if values else ''} (trial {found['trials']} of {len(points)}, "
-                     f"{_duration(found['wall_s'])} into the sweep)")
+                     f"{duration(found['wall_s'])} into the sweep)")
     return lines
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ray.tune import Callback
 
-from ..console import get_logger, progress
+from ..console import duration, get_logger, progress
 from ..tracking import find_runs
 from ..tracking.store import get_client, quote
 
@@ -33,11 +33,6 @@ def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
     if (result or {}).get(USER_ERROR):
         return str(result[USER_ERROR]).splitlines()[0][:300]
     return (str(error).strip().splitlines() or ["?"])[-1][:300] if error else ""
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class SweepProgress(Callback):
@@ -67,7 +62,7 @@ class SweepProgress(Callback):
         if not self.durations or left <= 0:
             return ""
         mean = sum(self.durations) / len(self.durations)
-        return _duration(mean * left / min(self.concurrency, left))
+        return duration(mean * left / min(self.concurrency, left))
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.started[trial.trial_id] = time.time()
@@ -81,7 +76,7 @@ class SweepProgress(Callback):
             self.durations.append(took)
         eta = self._eta()
         self.log(f"[sweep {self.name}] {self.ended}/{self.total} {self.run_name(trial.config, trial.trial_id)}: {what}"
-                 f"{f' in {_duration(took)}' if took is not None else ''}{f', ETA {eta}' if eta else ''}")
+                 f"{f' in {duration(took)}' if took is not None else ''}{f', ETA {eta}' if eta else ''}")
         # on a terminal, a bar of the sweep (the line above already says it elsewhere)
         progress(f"[sweep {self.name}] {self.ended}/{self.total} trials", self.ended, self.total,
                  eta or "-", log=lambda line: None)
