@@ -1,48 +1,15 @@
-"""A real two-node local Ray cluster: the debug pre-training job through `vitp submit`, where its
-Train workers ran, its MLflow run, a failing job's exit status and error, that the nodes share
+"""A real two-node local Ray cluster: a failing job's exit status and error, that the nodes share
 no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
-and that a metric spool left on the worker node reaches MLflow through the driver, and that a real
-Train run whose rank 0 runs on the worker node and is killed before its last send loses no step."""
+that a metric spool left on the worker node reaches MLflow through the driver, and that a real
+Train run whose rank 0 runs on the worker node and is killed before its last send loses no step.
+A pre-training job through `vitp submit --follow`, one Train worker per node, its MLflow run
+FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with a worker killed."""
 import pytest
 from mlflow.tracking import MlflowClient
-
-from vitp import recipes
-from vitp.tracking import resolve_tracking_uri
 
 from .conftest import vitp
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.mark.e2e
-def test_debug_pretrain_job_succeeds_spreads_workers_and_logs_to_mlflow(two_node_cluster, tmp_path):
-    work_dir = tmp_path / "work"
-    out = vitp("submit", "jobs/debug_pretrain.yaml", "--follow", "--address", two_node_cluster.address,
-               "--set", f"work_dir={work_dir}")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    job_id = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("submitted "))
-    assert f"job {job_id} SUCCEEDED" in out.stdout
-    assert "done in" in out.stdout  # the driver's own summary came through --follow
-
-    # The run is in the MLflow store the job wrote (SQLite under work_dir), finished, with metrics.
-    cfg = recipes.resolve("debug", [f"work_dir={work_dir}"], check_paths=False)
-    client = MlflowClient(resolve_tracking_uri(cfg))
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    runs = client.search_runs([exp.experiment_id])
-    assert [r.info.run_name for r in runs] == [cfg.run_name]
-    assert runs[0].info.status == "FINISHED"
-    assert "train/loss" in runs[0].data.metrics
-
-    # Where the two Train workers ran: one on each node (Ray's state API, by the job's driver id).
-    from ray.job_submission import JobSubmissionClient
-    from ray.util.state import list_actors, list_nodes
-
-    info = JobSubmissionClient(two_node_cluster.address).get_job_info(job_id)
-    workers = list_actors(address=two_node_cluster.address, detail=True, limit=1000,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", info.driver_info.id)])
-    nodes = {n.node_id for n in list_nodes(address=two_node_cluster.address)}
-    assert len(workers) == 2, workers
-    assert {w.node_id for w in workers} == nodes and len(nodes) == 2
 
 
 def test_failing_job_makes_submit_exit_nonzero_with_the_jobs_error(two_node_cluster, tmp_path):
@@ -168,7 +135,6 @@ CHECKPOINT_EVERY, SENT_BEFORE_OUTAGE = 50, 60
 RANK0_JOB = r'''
 import functools, json, sys
 import ray, ray.train
-from vitp import recipes
 from vitp.config import Run
 from vitp.data.commands import ensure_shards
 from vitp.train.trainer import run_training
