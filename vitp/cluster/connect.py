@@ -39,9 +39,11 @@ def _environ(**values: str) -> Iterator[None]:
 
 def local_cpus(cfg: ExperimentConfig) -> int:
     """Logical CPUs of a local Ray for `cfg`: the machine's, and at least the Train workers' plus
-    READER_CPUS."""
+    READER_CPUS, times the trials a sweep was told to run at once (tune.max_concurrent_trials: each
+    trial's readers need their slots too, or its data never comes)."""
     p = cfg.parallel
-    return max(os.cpu_count() or 1, int(p.num_workers * p.cpus_per_worker + 0.999) + READER_CPUS)
+    per_run = int(p.num_workers * p.cpus_per_worker + 0.999) + READER_CPUS
+    return max(os.cpu_count() or 1, per_run * max(1, cfg.tune.max_concurrent_trials))
 
 
 def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
