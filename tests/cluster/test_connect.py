@@ -36,13 +36,3 @@ def test_a_local_ray_beside_another_is_the_one_its_processes_find(ray_session):
     assert got["found"].rsplit(":", 1)[1] == got["mine"].rsplit(":", 1)[1], got  # its own, by port
     assert got["driver_env"] is None  # the driver's environment is left as it was
 
-
-def test_a_local_ray_has_slots_for_the_readers_of_every_trial_a_sweep_runs_at_once():
-    from vitp.cluster.connect import READER_CPUS, local_cpus
-    from vitp.recipes import resolve
-
-    one = resolve("demo_fractals", ["parallel.num_workers=1", "parallel.cpus_per_worker=1"], check_paths=False)
-    assert local_cpus(one) == max(os.cpu_count() or 1, 1 + READER_CPUS)
-    two = resolve("demo_fractals", ["parallel.num_workers=1", "parallel.cpus_per_worker=1",
-                                    "tune.max_concurrent_trials=2"], check_paths=False)
-    assert local_cpus(two) == max(os.cpu_count() or 1, 2 * (1 + READER_CPUS))
