@@ -35,4 +35,3 @@ def test_a_local_ray_beside_another_is_the_one_its_processes_find(ray_session):
     assert got["mine"] != other
     assert got["found"].rsplit(":", 1)[1] == got["mine"].rsplit(":", 1)[1], got  # its own, by port
     assert got["driver_env"] is None  # the driver's environment is left as it was
-
