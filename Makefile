@@ -29,7 +29,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install browser test test-fast test-e2e test-all demo clean
+.PHONY: install browser test test-fast test-e2e test-long test-all demo clean
 
 define WARM_DS_OPS
 import vitp.train.engine  # where (the venv) and with which ninja the ops are built, as every run does
@@ -70,9 +70,10 @@ browser:
 		{ apt-get update -q && apt-get install -y -q chromium; } || \
 		{ sudo apt-get update -q && sudo apt-get install -y -q chromium; }
 
-# The default suite; the multi-minute end-to-end scenarios run in test-e2e.
+# The default suite; the multi-minute end-to-end scenarios run in test-e2e, and what tests/long.txt
+# lists (left out of both to fit CI's budgets) in test-long.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e and not long" $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop (~70 s): config, model, data decoding, storage, tracking on SQLite, CLI parsing; no
 # Ray (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow (tests on
@@ -80,8 +81,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" $(XDIST) $(PYTEST_ARGS)
 
-test-e2e: $(STAMP) browser
-	$(BIN)/python -m pytest -m "e2e and not gpu" $(PYTEST_ARGS)
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -m "e2e and not gpu and not long" $(PYTEST_ARGS)
+
+# tests/long.txt's tests (about 80 minutes on 2 cores): the unit-level ones on the xdist workers,
+# then the end-to-end ones one at a time. Run before resolving work that touches what they test.
+test-long: $(STAMP) browser
+	$(BIN)/python -m pytest -m "long and not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "long and not gpu and e2e" $(PYTEST_ARGS)
 
 test-all: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

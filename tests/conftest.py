@@ -1,12 +1,14 @@
 """Shared fixtures: one local Ray instance per pytest run (tests marked `ray` use it)."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 # the suites' helpers beside this file (netproxy, postgres, numerics, ...) import by their names
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from tiers import is_long, long_entries, stale_entries
 from vitp.net import free_port
 
 # A test that uses one of these (directly or through another fixture) starts or joins Ray: it is
@@ -19,8 +21,14 @@ SERVER_FIXTURES = {"mlflow_server"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection, which reads the marker
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    entries = long_entries()
+    stale = stale_entries(entries, [item.nodeid for item in items], config.args, config.rootpath)
+    if stale:
+        raise pytest.UsageError(f"tests/long.txt names no collected test: {', '.join(stale)} (renamed? fix the line)")
     for item in items:
+        if is_long(item.nodeid, entries):
+            item.add_marker(pytest.mark.long)
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -49,7 +57,6 @@ def pytest_collection_modifyitems_longest_files_first(items):
 def _durations() -> dict[str, float]:
     """{test id: seconds it took}, as tests/durations.py last recorded them."""
     import json
-    from pathlib import Path
 
     path = Path(__file__).with_name("durations.json")
     return json.loads(path.read_text()) if path.exists() else {}

@@ -56,3 +56,18 @@ def test_durations_replace_the_entries_of_every_file_the_logs_ran(tmp_path, monk
         "tests/test_a.py::test_kept": 13,  # setup + call
         "tests/test_a.py::test_bad[config debug --set optim.lr=nan]": 3,  # an id with spaces, whole
         "tests/test_b.py::test_not_run_this_time": 7}  # a file the log did not run keeps its entries
+
+
+def test_the_long_tier_is_what_tests_long_txt_lists():
+    """tests/long.txt's entries of a file are exactly the tests of it marked `long` (the whole
+    list's entries are checked against what each run collects, in tests/conftest.py)."""
+    from tiers import is_long, long_entries, stale_entries
+
+    probe = "tests/tune/test_sweep.py"
+    entries = [e for e in long_entries() if e.startswith(probe + "::")]
+    assert entries and {e.split("::")[1] for e in entries} == _collected("long", probe)
+    named = [f"{probe}::{name}" for name in _collected("", probe)]
+    assert stale_entries(entries, named, [probe], ROOT) == []
+    assert stale_entries([f"{probe}::test_renamed_since"], named, [probe], ROOT) == [f"{probe}::test_renamed_since"]
+    assert stale_entries([f"{probe}::test_renamed_since"], named[:1], [named[0]], ROOT) == []  # one test asked for
+    assert is_long(f"{probe}::test_x[a-b]", [f"{probe}::test_x"]) and not is_long(f"{probe}::test_xy", [f"{probe}::test_x"])

@@ -135,6 +135,7 @@ CHECKPOINT_EVERY, SENT_BEFORE_OUTAGE = 50, 60
 RANK0_JOB = r'''
 import functools, json, sys
 import ray, ray.train
+from vitp import recipes
 from vitp.config import Run
 from vitp.data.commands import ensure_shards
 from vitp.train.trainer import run_training

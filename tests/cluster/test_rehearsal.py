@@ -40,11 +40,12 @@ PRETRAIN = DATA + [
     "parallel.num_workers=2", "parallel.cpus_per_worker=2", "parallel.use_gpu=false",
     "parallel.gpus_per_worker=0", "parallel.global_batch=32", "parallel.micro_batch=16",
     "parallel.grad_accum=1", "parallel.precision=fp32", "parallel.zero_stage=2",
-    "train.steps=40", "train.log_every=2", "train.eval_every=10", "train.checkpoint_every=20",
+    "train.steps=60", "train.log_every=2", "train.eval_every=10", "train.checkpoint_every=20",
     "train.keep_checkpoints=2", "optim.warmup_steps=5",
 ]
-# The kill lands after step CHECKPOINT_EVERY + 2 (the checkpoint at CHECKPOINT_EVERY complete in
-# the bucket) with most of the way to the next checkpoint left: resume is from the bucket's.
+# The kill lands after step CHECKPOINT_EVERY + 2 once the checkpoint at CHECKPOINT_EVERY is
+# committed in the bucket (its upload runs beside training), with steps left to the run's end:
+# resume is from the bucket's.
 CHECKPOINT_EVERY = 20
 FINETUNE = ["data.image_size=32", "data.storage_size=32", "data.shard_mb=4",
             "parallel.num_workers=1", "parallel.cpus_per_worker=1", "parallel.use_gpu=false",
@@ -187,9 +188,19 @@ def node_files(dirs: list[Path], patterns=LOCAL_ONLY) -> list[str]:
 # --------------------------------------------------------------------------- the kill
 
 
-def wait_for_progress(client, run_name: str, store_keys, min_step: int, job, timeout=600):
-    """The MLflow run `run_name` once it logged train/loss at >= min_step with a checkpoint in
-    the bucket; fails if the job ends first."""
+def committed(keys: list[str], world: int) -> bool:
+    """A checkpoint among the bucket's `keys` has every rank's completion marker: it is committed
+    (checkpoints upload in the background, so its files can be there long before that)."""
+    markers: dict[str, int] = {}
+    for k in keys:
+        if re.search(r"checkpoint_\d+/complete/rank_\d+\.json$", k):
+            markers[k.split("/complete/")[0]] = markers.get(k.split("/complete/")[0], 0) + 1
+    return any(n >= world for n in markers.values())
+
+
+def wait_for_progress(client, run_name: str, store_keys, min_step: int, job, world: int, timeout=600):
+    """The MLflow run `run_name` once it logged train/loss at >= min_step with a checkpoint of all
+    `world` ranks committed in the bucket; fails if the job ends first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert job.poll() is None, "the pre-training job ended before a worker could be killed"
@@ -197,7 +208,7 @@ def wait_for_progress(client, run_name: str, store_keys, min_step: int, job, tim
                                   f"attributes.run_name = '{run_name}'")
         if runs:
             steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
-            if steps and max(steps) >= min_step and any("checkpoint_" in k for k in store_keys()):
+            if steps and max(steps) >= min_step and committed(store_keys(), world):
                 return runs[0], steps
         time.sleep(0.5)
     pytest.fail(f"no train/loss at step {min_step} of {run_name} within {timeout}s")
@@ -269,7 +280,8 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
                            cwd=ROOT, env=vitp_env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         ckpt_keys = lambda: rehearsal.keys(vit_prefix)  # noqa: E731
-        run, before = wait_for_progress(client, pre_cfg.run_name, ckpt_keys, CHECKPOINT_EVERY + 2, job)
+        run, before = wait_for_progress(client, pre_cfg.run_name, ckpt_keys, CHECKPOINT_EVERY + 2, job,
+                                        pre_cfg.parallel.num_workers)
         log.flush()
         submission_id = re.search(r"^submitted (\S+) to ", Path(log.name).read_text(), re.M).group(1)
         pid, node = kill_train_worker_on_worker_node(address, submission_id)
