@@ -139,11 +139,13 @@ def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
 
 def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                  extra_tags: Optional[dict[str, str]] = None, parent_run_id: Optional[str] = None,
-                 callbacks: Optional[list] = None) -> TrainSummary:
+                 callbacks: Optional[list] = None, continuable: tuple[str, ...] = (),
+                 start_metrics: Optional[dict[str, float]] = None) -> TrainSummary:
     """Run (or resume, same run name) a Ray Train job for `run` (`Run.resolve(cfg)`), logged to MLflow.
 
     Re-running with the same `tracking.run_name`/recipe resumes from the newest checkpoint
-    and continues the same MLflow run; a new name starts fresh.
+    and continues the same MLflow run; a new name starts fresh. A resume may change the keys of
+    `continuable` (RunLogger.log_params); `start_metrics` are logged at the step it starts from.
     """
     if not isinstance(run, Run):
         raise TypeError(f"run_training takes a Run, not {type(run).__name__}: pass Run.resolve(cfg)")
@@ -183,7 +185,9 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                                        **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
                                        "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
                                        **(extra_tags or {})})
-        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None)
+        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None, continuable=continuable)
+        if start_metrics:
+            logger.log_metrics(start_metrics, step=meta["step"] if meta else 0)
         _log_manifest(logger, cfg)
         if (extra_tags or {}).get("source_model_id"):  # started from a registered model
             log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
