@@ -63,16 +63,16 @@ def test_each_scheduler_is_tunes_own_on_the_reported_step():
     assert scheduler_for("none", {}, 10, 50, seed=0) is None
 
 
-def _checkpoint(root, step, world=1, run_id="mlflow-x"):
+def _checkpoint(root, step, world=1, run_id="mlflow-x", attempt="a"):
     """A complete checkpoint directory as checkpoint.save leaves it (meta, a file per rank, markers)."""
     d = storage.join(str(root), ckpt.checkpoint_dir_name(step))
     storage.write_json(storage.join(d, "meta.json"), {"step": step, "world_size": world, "mlflow_run_id": run_id,
-                                                      "attempt": "a", "tag": "state"})
+                                                      "attempt": attempt, "tag": "state"})
     for r in range(world):
         storage.write_bytes(storage.join(d, "state", f"rank{r}.pt"), b"x" * (r + 1))
         files = {f"state/rank{r}.pt": r + 1, **({"meta.json": storage.size(storage.join(d, "meta.json"))}
                                               if r == 0 else {})}
-        ckpt.write_marker(d, {"rank": r, "world_size": world, "step": step, "attempt": "a", "files": files})
+        ckpt.write_marker(d, {"rank": r, "world_size": world, "step": step, "attempt": attempt, "files": files})
     return d
 
 
@@ -97,3 +97,16 @@ def test_a_restart_from_a_pointer_rewinds_to_its_own_or_adopts_anothers(tmp_path
     assert json.loads(storage.read_bytes(storage.join(copy, "complete", "rank_00000.json")))["files"][
         "meta.json"] == storage.size(storage.join(copy, "meta.json"))
     assert storage.exists(storage.join(ckpt.run_dir(cfg), "checkpoint_00000010"))  # older ones stay
+
+
+def test_a_paused_attempts_later_checkpoints_are_never_picked(tmp_path):
+    """Tune paused the trial at its checkpoint 20, but its Train run (attempt "a") lived on long
+    enough to write checkpoint 30: the restarted attempt goes on from 20, and its own 30 counts."""
+    cfg = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=b"], check_paths=False)
+    for step in (10, 20):
+        _checkpoint(ckpt.run_dir(cfg), step)
+    continue_from({"run_dir": ckpt.run_dir(cfg), "checkpoint": "checkpoint_00000020"}, cfg)
+    _checkpoint(ckpt.run_dir(cfg), 30, attempt="a")  # the paused attempt, after the restart began
+    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000020")
+    _checkpoint(ckpt.run_dir(cfg), 30, attempt="c")  # the restarted attempt's own
+    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000030")

@@ -170,16 +170,38 @@ def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
     storage, whether or not Ray registered it (a worker killed inside `report` leaves one).
     `warn(line)` is told of each newer one passed over and why."""
     root = run_dir(cfg)
-    for name in reversed(storage.listdir(root)):
+    names = storage.listdir(root)
+    fenced = storage.read_json(join(root, FENCE)) if FENCE in names else None
+    for name in reversed(names):
         if not CHECKPOINT_NAME.match(name):  # e.g. checkpoint_manager_snapshot.json
             continue
         path = join(root, name)
         ok, reason = verify(path)
+        if ok and fenced and name > fenced["from"] and read_meta(path).get("attempt") in fenced["stale_attempts"]:
+            ok, reason = False, f"written by an attempt stopped at {fenced['from']} (a paused trial's)"
         if ok:
             return path
         if warn:
             warn(f"passing over {path}: {reason}")
     return None
+
+
+FENCE = "fence.json"  # {"from": checkpoint name, "stale_attempts": [...]}: see fence()
+
+
+def fence(cfg: ExperimentConfig, name: str) -> list[str]:
+    """A restart from checkpoint `name` while the run's previous attempt may still be writing (a
+    trial Tune paused, whose Train run ends only when its controller does): checkpoints after `name`
+    by the attempts that wrote this run's checkpoints so far are never picked. Returns those attempts."""
+    root = run_dir(cfg)
+    names = storage.listdir(root) if storage.exists(root) else []
+    attempts = set(storage.read_json(join(root, FENCE))["stale_attempts"]) if FENCE in names else set()
+    for n in names:
+        if CHECKPOINT_NAME.match(n) and storage.exists(join(root, n, "meta.json")):
+            attempts.add(read_meta(join(root, n)).get("attempt"))
+    attempts.discard(None)
+    storage.write_json(join(root, FENCE), {"from": name, "stale_attempts": sorted(attempts)})
+    return sorted(attempts)
 
 
 def rewind(cfg: ExperimentConfig, name: str, inclusive: bool = False) -> list[str]:

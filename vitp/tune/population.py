@@ -51,8 +51,13 @@ class CheckpointReports(UserCallback):
         self.queue = queue
 
     def after_report(self, run_context, metrics, checkpoint):
-        self.queue.put({"metrics": dict(metrics[0]),
-                        "checkpoint": storage.basename(checkpoint.path.rstrip("/")) if checkpoint else None})
+        from ray.exceptions import RayActorError
+
+        try:
+            self.queue.put({"metrics": dict(metrics[0]),
+                            "checkpoint": storage.basename(checkpoint.path.rstrip("/")) if checkpoint else None})
+        except RayActorError:  # the trial that reads them is gone (Tune paused it): so is this run
+            os._exit(1)  # the controller; its workers end with it, its placement group is released
 
 
 def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentConfig, trial_id: str) -> Any:
@@ -153,6 +158,7 @@ def continue_from(pointer: Mapping[str, Any], cfg: ExperimentConfig) -> Optional
     checkpoints are deleted; another run's is copied in (checkpoint.adopt). Returns the copied
     checkpoint's source, or None when it was the run's own."""
     source = storage.join(pointer["run_dir"], pointer["checkpoint"])
+    ckpt.fence(cfg, pointer["checkpoint"])  # the paused attempt's later checkpoints, if it writes any
     if storage.abspath(pointer["run_dir"]) == storage.abspath(ckpt.run_dir(cfg)):
         ckpt.rewind(cfg, pointer["checkpoint"])
         return None
