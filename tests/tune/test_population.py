@@ -1,4 +1,4 @@
-"""Schedulers that pause and copy trials (PBT, HyperBand), without Ray: what PBT may perturb, what
+"""Schedulers that pause and copy trials (PBT), without Ray: what PBT may perturb, what
 the sweep edge refuses for them, how their trials are named, checkpointed and kept, Tune's
 schedulers they build, and a trial's restart from a pointer (its own checkpoint or another run's)."""
 import json
@@ -27,22 +27,24 @@ def test_pbt_perturbs_the_numeric_keys_a_run_reads_afresh_and_nothing_else():
     assert got["optim.lr"].lower == 1e-4 and got["optim.lr"].upper == 1e-1  # Tune's log-uniform domain
 
 
-def test_the_sweep_edge_refuses_what_pbt_and_hyperband_cannot_run(tmp_path):
+def test_the_sweep_edge_refuses_what_pbt_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"acts at evaluations: set train.eval_every"):
-        _spec(tmp_path, "tune.scheduler=hyperband", "train.eval_every=0")
+        _spec(tmp_path, "tune.scheduler=pbt", "train.eval_every=0")
     with pytest.raises(ConfigError, match=r"perturbation_interval=15: must be a multiple of train.eval_every=10"):
         _spec(tmp_path, "tune.scheduler=pbt", "tune.perturbation_interval=15")
     with pytest.raises(ConfigError, match=r"draws its own population: use tune.search=random or grid"):
         _spec(tmp_path, "tune.scheduler=pbt", "tune.search=optuna", space={"optim.lr": "loguniform(1e-3, 0.1)"})
     with pytest.raises(ConfigError, match=r"the space has none \(e.g. --space 'optim.lr=loguniform"):
         _spec(tmp_path, "tune.scheduler=pbt", space={"optim.name": ["sgd", "adamw"]})
-    assert _spec(tmp_path, "tune.scheduler=hyperband", space={"optim.name": ["sgd", "adamw"]}).scheduler == "hyperband"
+    with pytest.raises(ConfigError, match=r"tune.scheduler"):
+        _spec(tmp_path, "tune.scheduler=hyperband")  # not offered (docs/transfer.md)
 
 
 def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_without_values(tmp_path):
     spec = _spec(tmp_path, "tune.scheduler=pbt", "train.keep_checkpoints=2")
     cfg, _ = trial_config(spec, {"optim.lr": 0.1, "source": "scratch"}, "a1b2c_00001")
     assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (10, 0)  # any may be copied
+    assert cfg.tune.scheduler == "pbt"  # so its workers take its own values after a restore
     assert cfg.run_name == "s-debug_finetune-scratch-t00001"  # its lr changes as it goes: not in its name
     asha = _spec(tmp_path, "tune.scheduler=asha", "train.keep_checkpoints=2")
     cfg, _ = trial_config(asha, {"optim.lr": 0.1, "source": "scratch"})
@@ -51,14 +53,12 @@ def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_
 
 
 def test_each_scheduler_is_tunes_own_on_the_reported_step():
-    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
     space = {"optim.lr": [0.1, 1e-7]}
     pbt = scheduler_for("pbt", mutations(space), 10, 50, seed=0)
     assert isinstance(pbt, PopulationBasedTraining)
     assert (pbt._time_attr, pbt._perturbation_interval, pbt._hyperparam_mutations) == ("step", 10, space)
-    hb = scheduler_for("hyperband", {}, 10, 50, seed=0)
-    assert isinstance(hb, HyperBandScheduler) and (hb._time_attr, hb._max_t_attr) == ("step", 50)
     assert isinstance(scheduler_for("asha", {}, 10, 50, seed=0), ASHAScheduler)
     assert scheduler_for("none", {}, 10, 50, seed=0) is None
 

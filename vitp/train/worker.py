@@ -157,7 +157,8 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
     if where is not None:
         with node_copy(where, _node()) as d:  # one download per node from object storage
             state = load_checkpoint(r.engine, d)
-            follow_config(r.engine, cfg)  # e.g. a perturbed LR of a population-based search
+            if cfg.tune.scheduler == "pbt":  # a trial goes on with its own (perturbed) values
+                follow_config(r.engine, cfg)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")

@@ -1,5 +1,5 @@
-"""Trials whose state Tune holds (PBT and HyperBand pause trials; PBT's exploit copies one trial's
-state into another): a Train callback hands each report's checkpoint to the trial's driver, which
+"""Trials whose state Tune holds (PBT pauses trials, and its exploit copies one trial's state into
+another): a Train callback hands each report's checkpoint to the trial's driver, which
 reports it to Tune as a pointer to the run's checkpoint; a trial restarted from a pointer goes on
 from that checkpoint, another trial's copied into its own run first. Rules: docs/transfer.md."""
 from __future__ import annotations
@@ -26,8 +26,8 @@ _END = {"end": True}
 MUTABLE = ("optim.lr", "optim.weight_decay", "optim.momentum", "optim.beta1", "optim.beta2", "optim.grad_clip",
            "model.dropout", "model.attn_dropout", "model.drop_path", "data.randaug_layers",
            "data.randaug_magnitude", "train.mixup_alpha", "train.cutmix_alpha", "train.label_smoothing")
-CHECKPOINTED = ("pbt", "hyperband")
-RELEASE_EVERY_S = 5.0  # between looks for placement groups a paused trial's Train run left  # schedulers that pause trials and restore them from checkpoints
+CHECKPOINTED = ("pbt",)  # schedulers that pause trials and restore them from checkpoints
+RELEASE_EVERY_S = 5.0  # between looks for placement groups a paused trial's Train run left
 
 
 def mutations(space_values: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,8 +104,8 @@ def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentCon
 
 def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: ExperimentConfig,
                      tags: dict[str, str], parent_run_id: str, trial_id: str):
-    """A sweep trial under PBT or HyperBand (run_training's summary): restarted from a pointer, it
-    goes on from that checkpoint; under PBT another trial's, the exploit, recorded as tag
+    """A sweep trial under PBT (run_training's summary): restarted from a pointer, it
+    goes on from that checkpoint, or another trial's (the exploit), recorded as tag
     pbt.exploit.STEP, the perturbed values as params KEY.continued_at_STEP and every start's values
     as pbt/KEY metrics."""
     from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
@@ -185,16 +185,14 @@ def check_scheduler(scheduler: str, search: str, space_values: Mapping[str, Any]
 
 
 def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps: int, seed: int):
-    """Tune's scheduler `name` (asha, hyperband, pbt) for trials reporting `step` at evaluations:
-    ASHA and HyperBand stop (HyperBand also pauses) trials at rungs of `interval` steps; PBT every
+    """Tune's scheduler `name` (asha, pbt) for trials reporting `step` at evaluations: ASHA stops
+    trials at rungs of evaluations; PBT every
     `interval` steps copies an upper-quartile trial into a lower-quartile one and perturbs the
     numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25)."""
-    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
     if name == "asha":  # (as before: rungs at evaluations, Tune's own time)
         return ASHAScheduler(grace_period=1, reduction_factor=2)
-    if name == "hyperband":
-        return HyperBandScheduler(time_attr="step", max_t=max_steps, reduction_factor=2)
     if name == "pbt":
         import random
 

@@ -187,7 +187,8 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any],
     cfg = config_of(spec, trial.get("recipe", spec.base_recipe))
     values = {k: v for k, v in trial.items() if k not in AXES}
     values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
-                   "tracking.run_name": trial_run_name(spec, trial, trial_id)})
+                   "tracking.run_name": trial_run_name(spec, trial, trial_id),
+                   "tune.scheduler": spec.scheduler})  # a PBT trial's workers follow its values on restore
     cfg = set_values(cfg, values)
     # one Train report per evaluation, so ASHA can stop a trial between evaluations; with a checkpoint
     # where the scheduler pauses or copies trials (all kept: another trial may copy any of them)
