@@ -59,6 +59,7 @@ def test_each_scheduler_is_tunes_own_on_the_reported_step():
     pbt = scheduler_for("pbt", mutations(space), 10, 50, seed=0)
     assert isinstance(pbt, PopulationBasedTraining)
     assert (pbt._time_attr, pbt._perturbation_interval, pbt._hyperparam_mutations) == ("step", 10, space)
+    assert pbt._synch  # exploits between trials at the same step
     assert isinstance(scheduler_for("asha", {}, 10, 50, seed=0), ASHAScheduler)
     assert scheduler_for("none", {}, 10, 50, seed=0) is None
 

@@ -188,7 +188,8 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
     """Tune's scheduler `name` (asha, pbt) for trials reporting `step` at evaluations: ASHA stops
     trials at rungs of evaluations; PBT every
     `interval` steps copies an upper-quartile trial into a lower-quartile one and perturbs the
-    numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25)."""
+    numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25), once every trial
+    has reached that step."""
     from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
     if name == "asha":  # (as before: rungs at evaluations, Tune's own time)
@@ -197,7 +198,9 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
         import random
 
         random.seed(seed)  # PBT draws its quantile choices and factors from Python's random
+        # synch: a trial waits at each interval for the others, so an exploit copies a checkpoint of
+        # the same step (trials that share a few CPUs drift apart, and a donor far ahead would skip steps)
         return PopulationBasedTraining(time_attr="step", perturbation_interval=interval,
                                        hyperparam_mutations=dict(space), quantile_fraction=0.25,
-                                       resample_probability=0.25)
+                                       resample_probability=0.25, synch=True)
     return None
