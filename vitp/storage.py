@@ -276,6 +276,18 @@ def download_dir(src: str, local_dir: str) -> int:
     return sum(file_sizes(local_dir).values())
 
 
+def copy_dir(src: str, dest: str) -> int:
+    """Copy the files under `src` to `dest` (each a path or URI, the two may differ); returns bytes
+    copied."""
+    import pyarrow.fs as pafs
+
+    src_fs, src_inner = filesystem(src)
+    dest_fs, dest_inner = filesystem(dest)
+    dest_fs.create_dir(dest_inner, recursive=True)
+    pafs.copy_files(src_inner, dest_inner, source_filesystem=src_fs, destination_filesystem=dest_fs)
+    return sum(file_sizes(dest).values())
+
+
 @contextlib.contextmanager
 def local_copy(path: str) -> Iterator[str]:
     """A local path with the contents of `path`: the path itself when local, else a temporary

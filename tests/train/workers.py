@@ -180,3 +180,49 @@ def load_into_engine(rank, world, stage, ckpt_dirs):
         except Exception as e:  # noqa: BLE001 - the test asserts on it
             out.append(f"{type(e).__name__}: {e}")
     return out
+
+
+def exploit_run(rank, world, stage, work):
+    """PBT's exploit on real engines: run a (lr 0.002, wd 0.05) and run b (lr 0.01, wd 0.2, beta2
+    0.99) each train 4 steps with checkpoints at 2 and 4; a's checkpoint 2 is adopted into b's run,
+    loaded into a fresh engine of b's config and its hyperparameters set by follow_config."""
+    from vitp.train import checkpoint as ckpt
+    from vitp.train import restore
+    from vitp.train.engine import follow_config
+    from vitp.train.loop import LoopHooks, build_model_and_engine, run_loop
+
+    def train(name, extra):
+        cfg = cfg_for(stage, world, 4, [f"work_dir={work}", f"tracking.run_name={name}", "train.checkpoint_every=2",
+                                        *extra])
+        engine, _, _ = build_model_and_engine(cfg, world)
+
+        def on_checkpoint(step, state, metrics):
+            ckpt.save(engine, os.path.join(ckpt.run_dir(cfg), ckpt.checkpoint_dir_name(step)), state,
+                      cfg.to_dict(), mlflow_run_id=f"mlflow-{name}")
+
+        run_loop(cfg, engine, learnable_batches(cfg, rank, world, 4), ckpt.TrainState(),
+                 LoopHooks(on_checkpoint=on_checkpoint), rank, world)
+        return cfg
+
+    a = train("a", ["optim.lr=0.002", "optim.weight_decay=0.05"])
+    b = train("b", ["optim.lr=0.01", "optim.weight_decay=0.2", "optim.beta2=0.99"])
+    torch.distributed.barrier()
+    donor = os.path.join(ckpt.run_dir(a), ckpt.checkpoint_dir_name(2))
+    if rank == 0:
+        ckpt.adopt(donor, b)
+    torch.distributed.barrier()
+    copy = ckpt.latest_complete_checkpoint(b)
+    engine, _, _ = build_model_and_engine(b, world)
+    state = restore.load(engine, copy)
+    restored_step = state.step
+    groups = engine.optimizer.param_groups
+    loaded = {"lr": [g["lr"] for g in groups], "wd": [g["weight_decay"] for g in groups]}
+    follow_config(engine, b)
+    followed = {"lr": [g["lr"] for g in groups], "wd": [g["weight_decay"] for g in groups],
+                "betas": [list(g["betas"]) for g in groups], "base_lrs": list(engine.lr_scheduler.base_lrs)}
+    stream = learnable_batches(b, rank, world, 4)
+    for _ in range(state.step * b.parallel.grad_accum):
+        next(stream)
+    run_loop(b, engine, stream, state, LoopHooks(), rank, world)
+    return {"copy": copy, "donor": donor, "step": restored_step, "loaded": loaded, "followed": followed,
+            "lr_at_end": engine.get_lr()[0], "left": sorted(os.listdir(ckpt.run_dir(b)))}

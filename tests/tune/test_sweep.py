@@ -1,6 +1,7 @@
 """Sweeps: Ray Tune over fine-tuning trials, MLflow parent/child runs on a real server,
 driver kill + --resume (and a resume after every trial had finished), a failing grid point, ASHA,
-an Optuna search over distributions."""
+an Optuna search over distributions, population-based training (an exploit verified by the
+weights)."""
 import os
 import signal
 import subprocess
@@ -323,3 +324,52 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     assert len(set(drawn)) == 4, drawn
     (parent,) = client.search_runs([run.info.experiment_id], "attributes.run_name = 'sweep-s-tpe'")
     assert (parent.data.params["sweep.search"], parent.data.params["sweep.seed"]) == ("optuna", "3")
+
+
+@pytest.mark.e2e
+def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_perturbation(
+        tmp_path, server, ray_session, digits_shards):
+    """Population-based training of two trials at once, lr 0.1 and 1e-7 (whose zero-initialised head
+    barely moves): at an evaluation where the second is the worse, it goes on from a copy of the
+    first's checkpoint, whose weights the copy holds exactly, with a perturbed learning rate. Its
+    MLflow run records the donor (tag pbt.exploit.STEP), the values at every start (pbt/optim.lr)
+    and a changed value as a param (optim.lr.continued_at_STEP); no step is logged twice."""
+    import re
+
+    import torch
+
+    from vitp.tracking.store import get_client
+    from vitp.train.export import consolidate
+
+    args = ["sweep", "debug_finetune", "--name", "s-pbt", f"--set=work_dir={_work(tmp_path, digits_shards)}",
+            "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "pbt",
+            "--set=tune.max_concurrent_trials=2", "--set=train.steps=50", "--set=train.eval_every=10",
+            "--set=train.log_every=10", "--set=parallel.num_workers=1"]
+    proc = _vitp(args, _env(ray_session), log_path=tmp_path / "sweep.log")
+    proc.wait(timeout=900)
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    client = get_client(server.uri)
+    runs = {r["run_name"]: client.get_run(r["run_id"]) for r in _children(server.uri, "s-pbt")}
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs.values()), runs
+    exploits = [(name, int(key.rsplit(".", 1)[1]), value) for name, run in runs.items()
+                for key, value in run.data.tags.items() if key.startswith("pbt.exploit.")]
+    assert exploits, f"no trial exploited another: {log[-4000:]}"
+    name, step, value = min(exploits, key=lambda e: e[1])  # the first exploit
+    (donor,) = [other for other in runs if other != name]
+    assert value.startswith(f"{donor} (") and f"/runs/{donor}/checkpoint_{step:08d}" in value, value
+    copy = tmp_path / "runs" / name / f"checkpoint_{step:08d}"
+    a, b = consolidate(str(tmp_path / "runs" / donor / copy.name)), consolidate(str(copy))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the donor's weights
+    assert re.search(rf"\[{re.escape(name)}\] resumed from \S+/runs/{re.escape(name)}/{copy.name} at step {step}",
+                     log), log[-4000:]
+    run = runs[name]
+    lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "pbt/optim.lr")}
+    assert 0 in lrs and step in lrs and lrs[step] in (pytest.approx(0.1), pytest.approx(1e-7)), lrs
+    first = float(run.data.params["optim.lr"])
+    if lrs[step] != pytest.approx(first):  # the value changed: params keep the first, the new one beside it
+        assert float(run.data.params[f"optim.lr.continued_at_{step}"]) == pytest.approx(lrs[step])
+    for r in runs.values():
+        steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
+        assert len(steps) == len(set(steps)) and max(steps) == 50, (r.info.run_name, sorted(steps))
+

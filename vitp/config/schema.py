@@ -165,7 +165,10 @@ class TuneConfig:
     num_samples: int = 1  # random/optuna: trials; grid: samples of the distributions per grid point
     seed: int = 0  # the searcher's seed: the same seed draws the same trials
     startup_trials: int = 5  # optuna: random trials before its model proposes
-    scheduler: Literal["none", "asha"] = "none"  # asha: stop poor trials early, at evaluations
+    # asha: stop poor trials early, at evaluations; pbt: population-based training, perturbing the
+    # space's numeric keys of vitp/tune/population.py MUTABLE
+    scheduler: Literal["none", "asha", "pbt"] = "none"
+    perturbation_interval: int = 0  # pbt: steps between exploits (a multiple of train.eval_every); 0 = eval_every
     metric: str = "val/top1"  # what the search optimises and the best trial is chosen by
     mode: Literal["max", "min"] = "max"  # whether a higher or a lower metric is better
     max_concurrent_trials: int = 0  # 0 = derived from cluster resources

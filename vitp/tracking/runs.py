@@ -187,18 +187,19 @@ class RunLogger:
         return self._last_steps.get(key, -1)
 
     # ---------------------------------------------------------------- params and config
-    def log_params(self, params: dict[str, Any], continued_at: int | None = None) -> dict[str, str]:
+    def log_params(self, params: dict[str, Any], continued_at: int | None = None,
+                   continuable: tuple[str, ...] = ()) -> dict[str, str]:
         """Log params (nested dicts are flattened), skipping ones already identical in the run.
 
         Returns what was (or already had been) logged. A differing value raises ParamConflictError,
-        except for a CONTINUABLE key when `continued_at` (the step a finished run is continued
-        from) is given: its first value stays and the new one is recorded as
-        `<key>.continued_at_<step>` (MLflow params cannot change).
+        except for a CONTINUABLE key (or one of `continuable`: a population-based search's perturbed
+        keys) when `continued_at` (the step a run is continued from) is given: its first value stays
+        and the new one is recorded as `<key>.continued_at_<step>` (MLflow params cannot change).
         """
         wanted = params_for_mlflow(params)
         existing = self.client.get_run(self.run_id).data.params
         if continued_at is not None:
-            for key in CONTINUABLE:
+            for key in CONTINUABLE + tuple(continuable):
                 if key in wanted and key in existing and existing[key] != wanted[key]:
                     value = wanted.pop(key)
                     recorded = {v for k, v in existing.items() if k.startswith(f"{key}.continued_at_")}
@@ -215,10 +216,11 @@ class RunLogger:
                 raise TrackingError(f"logging params to run {self.run_id}: {e.message}") from e
         return wanted
 
-    def log_config(self, cfg_dict: dict[str, Any], continued_at: int | None = None) -> dict[str, str]:
+    def log_config(self, cfg_dict: dict[str, Any], continued_at: int | None = None,
+                   continuable: tuple[str, ...] = ()) -> dict[str, str]:
         """The resolved config as flattened, redacted params plus a redacted config.json artifact
-        (the newest attempt's; `continued_at`: see log_params)."""
-        logged = self.log_params(cfg_dict, continued_at=continued_at)
+        (the newest attempt's; `continued_at`, `continuable`: see log_params)."""
+        logged = self.log_params(cfg_dict, continued_at=continued_at, continuable=continuable)
         self.log_dict(cfg_dict, "config.json")
         return logged
 

@@ -170,16 +170,74 @@ def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
     storage, whether or not Ray registered it (a worker killed inside `report` leaves one).
     `warn(line)` is told of each newer one passed over and why."""
     root = run_dir(cfg)
-    for name in reversed(storage.listdir(root)):
+    names = storage.listdir(root)
+    fenced = storage.read_json(join(root, FENCE)) if FENCE in names else None
+    for name in reversed(names):
         if not CHECKPOINT_NAME.match(name):  # e.g. checkpoint_manager_snapshot.json
             continue
         path = join(root, name)
         ok, reason = verify(path)
+        if ok and fenced and name > fenced["from"] and read_meta(path).get("attempt") in fenced["stale_attempts"]:
+            ok, reason = False, f"written by an attempt stopped at {fenced['from']} (a paused trial's)"
         if ok:
             return path
         if warn:
             warn(f"passing over {path}: {reason}")
     return None
+
+
+FENCE = "fence.json"  # {"from": checkpoint name, "stale_attempts": [...]}: see fence()
+
+
+def fence(cfg: ExperimentConfig, name: str) -> list[str]:
+    """A restart from checkpoint `name` while the run's previous attempt may still be writing (a
+    trial Tune paused, whose Train run ends only when its controller does): checkpoints after `name`
+    by the attempts that wrote this run's checkpoints so far are never picked. Returns those attempts."""
+    root = run_dir(cfg)
+    names = storage.listdir(root) if storage.exists(root) else []
+    attempts = set(storage.read_json(join(root, FENCE))["stale_attempts"]) if FENCE in names else set()
+    for n in names:
+        if CHECKPOINT_NAME.match(n) and storage.exists(join(root, n, "meta.json")):
+            attempts.add(read_meta(join(root, n)).get("attempt"))
+    attempts.discard(None)
+    storage.write_json(join(root, FENCE), {"from": name, "stale_attempts": sorted(attempts)})
+    return sorted(attempts)
+
+
+def rewind(cfg: ExperimentConfig, name: str, inclusive: bool = False) -> list[str]:
+    """Delete this run's checkpoints after the one named `name` (and it, when `inclusive`), so a
+    restart goes on from it or from what replaces it; their names."""
+    root = run_dir(cfg)
+    gone = [n for n in (storage.listdir(root) if storage.exists(root) else [])
+            if CHECKPOINT_NAME.match(n) and (n >= name if inclusive else n > name)]
+    for old in gone:
+        storage.rmtree(join(root, old), root)
+    return gone
+
+
+def adopt(checkpoint: str, cfg: ExperimentConfig) -> str:
+    """Make another run's complete `checkpoint` the newest of `cfg`'s run (a population-based
+    search's exploit): this run's checkpoints at or after its step are deleted, the checkpoint is
+    copied in under its own name, and its meta.json no longer names the donor's MLflow run (this
+    run continues its own) but where it was copied from; the markers list its new size, so the copy
+    verifies as complete. Returns the copy's path."""
+    ok, reason = verify(checkpoint)
+    if not ok:
+        raise RuntimeError(f"cannot continue from another run's checkpoint: {reason}")
+    name = storage.basename(checkpoint.rstrip("/"))
+    rewind(cfg, name, inclusive=True)
+    dest = join(run_dir(cfg), name)
+    storage.copy_dir(checkpoint, dest)
+    meta = {**read_meta(dest), "mlflow_run_id": None, "copied_from": checkpoint}
+    storage.write_json(join(dest, "meta.json"), meta)
+    size = storage.size(join(dest, "meta.json"))
+    for r in range(int(meta["world_size"])):  # rank 0's lists it; another rank's may too (a shared directory)
+        path = join(dest, "complete", f"rank_{r:05d}.json")
+        marker = storage.read_json(path)
+        if r == 0 or "meta.json" in marker["files"]:
+            marker["files"]["meta.json"] = size
+            storage.write_json(path, marker)
+    return dest
 
 
 def retain(cfg: ExperimentConfig) -> list[str]:

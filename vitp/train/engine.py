@@ -184,6 +184,28 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig) -> 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, o, total))
 
 
+def follow_config(engine, cfg: ExperimentConfig) -> None:
+    """After a checkpoint load, the optimizer's hyperparameters are the config's, not the saved
+    ones (a population-based search goes on from another trial's state with its own values): each
+    group's peak LR (lr x its scale) and weight decay (the no-decay group's stays 0), betas or
+    momentum, and the schedule's base LRs, at the schedule's restored step."""
+    o, groups, scheduler = cfg.optim, engine.optimizer.param_groups, engine.lr_scheduler
+    fresh = param_groups(engine.module, o.weight_decay, o.lr, o.layer_decay, o.head_lr_mult)
+    if len(fresh) != len(groups):
+        raise RuntimeError(f"the checkpoint's optimizer has {len(groups)} param groups, this config "
+                           f"{len(fresh)}: optim.layer_decay and optim.head_lr_mult cannot change on resume")
+    at = lr_multiplier(scheduler.last_epoch, o, cfg.train.steps) if scheduler is not None else 1.0
+    for group, new in zip(groups, fresh):
+        peak = o.lr * new.get("lr_scale", 1.0)
+        group.update(initial_lr=peak, lr=peak * at, weight_decay=new["weight_decay"])
+        if "betas" in group:
+            group["betas"] = (o.beta1, o.beta2)
+        if "momentum" in group:
+            group["momentum"] = o.momentum
+    if scheduler is not None:
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
+
+
 # --------------------------------------------------------------------------- process group
 
 

@@ -31,7 +31,7 @@ from ..model.vit import build_vit
 from ..model.weights import check_source
 from ..tracking.lineage import log_model_input, log_shards
 from ..tracking.runs import RunLogger
-from ..tracking.store import get_client, resolve_tracking_uri
+from ..tracking.store import get_client, quote, resolve_tracking_uri
 from ..tracking.values import source_tags
 from . import checkpoint as ckpt
 from .export import consolidate
@@ -139,11 +139,13 @@ def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
 
 def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                  extra_tags: Optional[dict[str, str]] = None, parent_run_id: Optional[str] = None,
-                 callbacks: Optional[list] = None) -> TrainSummary:
+                 callbacks: Optional[list] = None, continuable: tuple[str, ...] = (),
+                 start_metrics: Optional[dict[str, float]] = None) -> TrainSummary:
     """Run (or resume, same run name) a Ray Train job for `run` (`Run.resolve(cfg)`), logged to MLflow.
 
     Re-running with the same `tracking.run_name`/recipe resumes from the newest checkpoint
-    and continues the same MLflow run; a new name starts fresh.
+    and continues the same MLflow run; a new name starts fresh. A resume may change the keys of
+    `continuable` (RunLogger.log_params); `start_metrics` are logged at the step it starts from.
     """
     if not isinstance(run, Run):
         raise TypeError(f"run_training takes a Run, not {type(run).__name__}: pass Run.resolve(cfg)")
@@ -183,7 +185,9 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                                        **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
                                        "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
                                        **(extra_tags or {})})
-        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None)
+        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None, continuable=continuable)
+        if start_metrics:
+            logger.log_metrics(start_metrics, step=meta["step"] if meta else 0)
         _log_manifest(logger, cfg)
         if (extra_tags or {}).get("source_model_id"):  # started from a registered model
             log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
@@ -232,7 +236,8 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     checkpoint, before Tune recorded the trial as done): report it instead of training again.
 
     Its MLflow run is left as it is when already FINISHED (end time and attempt unchanged); one
-    still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED.
+    still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED. A final
+    checkpoint copied from another run (a PBT exploit at the last step) ends this run's own.
     """
     log.info("[%s] already %s: %s is step %d of %d; nothing to train (raise train.pause_at / "
              "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
@@ -242,6 +247,8 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     if tracking:
         uri = resolve_tracking_uri(cfg)
         run = _mlflow_run_of(uri, meta)
+        if run is None and meta.get("copied_from"):  # another trial's final state (a PBT exploit): this run's own
+            run = _mlflow_run_named(uri, cfg)
         run_id = run.info.run_id if run else None
         if run and run.info.status != "FINISHED":
             logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=run_id)
@@ -302,6 +309,14 @@ def _mlflow_run_of(uri: str, meta: dict[str, Any]):
         return get_client(uri).get_run(run_id)
     except Exception:  # a different store: start or resume by name instead
         return None
+
+
+def _mlflow_run_named(uri: str, cfg: ExperimentConfig):
+    """This run's MLflow run, by its name in its experiment, or None."""
+    client = get_client(uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], f"attributes.run_name = {quote(cfg.run_name)}") if exp else []
+    return runs[0] if runs else None
 
 
 ERROR_TAG = "vitp.error"  # a FAILED run's error: its type and last line, as the UI shows tags

@@ -24,7 +24,7 @@ from ..data.position import with_world
 from ..model.vit import build_vit
 from . import checkpoint as ckpt
 from .ema import WeightEMA
-from .engine import device_for
+from .engine import device_for, follow_config
 from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
@@ -157,6 +157,8 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
     if where is not None:
         with node_copy(where, _node()) as d:  # one download per node from object storage
             state = load_checkpoint(r.engine, d)
+            if cfg.tune.scheduler == "pbt":  # a trial goes on with its own (perturbed) values
+                follow_config(r.engine, cfg)
             state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")

@@ -33,7 +33,8 @@ def check_search(search: str, space: Mapping[str, Dist | When], points: list) ->
                 raise ConfigError(f"tune.space[{key!r}]: optuna chooses among numbers and strings, not {bad[0]!r}")
 
 
-def _tune_domain(d: Dist, search: str):
+def tune_domain(d: Dist, search: str):
+    """Tune's domain for `d` (a list is a grid axis under grid search, a choice otherwise)."""
     from ray import tune
 
     if d.kind == "list":
@@ -58,7 +59,7 @@ class _WhenSampler:
         case = self.when.case(config[self.when.key])
         if not isinstance(case, Dist):
             return case
-        domain = _tune_domain(case, "random")
+        domain = tune_domain(case, "random")
         others = json.dumps({k: v for k, v in config.items() if k != self.key}, sort_keys=True, default=str)
         digest = hashlib.sha256(f"{self.seed}:{self.key}:{others}".encode()).digest()
         return domain.sample(random_state=np.random.default_rng(int.from_bytes(digest[:8], "little")))
@@ -72,7 +73,7 @@ def param_space(space_values: Mapping[str, Any], points: list, search: str, seed
         return {}
     out: dict[str, Any] = {}
     for key, d in parse_space(space_values).items():
-        out[key] = tune.sample_from(_WhenSampler(key, d, seed)) if isinstance(d, When) else _tune_domain(d, search)
+        out[key] = tune.sample_from(_WhenSampler(key, d, seed)) if isinstance(d, When) else tune_domain(d, search)
     if points:
         out["point"] = tune.grid_search(points) if search == "grid" else tune.choice(points)
     return out

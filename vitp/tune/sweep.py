@@ -33,6 +33,7 @@ from ..tracking.store import quote, tag_filters
 from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
 from .outcome import summarise
+from .population import CHECKPOINTED, check_scheduler, mutations, population_trial, scheduler_for
 from .progress import USER_ERROR, SweepProgress
 from .search import check_search, fold_cases, param_space, search_algorithm
 from .space import Dist, grid_size, parse_space, probe_trials
@@ -61,6 +62,7 @@ class SweepSpec:
     seed: int = 0
     startup_trials: int = 5
     scheduler: str = "none"
+    perturbation_interval: int = 0
     metric: str = "val/top1"
     mode: str = "max"
     trial_retries: int = 1
@@ -132,7 +134,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
     spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
                      space=space, points=points, search=t.search, num_samples=t.num_samples, seed=t.seed,
                      startup_trials=t.startup_trials, scheduler=t.scheduler,
-                     metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
+                     perturbation_interval=t.perturbation_interval, metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
                      max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
                      tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
     for trial in _probes(spec):
@@ -140,6 +142,8 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
             validate(trial_config(spec, trial)[0])
         except ConfigError as e:
             raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
+    check_scheduler(spec.scheduler, spec.search, space, spec.perturbation_interval,
+                    trial_config(spec, _probes(spec)[0])[0].train.eval_every)
     return spec
 
 
@@ -183,18 +187,22 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any],
     cfg = config_of(spec, trial.get("recipe", spec.base_recipe))
     values = {k: v for k, v in trial.items() if k not in AXES}
     values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
-                   "tracking.run_name": trial_run_name(spec, trial, trial_id)})
+                   "tracking.run_name": trial_run_name(spec, trial, trial_id),
+                   "tune.scheduler": spec.scheduler})  # a PBT trial's workers follow its values on restore
     cfg = set_values(cfg, values)
-    # one Train report per evaluation, so ASHA can stop a trial between evaluations
+    # one Train report per evaluation, so ASHA can stop a trial between evaluations; with a checkpoint
+    # where the scheduler pauses or copies trials (all kept: another trial may copy any of them)
     if cfg.train.eval_every:
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=0))
+        every, keep = (cfg.train.eval_every, 0) if spec.scheduler in CHECKPOINTED else (0, cfg.train.keep_checkpoints)
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=every, keep_checkpoints=keep))
     return finetune_config(cfg, trial.get("source", "scratch"))
 
 
 def trial_run_name(spec: SweepSpec, trial: dict[str, Any], trial_id: str = "") -> str:
     """Stable, readable child-run name: the same trial always maps to the same name. Numbers drawn
     from a range show 4 significant digits; where two trials may hold the same values (sampled), the
-    name ends with its Tune trial id's counter (`trial_id`), which a resumed sweep keeps."""
+    name ends with its Tune trial id's counter (`trial_id`), which a resumed sweep keeps. Under PBT,
+    whose trials change values as they go, a name is the trial id without the values."""
     parts = [spec.name]
     recipe = recipe_label(trial.get("recipe", spec.base_recipe))
     parts.append(recipe.replace("finetune_", ""))
@@ -202,14 +210,14 @@ def trial_run_name(spec: SweepSpec, trial: dict[str, Any], trial_id: str = "") -
     parts.append("scratch" if src == "scratch" else "from-" + _short(src))
     drawn = {k for k, d in parse_space(spec.space).items() if not (isinstance(d, Dist) and d.values)}
     for k in sorted(trial):
-        if k not in AXES:
+        if k not in AXES and spec.scheduler != "pbt":
             v = trial[k]  # a swept path names its last two folders, as a source does
             if isinstance(v, str) and "/" in v:
                 v = _short(v)
             elif k in drawn and isinstance(v, float):
                 v = f"{v:.4g}"
             parts.append(f"{k.split('.')[-1]}{v}")
-    if trial_id and sampled(spec):
+    if trial_id and (sampled(spec) or spec.scheduler == "pbt"):
         parts.append("t" + trial_id.rsplit("_", 1)[-1])
     return "-".join(parts)
 
@@ -243,8 +251,11 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     cfg, tags = trial_config(spec, trial_params(trial), ctx.get_trial_id())
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
-        summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
-                               callbacks=[TuneReportCallback()])
+        if spec.scheduler in CHECKPOINTED:  # Tune holds the trial's state: pointers to its checkpoints
+            summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
+        else:
+            summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
+                                   callbacks=[TuneReportCallback()])
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
         tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
         return
@@ -334,9 +345,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
             tuner = tune.Tuner.restore(inner, trainable=trainable, resume_unfinished=True,
                                        resume_errored=True, storage_filesystem=fs)
         else:
-            scheduler = None
-            if spec.scheduler == "asha":
-                scheduler = tune.schedulers.ASHAScheduler(grace_period=1, reduction_factor=2)
+            scheduler = scheduler_for(spec.scheduler, mutations(spec.space),
+                                      spec.perturbation_interval or first_trial_cfg.train.eval_every,
+                                      first_trial_cfg.train.steps, spec.seed)
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space(spec.space, spec.points, spec.search, spec.seed),
@@ -346,8 +357,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                                                 spec.space, spec.points, spec.search, spec.seed,
                                                 spec.startup_trials, spec.metric, spec.mode, concurrency),
                                             # a trial's driver is light; its process and imports
-                                            # are not: the next trial reuses them
-                                            reuse_actors=True),
+                                            # are not: the next trial reuses them (not where a
+                                            # paused trial's process must end with its training)
+                                            reuse_actors=spec.scheduler not in CHECKPOINTED),
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
                                           storage_filesystem=fs,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),

@@ -1,0 +1,113 @@
+"""Schedulers that pause and copy trials (PBT), without Ray: what PBT may perturb, what
+the sweep edge refuses for them, how their trials are named, checkpointed and kept, Tune's
+schedulers they build, and a trial's restart from a pointer (its own checkpoint or another run's)."""
+import json
+
+import pytest
+
+from vitp import storage
+from vitp.config import ConfigError
+from vitp.recipes import resolve
+from vitp.train import checkpoint as ckpt
+from vitp.tune.population import continue_from, mutations, scheduler_for
+from vitp.tune.sweep import build_spec, trial_config, trial_run_name
+
+
+def _spec(tmp_path, *sets, space=None):
+    sets = ["train.eval_every=10", "tune.space={}", *sets]  # the space is `space` alone
+    base = resolve("debug_finetune", [f"work_dir={tmp_path}", *sets], check_paths=False)
+    return build_spec("s", base, "debug_finetune", sets, extra_space=space or {"optim.lr": [0.1, 1e-7]})
+
+
+def test_pbt_perturbs_the_numeric_keys_a_run_reads_afresh_and_nothing_else():
+    got = mutations({"optim.lr": "loguniform(1e-4, 1e-1)", "optim.weight_decay": [0.0, 0.1],
+                     "optim.name": ["sgd", "adamw"], "train.steps": [10, 20], "model.drop_path": "uniform(0, 0.2)"})
+    assert sorted(got) == ["model.drop_path", "optim.lr", "optim.weight_decay"]
+    assert got["optim.weight_decay"] == [0.0, 0.1]
+    assert got["optim.lr"].lower == 1e-4 and got["optim.lr"].upper == 1e-1  # Tune's log-uniform domain
+
+
+def test_the_sweep_edge_refuses_what_pbt_cannot_run(tmp_path):
+    with pytest.raises(ConfigError, match=r"acts at evaluations: set train.eval_every"):
+        _spec(tmp_path, "tune.scheduler=pbt", "train.eval_every=0")
+    with pytest.raises(ConfigError, match=r"perturbation_interval=15: must be a multiple of train.eval_every=10"):
+        _spec(tmp_path, "tune.scheduler=pbt", "tune.perturbation_interval=15")
+    with pytest.raises(ConfigError, match=r"draws its own population: use tune.search=random or grid"):
+        _spec(tmp_path, "tune.scheduler=pbt", "tune.search=optuna", space={"optim.lr": "loguniform(1e-3, 0.1)"})
+    with pytest.raises(ConfigError, match=r"the space has none \(e.g. --space 'optim.lr=loguniform"):
+        _spec(tmp_path, "tune.scheduler=pbt", space={"optim.name": ["sgd", "adamw"]})
+    with pytest.raises(ConfigError, match=r"tune.scheduler"):
+        _spec(tmp_path, "tune.scheduler=hyperband")  # not offered (docs/transfer.md)
+
+
+def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_without_values(tmp_path):
+    spec = _spec(tmp_path, "tune.scheduler=pbt", "train.keep_checkpoints=2")
+    cfg, _ = trial_config(spec, {"optim.lr": 0.1, "source": "scratch"}, "a1b2c_00001")
+    assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (10, 0)  # any may be copied
+    assert cfg.tune.scheduler == "pbt"  # so its workers take its own values after a restore
+    assert cfg.run_name == "s-debug_finetune-scratch-t00001"  # its lr changes as it goes: not in its name
+    asha = _spec(tmp_path, "tune.scheduler=asha", "train.keep_checkpoints=2")
+    cfg, _ = trial_config(asha, {"optim.lr": 0.1, "source": "scratch"})
+    assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (0, 2)
+    assert trial_run_name(asha, {"optim.lr": 0.1, "source": "scratch"}) == "s-debug_finetune-scratch-lr0.1"
+
+
+def test_each_scheduler_is_tunes_own_on_the_reported_step():
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+
+    space = {"optim.lr": [0.1, 1e-7]}
+    pbt = scheduler_for("pbt", mutations(space), 10, 50, seed=0)
+    assert isinstance(pbt, PopulationBasedTraining)
+    assert (pbt._time_attr, pbt._perturbation_interval, pbt._hyperparam_mutations) == ("step", 10, space)
+    assert pbt._synch  # exploits between trials at the same step
+    assert isinstance(scheduler_for("asha", {}, 10, 50, seed=0), ASHAScheduler)
+    assert scheduler_for("none", {}, 10, 50, seed=0) is None
+
+
+def _checkpoint(root, step, world=1, run_id="mlflow-x", attempt="a"):
+    """A complete checkpoint directory as checkpoint.save leaves it (meta, a file per rank, markers)."""
+    d = storage.join(str(root), ckpt.checkpoint_dir_name(step))
+    storage.write_json(storage.join(d, "meta.json"), {"step": step, "world_size": world, "mlflow_run_id": run_id,
+                                                      "attempt": attempt, "tag": "state"})
+    for r in range(world):
+        storage.write_bytes(storage.join(d, "state", f"rank{r}.pt"), b"x" * (r + 1))
+        files = {f"state/rank{r}.pt": r + 1, **({"meta.json": storage.size(storage.join(d, "meta.json"))}
+                                              if r == 0 else {})}
+        ckpt.write_marker(d, {"rank": r, "world_size": world, "step": step, "attempt": attempt, "files": files})
+    return d
+
+
+def test_a_restart_from_a_pointer_rewinds_to_its_own_or_adopts_anothers(tmp_path):
+    cfg = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=b"], check_paths=False)
+    other = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=a"], check_paths=False)
+    for step in (10, 20, 30):
+        _checkpoint(ckpt.run_dir(cfg), step)
+    donor = _checkpoint(ckpt.run_dir(other), 20, world=2, run_id="mlflow-a")
+    # its own pointer (a pause): the checkpoints after it are gone, it is the newest
+    assert continue_from({"run_dir": ckpt.run_dir(cfg), "checkpoint": "checkpoint_00000020"}, cfg) is None
+    assert ckpt.latest_complete_checkpoint(cfg).endswith("/runs/b/checkpoint_00000020")
+    assert not storage.exists(storage.join(ckpt.run_dir(cfg), "checkpoint_00000030"))
+    # another run's (an exploit): it replaces this run's checkpoint of the same step, complete
+    assert continue_from({"run_dir": ckpt.run_dir(other), "checkpoint": "checkpoint_00000020"}, cfg) == donor
+    copy = ckpt.latest_complete_checkpoint(cfg)
+    assert copy.endswith("/runs/b/checkpoint_00000020") and ckpt.verify(copy) == (True, "complete")
+    meta = ckpt.read_meta(copy)
+    assert (meta["mlflow_run_id"], meta["copied_from"], meta["world_size"]) == (None, donor, 2)
+    assert storage.read_bytes(storage.join(copy, "state", "rank1.pt")) == b"xx"
+    assert ckpt.read_meta(donor)["mlflow_run_id"] == "mlflow-a"  # the donor is left as it was
+    assert json.loads(storage.read_bytes(storage.join(copy, "complete", "rank_00000.json")))["files"][
+        "meta.json"] == storage.size(storage.join(copy, "meta.json"))
+    assert storage.exists(storage.join(ckpt.run_dir(cfg), "checkpoint_00000010"))  # older ones stay
+
+
+def test_a_paused_attempts_later_checkpoints_are_never_picked(tmp_path):
+    """Tune paused the trial at its checkpoint 20, but its Train run (attempt "a") lived on long
+    enough to write checkpoint 30: the restarted attempt goes on from 20, and its own 30 counts."""
+    cfg = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=b"], check_paths=False)
+    for step in (10, 20):
+        _checkpoint(ckpt.run_dir(cfg), step)
+    continue_from({"run_dir": ckpt.run_dir(cfg), "checkpoint": "checkpoint_00000020"}, cfg)
+    _checkpoint(ckpt.run_dir(cfg), 30, attempt="a")  # the paused attempt, after the restart began
+    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000020")
+    _checkpoint(ckpt.run_dir(cfg), 30, attempt="c")  # the restarted attempt's own
+    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000030")

@@ -1,0 +1,206 @@
+"""Trials whose state Tune holds (PBT pauses trials, and its exploit copies one trial's state into
+another): a Train callback hands each report's checkpoint to the trial's driver, which
+reports it to Tune as a pointer to the run's checkpoint; a trial restarted from a pointer goes on
+from that checkpoint, another trial's copied into its own run first. Rules: docs/transfer.md."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from typing import Any, Callable, Mapping, Optional
+
+from ray import tune
+from ray.train import Checkpoint, UserCallback
+
+from .. import storage
+from ..config import ConfigError, ExperimentConfig, Run, flatten
+from ..train import checkpoint as ckpt
+from .search import tune_domain
+from .space import Dist, parse_space
+
+POINTER = "pointer.json"
+_END = {"end": True}
+# What PBT may perturb: keys a run reads afresh when it restarts from a checkpoint (the optimizer's
+# hyperparameters: engine.follow_config; the model's dropout rates; augmentation, mixing and the loss)
+MUTABLE = ("optim.lr", "optim.weight_decay", "optim.momentum", "optim.beta1", "optim.beta2", "optim.grad_clip",
+           "model.dropout", "model.attn_dropout", "model.drop_path", "data.randaug_layers",
+           "data.randaug_magnitude", "train.mixup_alpha", "train.cutmix_alpha", "train.label_smoothing")
+CHECKPOINTED = ("pbt",)  # schedulers that pause trials and restore them from checkpoints
+RELEASE_EVERY_S = 5.0  # between looks for placement groups a paused trial's Train run left
+
+
+def mutations(space_values: Mapping[str, Any]) -> dict[str, Any]:
+    """PBT's hyperparam_mutations: the space's keys in MUTABLE with numbers, by their range (Tune's
+    domain) or their list of values."""
+    out = {}
+    for key, d in parse_space(space_values).items():
+        if key not in MUTABLE or not isinstance(d, Dist):
+            continue
+        if d.kind not in ("list", "choice", "grid"):  # a range
+            out[key] = tune_domain(d, "random")
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values):
+            out[key] = list(d.values)
+    return out
+
+
+class CheckpointReports(UserCallback):
+    """In Train's controller: each report's rank-0 metrics and checkpoint name, onto `queue`."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint):
+        from ray.exceptions import RayActorError
+
+        try:
+            self.queue.put({"metrics": dict(metrics[0]),
+                            "checkpoint": storage.basename(checkpoint.path.rstrip("/")) if checkpoint else None})
+        except RayActorError:  # the trial that reads them is gone (Tune paused it): so is this run
+            os._exit(1)  # the controller; its workers end with it, its placement group is released
+
+
+def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentConfig, trial_id: str) -> Any:
+    """`train(callbacks)` (a run_training call) in a thread; each of its reports goes to Tune from
+    here, with a pointer to the run's checkpoint where the report has one, and between reports the
+    placement groups of paused trials' Train runs are released. Returns what `train` returns and
+    raises what it raises."""
+    from ray.util.queue import Empty, Queue  # lazy: an actor per trial, only for these schedulers
+
+    queue, out = Queue(actor_options={"num_cpus": 0}), {}
+
+    def target() -> None:
+        try:
+            out["result"] = train([CheckpointReports(queue)])
+        except BaseException as e:  # noqa: BLE001 - raised again in the trial's thread below
+            out["error"] = e
+        finally:
+            queue.put(_END)
+
+    thread = threading.Thread(target=target, name="vitp-trial-training", daemon=True)
+    thread.start()
+    while True:
+        try:
+            item = queue.get(timeout=RELEASE_EVERY_S)
+        except Empty:  # a paused trial's Train run may end after this one started: its group too
+            release_orphaned_placement_groups()
+            continue
+        if item == _END:
+            break
+        if item["checkpoint"] is None:
+            tune.report(item["metrics"])
+            continue
+        pointer = {"run_dir": ckpt.run_dir(cfg), "checkpoint": item["checkpoint"],
+                   "step": int(item["metrics"].get("step", 0)), "run_name": cfg.run_name, "trial_id": trial_id}
+        with tempfile.TemporaryDirectory(prefix="vitp-pointer-") as d:
+            with open(os.path.join(d, POINTER), "w") as f:
+                json.dump(pointer, f)
+            tune.report(item["metrics"], checkpoint=Checkpoint.from_directory(d))
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: ExperimentConfig,
+                     tags: dict[str, str], parent_run_id: str, trial_id: str):
+    """A sweep trial under PBT (run_training's summary): restarted from a pointer, it
+    goes on from that checkpoint, or another trial's (the exploit), recorded as tag
+    pbt.exploit.STEP, the perturbed values as params KEY.continued_at_STEP and every start's values
+    as pbt/KEY metrics."""
+    from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
+
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        pointer = read_pointer(restored)
+        copied = continue_from(pointer, cfg)
+        if copied:
+            tags = {**tags, f"pbt.exploit.{pointer['step']}": f"{pointer['run_name']} ({copied})"}
+    keys = tuple(mutations(space_values)) if scheduler == "pbt" else ()
+    values = flatten(cfg.to_dict())
+    return train_reporting_checkpoints(
+        lambda callbacks: run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
+                                       callbacks=callbacks, continuable=keys,
+                                       start_metrics={f"pbt/{k}": float(values[k]) for k in keys}),
+        cfg, trial_id)
+
+
+def release_orphaned_placement_groups() -> int:
+    """Remove the placement groups whose creator, an actor, is dead while its job lives on: those
+    of a Train run whose controller ended with the trial Tune paused (Ray removes a group only once
+    its creator's job ends too; Train's own cleaner asks the dashboard's state API, which a Ray
+    without a dashboard lacks, so the group would hold its CPUs from the trial's next start). A
+    group the Tune driver made has no creator actor and is left alone. Returns how many."""
+    import ray
+    from ray._private.state import state  # the GCS table with each group's creator (no public API)
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = 0
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        made_by_actor = pg.creator_actor_id and not ray.ActorID(pg.creator_actor_id).is_nil()
+        if (made_by_actor and pg.creator_actor_dead and not pg.creator_job_dead and not pg.is_detached
+                and pg.state != gcs_pb2.PlacementGroupTableData.REMOVED):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed += 1
+    return removed
+
+
+def read_pointer(checkpoint: Checkpoint) -> dict[str, Any]:
+    with checkpoint.as_directory() as d, open(os.path.join(d, POINTER)) as f:
+        return json.load(f)
+
+
+def continue_from(pointer: Mapping[str, Any], cfg: ExperimentConfig) -> Optional[str]:
+    """At a trial's restart from `pointer` (its own last report after a pause, another trial's
+    after an exploit): the pointed-to checkpoint becomes the run's newest. The run's own newer
+    checkpoints are deleted; another run's is copied in (checkpoint.adopt). Returns the copied
+    checkpoint's source, or None when it was the run's own."""
+    source = storage.join(pointer["run_dir"], pointer["checkpoint"])
+    ckpt.fence(cfg, pointer["checkpoint"])  # the paused attempt's later checkpoints, if it writes any
+    if storage.abspath(pointer["run_dir"]) == storage.abspath(ckpt.run_dir(cfg)):
+        ckpt.rewind(cfg, pointer["checkpoint"])
+        return None
+    ckpt.adopt(source, cfg)
+    return source
+
+
+def check_scheduler(scheduler: str, search: str, space_values: Mapping[str, Any], interval: int,
+                    eval_every: int) -> None:
+    """ConfigError unless the scheduler can run this sweep (at its edge, before Ray starts)."""
+    if scheduler not in CHECKPOINTED:
+        return
+    if eval_every <= 0:
+        raise ConfigError(f"tune.scheduler={scheduler} acts at evaluations: set train.eval_every "
+                          "(e.g. --set train.eval_every=10)")
+    if interval < 0 or interval % eval_every:
+        raise ConfigError(f"tune.perturbation_interval={interval}: must be a multiple of "
+                          f"train.eval_every={eval_every} (0: every evaluation)")
+    if scheduler == "pbt" and search == "optuna":
+        raise ConfigError("tune.scheduler=pbt draws its own population: use tune.search=random or grid")
+    if scheduler == "pbt" and not mutations(space_values):
+        raise ConfigError(f"tune.scheduler=pbt perturbs numeric keys of tune.space among {', '.join(MUTABLE)}; "
+                          f"the space has none (e.g. --space 'optim.lr=loguniform(1e-3,0.3)')")
+
+
+def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps: int, seed: int):
+    """Tune's scheduler `name` (asha, pbt) for trials reporting `step` at evaluations: ASHA stops
+    trials at rungs of evaluations; PBT every
+    `interval` steps copies an upper-quartile trial into a lower-quartile one and perturbs the
+    numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25), once every trial
+    has reached that step."""
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+
+    if name == "asha":  # (as before: rungs at evaluations, Tune's own time)
+        return ASHAScheduler(grace_period=1, reduction_factor=2)
+    if name == "pbt":
+        import random
+
+        random.seed(seed)  # PBT draws its quantile choices and factors from Python's random
+        # synch: a trial waits at each interval for the others, so an exploit copies a checkpoint of
+        # the same step (trials that share a few CPUs drift apart, and a donor far ahead would skip steps)
+        return PopulationBasedTraining(time_attr="step", perturbation_interval=interval,
+                                       hyperparam_mutations=dict(space), quantile_fraction=0.25,
+                                       resample_probability=0.25, synch=True)
+    return None
