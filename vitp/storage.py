@@ -254,38 +254,26 @@ def rmtree(path: str, root: str) -> None:
         fs.delete_file(inner)
 
 
-def upload_dir(local_dir: str, dest: str) -> int:
-    """Copy the files under `local_dir` to `dest` (a path or URI); returns bytes copied."""
-    import pyarrow.fs as pafs
-
-    fs, inner = filesystem(dest)
-    fs.create_dir(inner, recursive=True)
-    pafs.copy_files(os.path.abspath(local_dir), inner, source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=fs)
-    return sum(file_sizes(local_dir).values())
-
-
-def download_dir(src: str, local_dir: str) -> int:
-    """Copy the files under `src` (a path or URI) into `local_dir`; returns bytes copied."""
-    import pyarrow.fs as pafs
-
-    fs, inner = filesystem(src)
-    os.makedirs(local_dir, exist_ok=True)
-    pafs.copy_files(inner, os.path.abspath(local_dir), source_filesystem=fs,
-                    destination_filesystem=pafs.LocalFileSystem())
-    return sum(file_sizes(local_dir).values())
-
-
 def copy_dir(src: str, dest: str) -> int:
     """Copy the files under `src` to `dest` (each a path or URI, the two may differ); returns bytes
-    copied."""
+    copied, as listed on the local side when there is one (no second listing of a bucket)."""
     import pyarrow.fs as pafs
 
     src_fs, src_inner = filesystem(src)
     dest_fs, dest_inner = filesystem(dest)
     dest_fs.create_dir(dest_inner, recursive=True)
     pafs.copy_files(src_inner, dest_inner, source_filesystem=src_fs, destination_filesystem=dest_fs)
-    return sum(file_sizes(dest).values())
+    return sum(file_sizes(src if is_uri(dest) and not is_uri(src) else dest).values())
+
+
+def upload_dir(local_dir: str, dest: str) -> int:
+    """Copy the files under `local_dir` to `dest` (a path or URI); returns bytes copied."""
+    return copy_dir(local_dir, dest)
+
+
+def download_dir(src: str, local_dir: str) -> int:
+    """Copy the files under `src` (a path or URI) into `local_dir`; returns bytes copied."""
+    return copy_dir(src, local_dir)
 
 
 @contextlib.contextmanager
