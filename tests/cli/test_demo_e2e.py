@@ -1,7 +1,8 @@
 """`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
 both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
 non-zero; headless Chromium on the printed page shows the training runs, the sweep's nested trials,
-the dataset input and the registered model (a screenshot is kept in test-artifacts/).
+the dataset input and the registered model, and on the page `vitp compare --sweep` names, the
+trials' parallel coordinates over the params they differ in (screenshots in test-artifacts/).
 """
 from __future__ import annotations
 
@@ -109,6 +110,28 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
                               "?workflowType=machine_learning", tmp_path / "parent.html")
         children = run_page[run_page.index("Child runs"):]
         assert all(t in children for t in trials), run_page[:3000]
+
+        # `vitp compare --sweep` names MLflow's page of the trials side by side: its parallel
+        # coordinates plot the first three params the trials differ in, each axis over its range
+        r = ok(vitp("compare", "--tracking-uri", server.uri, "--sweep", parent.data.tags["sweep"]))
+        url = re.search(r"parallel coordinates of the params they differ in\): (\S+)", r.out)
+        assert url, r.out[-2000:]
+        plot = _page_text(url.group(1), tmp_path / "compare.html", ARTIFACTS / "mlflow-demo-parallel-coordinates.png")
+        trial_runs = [x for x in runs_in_store if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        differ = sorted(k for k in set().union(*(c.data.params for c in trial_runs))
+                        if len({c.data.params.get(k) for c in trial_runs}) > 1)
+        assert differ and "tracking.run_name" not in differ, differ  # a run's name is not a param
+        shown = re.search(r"Parallel Coordinates Plot .*?Parameters: (.*?) Metrics: (\S+) Clear All", plot)
+        assert shown and shown.group(1).split() == differ[:3], (differ, plot[:3000])
+        assert all(shown.group(2) in c.data.metrics for c in trial_runs), shown.group(2)
+        for key in differ[:3]:
+            values = [c.data.params.get(key) for c in trial_runs]
+            try:
+                numbers = [float(v) for v in values]
+            except (TypeError, ValueError):  # a categorical axis: each value a tick (cut to 10 characters)
+                assert all(v[:10] in plot for v in values if v), (key, values)
+                continue
+            assert f"{key} {max(numbers):.5f} {min(numbers):.5f}" in plot, (key, values, plot[:3000])
 
         models = _page_text(server.uri + "/#/models", tmp_path / "models.html", ARTIFACTS / "mlflow-demo-models.png")
         assert "vit-demo" in models, models[:2000]

@@ -67,3 +67,30 @@ def test_compare_sweep_prints_the_search_and_logs_its_plot_to_the_parent(sqlite_
     assert (tmp_path / "cmp-search.png").stat().st_size > 10_000
     logged = sorted(a.path for a in MlflowClient(sqlite_uri).list_artifacts(parent, "compare"))
     assert logged == ["compare/cmp-search.png", "compare/cmp.png"]
+
+
+def test_the_mlflow_page_of_the_trials_side_by_side_is_named_for_a_server_only(sqlite_uri):
+    """compare_url: MLflow's compare page of the sweep's trials (its parallel-coordinates plot is
+    checked in a browser by tests/cli/test_demo_e2e.py), without the login a URI may carry."""
+    from urllib.parse import unquote
+
+    from vitp.tracking.search_curve import compare_url
+
+    exp, parent = _sweep(sqlite_uri)
+    rows = compare_rows(sqlite_uri, exp, sweep="sc")
+    assert compare_url(sqlite_uri, rows) is None  # a local store has no page
+    url = compare_url("https://alice:s3cret@mlflow.example.com:8443/ml/", rows)
+    base, query = url.split("/#/compare-runs?")
+    assert base == "https://mlflow.example.com:8443/ml" and "s3cret" not in url
+    runs, experiments = (json.loads(unquote(part.split("=", 1)[1])) for part in query.split("&"))
+    assert sorted(runs) == sorted(r["run_id"] for r in rows if r["parent"]) and len(runs) == len(TRIALS)
+    assert experiments == [rows[0]["experiment_id"]]
+
+
+def test_a_runs_own_name_is_not_logged_as_a_param(sqlite_uri):
+    """Every trial would differ in it, and MLflow's comparisons plot the params runs differ in."""
+    exp = f"np-{uuid.uuid4().hex[:8]}"
+    with RunLogger.start(sqlite_uri, exp, "r1") as run:
+        run.log_config({"tracking": {"run_name": "r1", "experiment": exp}, "optim": {"lr": 0.1}})
+    params = MlflowClient(sqlite_uri).get_run(run.run_id).data.params
+    assert params == {"tracking.experiment": exp, "optim.lr": "0.1"}

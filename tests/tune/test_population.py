@@ -1,4 +1,4 @@
-"""Schedulers that pause and copy trials (PBT), without Ray: what PBT may perturb, what
+"""Schedulers that pause and copy trials (PBT, HyperBand), without Ray: what PBT may perturb, what
 the sweep edge refuses for them, how their trials are named, checkpointed and kept, Tune's
 schedulers they build, and a trial's restart from a pointer (its own checkpoint or another run's)."""
 import json
@@ -9,7 +9,8 @@ from vitp import storage
 from vitp.config import ConfigError
 from vitp.recipes import resolve
 from vitp.train import checkpoint as ckpt
-from vitp.tune.population import continue_from, mutations, scheduler_for
+from vitp.tune.population import (EVALUATION, continue_from, evaluations, hyperband_plan, mutations, scheduler_for,
+                                  search_slots)
 from vitp.tune.sweep import build_spec, trial_config, trial_run_name
 
 
@@ -36,8 +37,11 @@ def test_the_sweep_edge_refuses_what_pbt_cannot_run(tmp_path):
         _spec(tmp_path, "tune.scheduler=pbt", "tune.search=optuna", space={"optim.lr": "loguniform(1e-3, 0.1)"})
     with pytest.raises(ConfigError, match=r"the space has none \(e.g. --space 'optim.lr=loguniform"):
         _spec(tmp_path, "tune.scheduler=pbt", space={"optim.name": ["sgd", "adamw"]})
+    with pytest.raises(ConfigError, match=r"acts at evaluations: set train.eval_every"):
+        _spec(tmp_path, "tune.scheduler=hyperband", "train.eval_every=0")
+    assert _spec(tmp_path, "tune.scheduler=hyperband", space={"optim.name": ["sgd", "adamw"]}).scheduler == "hyperband"
     with pytest.raises(ConfigError, match=r"tune.scheduler"):
-        _spec(tmp_path, "tune.scheduler=hyperband")  # not offered (docs/transfer.md)
+        _spec(tmp_path, "tune.scheduler=bohb")  # not offered (docs/transfer.md)
 
 
 def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_without_values(tmp_path):
@@ -53,15 +57,40 @@ def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_
 
 
 def test_each_scheduler_is_tunes_own_on_the_reported_step():
-    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, PopulationBasedTraining
 
     space = {"optim.lr": [0.1, 1e-7]}
     pbt = scheduler_for("pbt", mutations(space), 10, 50, seed=0)
     assert isinstance(pbt, PopulationBasedTraining)
     assert (pbt._time_attr, pbt._perturbation_interval, pbt._hyperparam_mutations) == ("step", 10, space)
     assert pbt._synch  # exploits between trials at the same step
+    hb = scheduler_for("hyperband", {}, 0, 50, seed=0, eval_every=10)
+    assert isinstance(hb, HyperBandScheduler) and (hb._time_attr, hb._max_t_attr, hb._eta) == (EVALUATION, 5, 2)
+    assert not hb._stop_last_trials  # a trial at its last step ends by itself, its MLflow run FINISHED
+    # a bracket's trials must all exist, most of them paused: the search holds every trial (grid,
+    # random) or enough to fill the largest bracket (optuna: 4); turns.py holds the ones that train
+    assert (search_slots(hb, "grid", 2), search_slots(hb, "random", 2), search_slots(hb, "optuna", 2)) == (0, 0, 4)
+    assert search_slots(pbt, "random", 2) == search_slots(None, "optuna", 2) == 2
     assert isinstance(scheduler_for("asha", {}, 10, 50, seed=0), ASHAScheduler)
     assert scheduler_for("none", {}, 10, 50, seed=0) is None
+
+
+def test_hyperband_counts_evaluations_and_says_when_a_sweep_is_too_small_for_it_to_stop_any(tmp_path):
+    """Tune fills HyperBand's brackets in order and the first trains its trials in full: a sweep
+    must outnumber it, and the next bracket's survivors, before any trial is stopped early."""
+    cfg, _ = trial_config(_spec(tmp_path, "tune.scheduler=hyperband"), {"optim.lr": 0.1, "source": "scratch"})
+    assert [evaluations(s, cfg) for s in (0, 1, 10, 11, 20, 25)] == [0, 1, 1, 2, 2, 3]  # the last step evaluates
+
+    def plan(steps, eval_every, trials):
+        return hyperband_plan(scheduler_for("hyperband", {}, 0, steps, seed=0, eval_every=eval_every), trials)
+
+    head = "hyperband over 2 evaluations, reduction factor 2: brackets of 2 trials in full; 2 trials stopping at evaluation 1"
+    assert plan(20, 10, 4) == head  # trials 3 and 4: the better goes on
+    assert plan(20, 10, 3) == f"{head}; with 3 trial(s) none is stopped early: it needs a sweep of at least 4 trials (tune.num_samples)"
+    assert plan(50, 10, 7).endswith("brackets of 3 trials in full; 3 trials stopping at evaluation 2; "
+                                    "4 trials stopping at evaluation 1")
+    assert plan(20, 20, 9).endswith("with 9 trial(s) none is stopped early: it needs more evaluations per "
+                                    "trial (lower train.eval_every)")
 
 
 def _checkpoint(root, step, world=1, run_id="mlflow-x", attempt="a"):
@@ -111,3 +140,28 @@ def test_a_paused_attempts_later_checkpoints_are_never_picked(tmp_path):
     assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000020")
     _checkpoint(ckpt.run_dir(cfg), 30, attempt="c")  # the restarted attempt's own
     assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000030")
+
+
+def test_turns_go_to_the_lowest_trial_asking_and_come_back_when_a_lease_lapses(monkeypatch):
+    """HyperBand's trials all start; each driver asks for a turn to train (vitp/tune/turns.py)."""
+    from vitp.tune import turns
+
+    now = [0.0]
+    monkeypatch.setattr(turns.time, "monotonic", lambda: now[0])
+    book = turns.TurnBook(1)
+    assert not book.ask("t_00003")  # the first to ask waits while the others start and ask
+    now[0] += 1
+    assert not book.ask("t_00002")
+    now[0] += turns.SETTLE_S
+    assert not book.ask("t_00003") and book.ask("t_00002") and book.ask("t_00002")  # the lowest (and keeps it)
+    assert not book.ask("t_00003")
+    book.give_back("t_00002")
+    assert book.ask("t_00003")
+    now[0] += turns.LEASE_S - 1
+    assert book.renew("t_00003") and not book.ask("t_00004")
+    now[0] += turns.LEASE_S  # t_00003's driver is gone (paused: Tune ended its process)
+    assert not book.renew("t_00003")
+    now[0] += turns.SETTLE_S  # t_00004 asked too long ago: it is taken for gone, and asks afresh
+    assert not book.ask("t_00004")
+    now[0] += turns.SETTLE_S
+    assert book.ask("t_00004")

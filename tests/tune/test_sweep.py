@@ -1,7 +1,7 @@
 """Sweeps: Ray Tune over fine-tuning trials, MLflow parent/child runs on a real server,
 driver kill + --resume (and a resume after every trial had finished), a failing grid point, ASHA,
 an Optuna search over distributions, population-based training (an exploit verified by the
-weights)."""
+weights) and HyperBand (a paused trial resumed)."""
 import os
 import signal
 import subprocess
@@ -373,3 +373,41 @@ def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_
         steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
         assert len(steps) == len(set(steps)) and max(steps) == 50, (r.info.run_name, sorted(steps))
 
+
+
+@pytest.mark.e2e
+def test_hyperband_pauses_a_trial_at_its_rung_resumes_the_better_and_stops_the_worse(
+        tmp_path, server, ray_session, digits_shards):
+    """HyperBand over four learning rates, one trial at a time, two evaluations each: Tune's first
+    bracket trains its two trials in full (the sweep log says so); in the second, the third trial
+    (lr 0.1) is paused at its first evaluation (step 20: by step 10 neither beats chance), the
+    fourth (lr 1e-7, whose zero-initialised head barely moves) is stopped there (KILLED, tagged by
+    hyperband) and the third goes on from its own checkpoint to the end. No step is logged twice."""
+    import re
+
+    from vitp.tracking.store import get_client
+    from vitp.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
+
+    args = ["sweep", "debug_finetune", "--name", "s-hb", f"--set=work_dir={_work(tmp_path, digits_shards)}",
+            "--tracking-uri", server.uri, "--space", "optim.lr=0.03,0.3,0.1,1e-7", "--scheduler", "hyperband",
+            "--set=tune.max_concurrent_trials=1", "--set=train.steps=40", "--set=train.eval_every=20",
+            "--set=train.log_every=10", "--set=parallel.num_workers=1"]
+    proc = _vitp(args, _env(ray_session), log_path=tmp_path / "sweep.log")
+    proc.wait(timeout=900)
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "brackets of 2 trials in full; 2 trials stopping at evaluation 1" in log, log[:4000]
+    client = get_client(server.uri)
+    runs = {float(r.data.params["optim.lr"]): r for r in
+            (client.get_run(c["run_id"]) for c in _children(server.uri, "s-hb"))}
+    assert sorted(runs) == [1e-7, 0.03, 0.1, 0.3], runs
+    stopped = runs[1e-7]
+    assert stopped.info.status == "KILLED", log[-4000:]
+    assert (stopped.data.tags[STOPPED_BY_TAG], stopped.data.tags[STOPPED_AT_TAG]) == ("hyperband", "20")
+    assert all(runs[lr].info.status == "FINISHED" for lr in (0.03, 0.1, 0.3)), log[-4000:]
+    paused = runs[0.1].info.run_name
+    assert re.search(rf"\[{re.escape(paused)}\] resumed from \S+/runs/{re.escape(paused)}/checkpoint_00000020 "
+                     r"at step 20", log), log[-4000:]
+    for lr, r in runs.items():
+        steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
+        assert len(steps) == len(set(steps)) and (max(steps) < 40 if lr == 1e-7 else max(steps) == 40), (lr, steps)

@@ -236,7 +236,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vitp.tracking.compare import compare_rows, format_table, sweep_parents  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.seeds import aggregate_rows, format_aggregate  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.tracking.search_curve import plot_search, search_plot_path, summary_lines, swept_keys  # lazy (mlflow)
+    from vitp.tracking.search_curve import (compare_url, plot_search, search_plot_path, summary_lines,  # lazy (mlflow)
+                                            swept_keys)
     from vitp.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
     # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
@@ -251,6 +252,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.sweep and args.format == "text" and not args.seeds:  # the search: best so far, best configuration
         for line in summary_lines(rows, swept_keys(uri, sweep_parents(rows))):
             print(line)
+        url = compare_url(uri, rows)
+        if url:
+            print(f"the trials side by side in MLflow (parallel coordinates of the params they differ in): {url}")
     if args.plot:
         plots = [plot_compare(uri, rows, args.plot)]
         if args.sweep:

@@ -324,7 +324,7 @@ def _add_sweep(sub) -> Handler:
                    help="add a key to the search space (repeatable): values, e.g. --space optim.lr=0.01,0.03, "
                         "or a distribution, e.g. --space 'optim.lr=loguniform(1e-4,1e-1)'")
     p.add_argument("--search", choices=["grid", "random", "optuna"], help="override tune.search")
-    p.add_argument("--scheduler", choices=["none", "asha", "pbt"], help="override tune.scheduler")
+    p.add_argument("--scheduler", choices=["none", "asha", "hyperband", "pbt"], help="override tune.scheduler")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     add_tracking(p, can_disable=False)
     add_address(p)

@@ -165,9 +165,10 @@ class TuneConfig:
     num_samples: int = 1  # random/optuna: trials; grid: samples of the distributions per grid point
     seed: int = 0  # the searcher's seed: the same seed draws the same trials
     startup_trials: int = 5  # optuna: random trials before its model proposes
-    # asha: stop poor trials early, at evaluations; pbt: population-based training, perturbing the
-    # space's numeric keys of vitp/tune/population.py MUTABLE
-    scheduler: Literal["none", "asha", "pbt"] = "none"
+    # asha: stop poor trials early, at evaluations; hyperband: the same in brackets, pausing trials
+    # and resuming them from checkpoints; pbt: population-based training, perturbing the space's
+    # numeric keys of vitp/tune/population.py MUTABLE
+    scheduler: Literal["none", "asha", "hyperband", "pbt"] = "none"
     perturbation_interval: int = 0  # pbt: steps between exploits (a multiple of train.eval_every); 0 = eval_every
     metric: str = "val/top1"  # what the search optimises and the best trial is chosen by
     mode: Literal["max", "min"] = "max"  # whether a higher or a lower metric is better

@@ -196,6 +196,7 @@ def _row(tracking_uri: str, run: dict[str, Any], experiment_names: dict[str, str
         "run_name": run["run_name"],
         "params": params,  # every logged param (seeds.py groups by the swept ones); not a column
         "run_id": run["run_id"],
+        "experiment_id": run["experiment_id"],
         "parent": run["parent_run_id"],
         "sweep": tags.get("sweep"),
         "experiment": experiment_names.get(run["experiment_id"], run["experiment_id"]),

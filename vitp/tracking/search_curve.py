@@ -7,6 +7,7 @@ import io
 import json
 import os
 from typing import Any, Iterable
+from urllib.parse import quote, urlsplit
 
 from vitp.console import duration
 from vitp.tracking.compare import best_per_dataset
@@ -64,6 +65,20 @@ def summary_lines(rows: list[dict[str, Any]], keys: list[str]) -> list[str]:
                      f"{': ' + values if values else ''} (trial {found['trials']} of {len(points)}, "
                      f"{duration(found['wall_s'])} into the sweep)")
     return lines
+
+
+def compare_url(tracking_uri: str, rows: list[dict[str, Any]]) -> str | None:
+    """The MLflow page that shows a sweep's trials side by side, with a parallel-coordinates plot of
+    the params they differ in (MLflow draws the first three of those and the first metric; pick the
+    sweep's metric there): on a tracking server, None for a local store (or no trials)."""
+    parts = urlsplit(tracking_uri)
+    trials = [r for r in rows if r.get("parent")]
+    if parts.scheme not in ("http", "https") or not trials:
+        return None
+    base = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
+    runs = json.dumps([r["run_id"] for r in trials])
+    experiments = json.dumps(sorted({r["experiment_id"] for r in trials}))
+    return f"{base}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}"
 
 
 def search_plot_path(plot: str) -> str:

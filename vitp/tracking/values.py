@@ -32,9 +32,15 @@ def truncate(key: str, text: str, limit: int) -> str:
     return text[: limit - len(TRUNCATION_NOTE)] + TRUNCATION_NOTE
 
 
+# Config keys that are not params: the run's own name is its MLflow name already, and as a param
+# every run would differ in it (MLflow's comparison views, parallel coordinates among them, plot the
+# params that differ between the runs compared)
+NOT_PARAMS = ("tracking.run_name",)
+
+
 def params_for_mlflow(cfg_dict: dict[str, Any]) -> dict[str, str]:
     """The exact param strings log_config writes: flattened, redacted, truncated to MLflow's limit."""
-    flat = flatten(cfg_dict)
+    flat = {k: v for k, v in flatten(cfg_dict).items() if k not in NOT_PARAMS}
     flat = redact(flat)
     return {k: truncate(k, to_str(v), MAX_PARAM_VALUE) for k, v in flat.items()}
 

@@ -1,10 +1,11 @@
-"""Trials whose state Tune holds (PBT pauses trials, and its exploit copies one trial's state into
-another): a Train callback hands each report's checkpoint to the trial's driver, which
+"""Trials whose state Tune holds (PBT and HyperBand pause trials; PBT's exploit copies one trial's
+state into another): a Train callback hands each report's checkpoint to the trial's driver, which
 reports it to Tune as a pointer to the run's checkpoint; a trial restarted from a pointer goes on
 from that checkpoint, another trial's copied into its own run first. Rules: docs/transfer.md."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
@@ -12,6 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ray import tune
 from ray.train import Checkpoint, UserCallback
+from ray.tune.schedulers import HyperBandScheduler
 
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, Run, flatten
@@ -26,8 +28,10 @@ _END = {"end": True}
 MUTABLE = ("optim.lr", "optim.weight_decay", "optim.momentum", "optim.beta1", "optim.beta2", "optim.grad_clip",
            "model.dropout", "model.attn_dropout", "model.drop_path", "data.randaug_layers",
            "data.randaug_magnitude", "train.mixup_alpha", "train.cutmix_alpha", "train.label_smoothing")
-CHECKPOINTED = ("pbt",)  # schedulers that pause trials and restore them from checkpoints
+CHECKPOINTED = ("pbt", "hyperband")  # schedulers that pause trials and restore them from checkpoints
 RELEASE_EVERY_S = 5.0  # between looks for placement groups a paused trial's Train run left
+EVALUATION = "evaluation"  # HyperBand's time: the evaluations a trial has reported (1, 2, ...)
+ETA = 2  # HyperBand's reduction factor (ASHA's too): a rung keeps the best 1/ETA of its trials
 
 
 def mutations(space_values: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,24 +91,30 @@ def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentCon
             continue
         if item == _END:
             break
+        metrics = {**item["metrics"], EVALUATION: evaluations(int(item["metrics"].get("step", 0)), cfg)}
         if item["checkpoint"] is None:
-            tune.report(item["metrics"])
+            tune.report(metrics)
             continue
         pointer = {"run_dir": ckpt.run_dir(cfg), "checkpoint": item["checkpoint"],
                    "step": int(item["metrics"].get("step", 0)), "run_name": cfg.run_name, "trial_id": trial_id}
         with tempfile.TemporaryDirectory(prefix="vitp-pointer-") as d:
             with open(os.path.join(d, POINTER), "w") as f:
                 json.dump(pointer, f)
-            tune.report(item["metrics"], checkpoint=Checkpoint.from_directory(d))
+            tune.report(metrics, checkpoint=Checkpoint.from_directory(d))
     thread.join()
     if "error" in out:
         raise out["error"]
     return out["result"]
 
 
+def evaluations(step: int, cfg: ExperimentConfig) -> int:
+    """How many evaluations a run has made by `step` (the last step evaluates too)."""
+    return -(-step // cfg.train.eval_every) if cfg.train.eval_every else 0
+
+
 def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: ExperimentConfig,
                      tags: dict[str, str], parent_run_id: str, trial_id: str):
-    """A sweep trial under PBT (run_training's summary): restarted from a pointer, it
+    """A sweep trial under PBT or HyperBand (run_training's summary): restarted from a pointer, it
     goes on from that checkpoint, or another trial's (the exploit), recorded as tag
     pbt.exploit.STEP, the perturbed values as params KEY.continued_at_STEP and every start's values
     as pbt/KEY metrics."""
@@ -184,14 +194,33 @@ def check_scheduler(scheduler: str, search: str, space_values: Mapping[str, Any]
                           f"the space has none (e.g. --space 'optim.lr=loguniform(1e-3,0.3)')")
 
 
-def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps: int, seed: int):
-    """Tune's scheduler `name` (asha, pbt) for trials reporting `step` at evaluations: ASHA stops
-    trials at rungs of evaluations; PBT every
+def search_slots(scheduler, search: str, concurrency: int) -> int:
+    """The trials the search may have unfinished at once: `concurrency`, but under HyperBand, whose
+    brackets are cut once all their trials reach a rung (most waiting paused; turns.py holds the
+    trials that train to `concurrency`), every trial (0: no limit), or for Optuna, whose proposals
+    learn from finished trials, enough to fill the largest bracket."""
+    if not isinstance(scheduler, HyperBandScheduler):
+        return concurrency
+    if search != "optuna":
+        return 0
+    return max(concurrency, *(scheduler._get_n0(s) for s in range(scheduler._s_max_1)))
+
+
+def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps: int, seed: int,
+                  eval_every: int = 0):
+    """Tune's scheduler `name` (asha, hyperband, pbt) for trials reporting `step` at evaluations:
+    ASHA stops trials at rungs of evaluations; HyperBand too, in brackets, on its own time
+    (EVALUATION, up to max_steps' evaluations: on steps its brackets would need hundreds of trials),
+    pausing a trial at a rung until the rung's last trial reaches it; PBT every
     `interval` steps copies an upper-quartile trial into a lower-quartile one and perturbs the
     numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25), once every trial
     has reached that step."""
     from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
+    if name == "hyperband":
+        # a trial at max_t ends by itself (Tune's stop there would end its driver before its MLflow run)
+        return HyperBandScheduler(time_attr=EVALUATION, reduction_factor=ETA, stop_last_trials=False,
+                                  max_t=max(1, -(-max_steps // eval_every)))
     if name == "asha":  # (as before: rungs at evaluations, Tune's own time)
         return ASHAScheduler(grace_period=1, reduction_factor=2)
     if name == "pbt":
@@ -204,3 +233,25 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
                                        hyperparam_mutations=dict(space), quantile_fraction=0.25,
                                        resample_probability=0.25, synch=True)
     return None
+
+
+def hyperband_plan(scheduler, trials: int) -> str:
+    """What `scheduler` (Tune's HyperBand) does with a sweep of `trials`, as one line: its brackets
+    in the order trials fill them (the first trains its trials in full), and whether any trial can
+    be stopped early (a bracket's first rung keeps the best ceil(n / eta) of its n places)."""
+    eta = scheduler._eta
+    brackets = [(s, scheduler._get_n0(s), scheduler._get_r0(s)) for s in range(scheduler._s_max_1)]
+    brackets = [b for b in brackets if b[2]]  # Tune skips a bracket whose first rung is at no time
+    sizes = [f"{n} trials stopping at evaluation {r}" if s else f"{n} trials in full" for s, n, r in brackets]
+    line = (f"hyperband over {scheduler._max_t_attr} evaluations, reduction factor {eta}: "
+            f"brackets of {'; '.join(sizes)}")
+    before, needed = 0, None  # the fewest trials of which one is stopped early
+    for s, n, _ in brackets:
+        if s and needed is None:
+            needed = before + math.ceil(n / eta) + 1
+        before += n
+    if needed is None or trials < needed:
+        fix = (f"a sweep of at least {needed} trials (tune.num_samples)" if needed
+               else "more evaluations per trial (lower train.eval_every)")
+        return f"{line}; with {trials} trial(s) none is stopped early: it needs {fix}"
+    return line

@@ -130,7 +130,7 @@ def _suggest(trial, name: str, d: Dist) -> Any:
 def search_algorithm(space_values: Mapping[str, Any], points: list, search: str, seed: int,
                      startup_trials: int, metric: str, mode: str, concurrency: int):
     """The Tune search algorithm: Tune's variant generator (grid, random) seeded and limited to
-    `concurrency` trials at once, or Optuna's TPE behind a ConcurrencyLimiter."""
+    `concurrency` trials at once (0: no limit), or Optuna's TPE behind a ConcurrencyLimiter."""
     from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
     if search != "optuna":

@@ -6,6 +6,7 @@ edits only, never `--set` strings. MLflow is written only through `vitp.tracking
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,7 +34,9 @@ from ..tracking.store import quote, tag_filters
 from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
 from .outcome import summarise
-from .population import CHECKPOINTED, check_scheduler, mutations, population_trial, scheduler_for
+from .population import (CHECKPOINTED, check_scheduler, hyperband_plan, mutations, population_trial,
+                         scheduler_for, search_slots)
+from .turns import start_turns, turn
 from .progress import USER_ERROR, SweepProgress
 from .search import check_search, fold_cases, param_space, search_algorithm
 from .space import Dist, grid_size, parse_space, probe_trials
@@ -252,7 +255,9 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
         if spec.scheduler in CHECKPOINTED:  # Tune holds the trial's state: pointers to its checkpoints
-            summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
+            with (turn(spec.name, parent_run_id, ctx.get_trial_id(), _log.info) if spec.scheduler == "hyperband"
+                  else contextlib.nullcontext()):
+                summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
         else:
             summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
                                    callbacks=[TuneReportCallback()])
@@ -331,6 +336,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
     trainable = tune.with_resources(tune.with_parameters(
         finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), {"CPU": 0.01})
+    turns = start_turns(spec.name, parent.run_id, concurrency) if spec.scheduler == "hyperband" else None
     total = spec.num_samples * grid_size(parse_space(spec.space), spec.search) * (
         len(spec.points) if spec.points and spec.search == "grid" else 1)
     progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri, spec.experiment,
@@ -347,7 +353,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
         else:
             scheduler = scheduler_for(spec.scheduler, mutations(spec.space),
                                       spec.perturbation_interval or first_trial_cfg.train.eval_every,
-                                      first_trial_cfg.train.steps, spec.seed)
+                                      first_trial_cfg.train.steps, spec.seed, first_trial_cfg.train.eval_every)
+            if spec.scheduler == "hyperband":
+                log(f"[sweep {spec.name}] {hyperband_plan(scheduler, total)}")
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space(spec.space, spec.points, spec.search, spec.seed),
@@ -355,7 +363,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                                             num_samples=spec.num_samples,
                                             search_alg=search_algorithm(
                                                 spec.space, spec.points, spec.search, spec.seed,
-                                                spec.startup_trials, spec.metric, spec.mode, concurrency),
+                                                spec.startup_trials, spec.metric, spec.mode,
+                                                search_slots(scheduler, spec.search, concurrency)),
                                             # a trial's driver is light; its process and imports
                                             # are not: the next trial reuses them (not where a
                                             # paused trial's process must end with its training)
@@ -370,6 +379,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     except BaseException as e:
         parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+    del turns  # the trials' turns end with the sweep
     summary = summarise(spec, parent, results, time.time() - t0)
     parent.end("FINISHED")
     return summary
