@@ -29,7 +29,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install browser test test-fast test-e2e test-long test-all demo clean
+.PHONY: install browser test test-fast test-e2e test-long test-all demo soak clean
 
 define WARM_DS_OPS
 import vitp.train.engine  # where (the venv) and with which ninja the ops are built, as every run does
@@ -95,6 +95,11 @@ test-all: $(STAMP) browser
 
 demo: $(STAMP)
 	$(BIN)/vitp demo $(DEMO_ARGS)
+
+# The chaos soak (a benchmark, not CI): faults at random while pre-training and a sweep run on a
+# three-node local cluster, then the invariants; e.g. make soak SOAK_ARGS="--minutes 20 --seed 1"
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

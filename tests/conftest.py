@@ -8,6 +8,7 @@ import pytest
 # the suites' helpers beside this file (netproxy, postgres, numerics, ...) import by their names
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from s3server import S3Server, s3_environment
 from tiers import is_long, long_entries, stale_entries
 from vitp.net import free_port
 
@@ -128,12 +129,7 @@ def pytest_configure(config):
     # ends 6-7 s (~17%) sooner; every process of the test run (Ray, clusters, vitp) inherits it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {"AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint,
-                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ[key] = value
+    os.environ.update(s3_environment(free_port()))
 
 
 def pytest_unconfigure(config):
@@ -144,67 +140,6 @@ def pytest_unconfigure(config):
         # at exit, after multiprocessing removed its own pymp-* folder in it (exitpriority -100):
         # removed before, multiprocessing prints a FileNotFoundError traceback as the worker ends
         util.Finalize(None, shutil.rmtree, args=(config._vitp_tmpdir, True), exitpriority=-101)
-
-
-class S3Server:
-    """moto_server, reached through `proxy` (tests/netproxy.py) on the port chosen in pytest_configure:
-    a test can count the bytes a run downloaded (`proxy.down`) or slow its uploads (`proxy.up_rate`).
-    `bucket()` makes a fresh bucket."""
-
-    def __init__(self, log_dir):
-        import subprocess
-        import sys
-        import time
-        import urllib.request
-
-        from netproxy import PortForward
-
-        self.endpoint = os.environ["AWS_ENDPOINT_URL"]
-        port = free_port()
-        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.log = open(os.path.join(log_dir, "moto.log"), "w")
-        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        self.proxy = PortForward(port, listen_port=int(self.endpoint.rsplit(":", 1)[1]))
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=2).read()
-                break
-            except Exception:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"moto_server did not start; see {self.log.name}")
-                time.sleep(0.2)
-        self._n = 0
-
-    @property
-    def env(self) -> dict[str, str]:
-        keys = ("AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-        return {k: os.environ[k] for k in keys}
-
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint)
-
-    def bucket(self, prefix: str = "vitp") -> str:
-        """A new empty bucket; returns its URI s3://name."""
-        import uuid
-
-        self._n += 1
-        name = f"{prefix}-{self._n}-{uuid.uuid4().hex[:8]}".lower()
-        self.client().create_bucket(Bucket=name)
-        return f"s3://{name}"
-
-    def stop(self):
-        self.proxy.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except Exception:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="session")

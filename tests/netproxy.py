@@ -1,12 +1,14 @@
 """A TCP forwarder for tests: a service's port seen through one of its own, counting what passes.
 
 Used as `kubectl port-forward` gives a laptop its own address for an in-cluster service, and in
-front of the S3 server where a test must know the bytes a run downloaded or make uploads slow.
+front of the S3 server where a test must know the bytes a run downloaded, make uploads slow, or
+cut the service off (`cut`: open connections reset, new ones refused, until `restore`).
 """
 from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 
@@ -15,10 +17,11 @@ class PortForward:
     """Forwards 127.0.0.1:`listen_port` (`uri`; 0: a port of its own) to 127.0.0.1:`port`.
     `connections` counts clients, `down` the bytes the service sent them, `up` the bytes they sent
     it; `up_rate` (bytes/s per connection, 0 = unlimited) slows what clients send, as a thin
-    uplink would."""
+    uplink would; `cut()` resets every open connection and refuses new ones until `restore()`."""
 
     def __init__(self, port: int, listen_port: int = 0, up_rate: float = 0.0):
         self.connections, self.down, self.up, self.up_rate, self._port = 0, 0, 0, up_rate, port
+        self.is_cut, self._open = False, set()
         self._lock = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", listen_port))
         self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -31,11 +34,16 @@ class PortForward:
             except OSError:
                 return
             self.connections += 1
+            if self.is_cut:  # as a network partition: the client's connection is reset
+                _reset(near)
+                continue
             try:
                 far = socket.create_connection(("127.0.0.1", self._port))
             except OSError:  # the service is not up (yet): the client sees its connection close
                 near.close()
                 continue
+            with self._lock:
+                self._open.update((near, far))
             threading.Thread(target=self._pipe, args=(near, far, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(far, near, False), daemon=True).start()
 
@@ -56,6 +64,26 @@ class PortForward:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+                with self._lock:
+                    self._open.discard(s)
+
+    def cut(self) -> None:
+        """Reset every open connection; refuse (reset) new ones until restore()."""
+        self.is_cut = True
+        with self._lock:
+            open_now, self._open = list(self._open), set()
+        for s in open_now:
+            _reset(s)
+
+    def restore(self) -> None:
+        self.is_cut = False
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a dropped route or a restarted peer looks to a client."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()

@@ -25,3 +25,34 @@ def test_the_shell_launcher_gets_a_port_from_the_module():
     out = subprocess.run([sys.executable, "-m", "vitp.net", "6390", "8275"], capture_output=True, text=True,
                          check=True).stdout
     assert int(out) not in (6390, 8275) and int(out) < _ephemeral_low()
+
+
+def test_the_test_forwarder_cuts_a_service_off_and_restores_it():
+    """tests/netproxy.py's cut (the chaos soak's S3 outage): open connections are reset, new ones
+    refused, until restore; the service itself keeps running."""
+    import http.server
+    import threading
+    import urllib.request
+
+    from netproxy import PortForward  # tests/netproxy.py
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    forward = PortForward(server.server_address[1])
+    try:
+        def status():
+            try:
+                return urllib.request.urlopen(forward.uri, timeout=10).status
+            except urllib.error.HTTPError as e:  # the bare handler answers 501: reached
+                return e.code
+            except OSError as e:
+                return type(e).__name__
+
+        assert status() == 501
+        forward.cut()
+        assert status() == "ConnectionResetError" and forward.is_cut
+        forward.restore()
+        assert status() == 501
+    finally:
+        forward.close()
+        server.shutdown()

@@ -121,7 +121,7 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
         differ = sorted(k for k in set().union(*(c.data.params for c in trial_runs))
                         if len({c.data.params.get(k) for c in trial_runs}) > 1)
         assert differ and "tracking.run_name" not in differ, differ  # a run's name is not a param
-        shown = re.search(r"Parallel Coordinates Plot .*?Parameters: (.*?) Metrics: (\S+) Clear All", plot)
+        shown = re.search(r"Parallel Coordinates Plot .*?Parameters: (.*?)\s+Metrics: (\S+)\s+Clear All", plot)
         assert shown and shown.group(1).split() == differ[:3], (differ, plot[:3000])
         assert all(shown.group(2) in c.data.metrics for c in trial_runs), shown.group(2)
         for key in differ[:3]:

@@ -4,8 +4,9 @@ MLflow server (artifacts in the bucket): raw corpus -> preprocess -> pretrain (2
 per node, one SIGKILLed mid-run and resumed from S3 in the same MLflow run) -> export to S3 ->
 downstream preparation -> fine-tune sweep from the S3 export -> few-shot -> `vitp compare`.
 Few-shot and fine-tuning from an export and shards on a storage URI are checked here (the
-readers themselves: tests/test_uri_paths.py). Then, on the same cluster, a preemption: the worker
-node drained with a deadline and killed at it while an elastic run goes on on the head."""
+readers themselves: tests/test_uri_paths.py). Then, on the same cluster, the drills of the long
+tier: a preemption (the worker node drained with a deadline and killed at it while an elastic run
+goes on on the head), a node lost during a checkpoint's upload, and a node lost under a Tune trial."""
 import io
 import json
 import os
@@ -543,3 +544,62 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
     fit = min(2, sum(int(n.resources_total.get("CPU", 0) // 2) for n in alive))
     workers = dict((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "parallel/workers"))
     assert workers[0] == 2 and workers[40] == fit, (workers, fit)
+
+
+# ---------------------------------------------------------------- a node lost under a Tune trial
+TRIAL_SETTINGS = [
+    "parallel.num_workers=1", "parallel.cpus_per_worker=2", "parallel.global_batch=16",
+    "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=300", "train.log_every=1",
+    # no evaluations but the last: the trial keeps its recipe's checkpoints (a sweep that evaluates
+    # checkpoints only for schedulers that pause trials)
+    "train.eval_every=0", "train.checkpoint_every=100", "train.keep_checkpoints=2",
+    "tune.max_concurrent_trials=2", "tune.trial_retries=2",
+]
+
+
+@pytest.mark.timeout(1500)
+def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_sweep_completes(rehearsal, tmp_path):
+    """A node joins; a sweep of two trials (one 2-CPU Train worker each, so one trains on each
+    node) runs from this machine's driver. Once a trial whose worker is on the worker node has
+    committed its checkpoint at step 100, that node is SIGKILLed, raylet and all, and a new node
+    joins (as an autoscaler replaces a lost VM). The trial goes on from that checkpoint (Train's
+    restart, or Tune's retry where the trial's own driver was on the node), the sweep exits 0, both
+    trials' MLflow runs are FINISHED with every step of train/loss once."""
+    from mlflow.tracking import MlflowClient
+
+    cluster = rehearsal.cluster
+    cluster.add_node()
+    gcs = f"127.0.0.1:{cluster.port}"
+    work = storage.join(rehearsal.store, "node-trial")
+    common = [f"work_dir={work}"]
+    r = vitp("preprocess", "debug_finetune", "--address", gcs, *sets(common), env=rehearsal.env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = tmp_path / "sweep.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vitp.cli", "sweep", "debug_finetune", "--name", "s-node", "--address", gcs,
+             "--tracking-uri", rehearsal.mlflow.uri, "--space", "optim.lr=0.03,0.1", *sets(common + TRIAL_SETTINGS)],
+            cwd=ROOT, env=vitp_env(rehearsal.env), stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(r"\] checkpoint 100 committed", log, proc)
+        node = _node_of_a_rank_off_the_head(cluster)
+        cluster.kill_node(node)
+        cluster.add_node()
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    text = log.read_text()
+    story = _story(text)
+    assert proc.returncode == 0, story[-8000:]
+    resumed = re.findall(r"\[(s-node-\S+)\] resumed from \S+/checkpoint_(\d+) at step (\d+)", text)
+    assert resumed and all(int(step) >= 100 for _, _, step in resumed), story[-8000:]
+
+    client = MlflowClient(rehearsal.mlflow.uri)
+    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                          "tags.sweep = 's-node'") if r.data.tags.get("mlflow.parentRunId")]
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs), story[-8000:]
+    assert {name for name, _, _ in resumed} <= {r.info.run_name for r in runs}
+    for run in runs:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+        assert sorted(steps) == list(range(1, 301)), (run.info.run_name, "a step is missing or logged twice")

@@ -1,0 +1,170 @@
+"""The chaos soak's invariants (benchmarks/soak.py), checked once its workloads have ended: each is a
+name, what was checked, and the violations found (none is the pass)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL_ONLY = ("*.parquet", "meta.json", "*.safetensors", "checkpoint_*")  # what belongs in storage
+ENDED = ("FINISHED", "KILLED", "FAILED")
+
+
+def _runs(uri: str) -> list:
+    from vitp.tracking.store import get_client
+
+    client = get_client(uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return [r for r in client.search_runs(experiments, max_results=5000)
+            if (r.data.tags.get("sweep") or "").startswith("soak-") or r.info.run_name.startswith("soak-")]
+
+
+def metrics_once(uri: str, runs) -> dict:
+    """Every (metric, step) of every run exactly once; train/loss steps contiguous from 1."""
+    from vitp.tracking.store import get_client
+
+    client, bad, n = get_client(uri), [], 0
+    for run in runs:
+        for key in run.data.metrics:
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+            n += len(steps)
+            if len(steps) != len(set(steps)):
+                bad.append(f"{run.info.run_name} {key}: {len(steps) - len(set(steps))} step(s) logged twice")
+            if key == "train/loss" and sorted(set(steps)) != list(range(1, max(steps) + 1)):
+                missing = sorted(set(range(1, max(steps) + 1)) - set(steps))
+                bad.append(f"{run.info.run_name} train/loss: steps {missing[:10]} missing")
+    return {"name": "every (metric, step) once, train/loss steps contiguous",
+            "checked": f"{n} points of {len(runs)} runs", "violations": bad}
+
+
+def statuses(runs) -> dict:
+    """Every run ended as it should; a FINISHED run trained every step; each trial has a result or a reason."""
+    bad = []
+    for run in runs:
+        name, status, tags = run.info.run_name, run.info.status, run.data.tags
+        if status not in ENDED:
+            bad.append(f"{name}: {status}")
+        elif status == "FINISHED" and "train.steps" in run.data.params and tags.get("kind") != "sweep":
+            if run.data.metrics.get("train/loss") is None:
+                bad.append(f"{name}: FINISHED without train/loss")
+        trial = tags.get("mlflow.parentRunId")
+        if trial and status == "KILLED" and not tags.get("vitp.stopped_by") and not tags.get("vitp.stale"):
+            bad.append(f"{name}: trial KILLED without a scheduler's or staleness tag")
+        if trial and status == "FAILED" and not tags.get("vitp.error"):
+            bad.append(f"{name}: trial FAILED without vitp.error")
+    return {"name": "runs ended FINISHED/KILLED/FAILED with a reason, none RUNNING",
+            "checked": f"{len(runs)} runs", "violations": bad}
+
+
+def samples(work: str, runs) -> dict:
+    """train.record_samples: each sample at most once per epoch; every finished epoch complete."""
+    from vitp import storage
+    from vitp.data.ingest import shards_dir
+    from vitp.data.shards import read_manifest
+    from vitp.paths import RunPaths
+    from vitp.recipes import resolve
+
+    manifest = read_manifest(shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)))
+    rows = sum(s["rows"] for s in manifest["shards"]["train"])
+    bad, checked = [], 0
+    for run in runs:
+        if not run.info.run_name.startswith("soak-pretrain-"):
+            continue
+        root = storage.join(RunPaths.of(work).run(run.info.run_name), "samples")
+        files = [(rank, name) for rank in storage.listdir(root)
+                 for name in storage.listdir(storage.join(root, rank))] if storage.exists(root) else []
+        kept: dict[int, tuple[int, dict]] = {}  # step -> (the attempt that kept it, its records by rank)
+        for rank, name in files:
+            first = int(name.split("_")[1])
+            for line in storage.read_bytes(storage.join(root, rank, name)).decode().splitlines():
+                rec = json.loads(line)
+                attempt, by_rank = kept.get(rec["step"], (-1, {}))
+                if first > attempt:
+                    kept[rec["step"]] = attempt, by_rank = first, {}
+                if first == attempt:
+                    by_rank.setdefault(rank, []).extend(zip(rec["keys"], rec["epochs"]))
+        seen: dict[int, list[str]] = {}
+        for _, by_rank in kept.values():
+            for pairs in by_rank.values():
+                for key, epoch in pairs:
+                    seen.setdefault(epoch, []).append(key)
+        checked += sum(len(v) for v in seen.values())
+        for epoch, keys in sorted(seen.items()):
+            if len(keys) != len(set(keys)):
+                bad.append(f"{run.info.run_name} epoch {epoch}: {len(keys) - len(set(keys))} sample(s) twice")
+            if epoch < max(seen) and len(set(keys)) != rows:
+                bad.append(f"{run.info.run_name} epoch {epoch} (finished): {rows - len(set(keys))} of {rows} missing")
+    return {"name": "each sample at most once per epoch, finished epochs complete",
+            "checked": f"{checked} samples trained", "violations": bad}
+
+
+def checkpoints(work: str, runs, logs: list[Path], env: dict) -> dict:
+    """No checkpoint picked that was incomplete; each finished pre-training's final weights export."""
+    import re
+
+    from vitp import storage
+    from vitp.paths import RunPaths
+    from vitp.train import checkpoint as ckpt
+
+    bad, picked = [], set()
+    for log in logs:
+        picked |= set(re.findall(r"\] resumed from (\S+) at step \d+", log.read_text()))
+    for where in sorted(picked):
+        if storage.exists(where) and not ckpt.verify(where)[0]:
+            bad.append(f"picked incomplete: {where}: {ckpt.verify(where)[1]}")
+    exported = 0
+    for run in runs:
+        if not run.info.run_name.startswith("soak-pretrain-") or run.info.status != "FINISHED":
+            continue
+        steps = run.data.params.get("train.steps")
+        final = storage.join(RunPaths.of(work).run(run.info.run_name), ckpt.checkpoint_dir_name(int(steps)))
+        out = storage.join(work, "exports", run.info.run_name)
+        r = subprocess.run([sys.executable, "-m", "vitp.cli", "export", final, "--out", out], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0 or not storage.isfile(storage.join(out, "model.safetensors")):
+            bad.append(f"{run.info.run_name}: export of {final} failed: {(r.stderr or r.stdout)[-300:]}")
+        exported += 1
+    return {"name": "no incomplete checkpoint picked, final weights export",
+            "checked": f"{len(picked)} checkpoints resumed from, {exported} exported", "violations": bad}
+
+
+def node_local(world) -> dict:
+    """No file on a live node's own disk that belongs in storage (shards, checkpoints, exports)."""
+    alive = [0] + world.alive_worker_nodes()
+    hits = []
+    for i in alive:
+        d = world.cluster.state_dir / f"node-{i}"
+        for pat in LOCAL_ONLY:
+            hits += [str(p) for p in d.rglob(pat)]
+    return {"name": "nothing left on node-local disks that belongs in storage",
+            "checked": f"{len(alive)} live nodes' directories", "violations": sorted(hits)}
+
+
+def check_all(world, work: str, env: dict) -> dict:
+    runs = _runs(world.uri)
+    logs = [w.log for w in world.workloads]
+    return {"runs": len(runs), "checks": [metrics_once(world.uri, runs), statuses(runs), samples(work, runs),
+                                          checkpoints(work, runs, logs, env), node_local(world)]}
+
+
+def table(result: dict) -> str:
+    hit = [f for f in result["faults"] if f["hit"]]
+    kinds = sorted({f["kind"] for f in hit})
+    counts = ", ".join(f"{k} {sum(f['kind'] == k for f in hit)}" for k in kinds)
+    launches = ", ".join(f"{n} ({w['launches']} launches)" for n, w in result["workloads"].items())
+    missed = sum(not f["hit"] for f in result["faults"])
+    lines = [f"{len(hit)} faults thrown ({counts}), {missed} found nothing to hit; workloads: {launches}", "",
+             "| invariant | checked | violations |", "|---|---|---|"]
+    for c in result["checks"]:
+        lines.append(f"| {c['name']} | {c['checked']} | {len(c['violations'])} |")
+    for c in result["checks"]:
+        lines += [f"  {c['name']}: {v}" for v in c["violations"][:10]]
+    load = result.get("tracking_load")
+    if load:
+        lines += ["", "Tracking load on the same PostgreSQL-backed server:", ""]
+        from tracking_load import table as load_table  # benchmarks/tracking_load.py
+
+        lines.append(load_table(load))
+    return "\n".join(lines)
