@@ -45,12 +45,12 @@ def test_the_test_forwarder_cuts_a_service_off_and_restores_it():
                 return urllib.request.urlopen(forward.uri, timeout=10).status
             except urllib.error.HTTPError as e:  # the bare handler answers 501: reached
                 return e.code
-            except OSError as e:
-                return type(e).__name__
+            except OSError:  # reset (or refused) by the forwarder, whichever way urllib words it
+                return "cut"
 
         assert status() == 501
         forward.cut()
-        assert status() == "ConnectionResetError" and forward.is_cut
+        assert status() == "cut" and forward.is_cut
         forward.restore()
         assert status() == 501
     finally:

@@ -732,11 +732,13 @@ class TestChain:
         search_png = scenario.work / "compare-search.png"
         assert is_png(plot) and is_png(search_png) and f"wrote {search_png}" in r.err
         lines = [line for line in r.out.splitlines() if line.strip()]
-        search = [line for line in lines if line.startswith(("best so far on ", "best configuration on "))]
+        search = [line for line in lines if line.startswith(("best so far on ", "best configuration on ",
+                                                             "the trials side by side in MLflow"))]
         table = [line for line in lines if line not in search]
         assert "best top-1" in table[0] and len(table) == 1 + 1 + 2  # header, rule, two trials
-        assert len(search) == 2 and "after each of 2 trial(s)" in search[0], search
+        assert len(search) == 3 and "after each of 2 trial(s)" in search[0], search
         assert search[1].startswith("best configuration on ") and "(trial " in search[1], search
+        assert f"(parallel coordinates of the params they differ in): {scenario.uri}/#/compare-runs?runs=" in search[2]
         csv_out = ok(scenario.vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
         csv_rows = [line for line in csv_out.splitlines() if line]
         assert csv_rows[0].startswith("best,recipe,variant,dataset,source,lr") and len(csv_rows) == 3

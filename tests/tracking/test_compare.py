@@ -91,8 +91,9 @@ def test_sweep_table_lists_trials_and_the_best_trial_per_dataset(store):
     rows = compare_rows(uri, exp, sweep="s1")
     by_name = {r["run_name"]: r for r in rows}
     assert sorted(by_name) == sorted(t[0] for t in S1_TRIALS)  # no parent, no other sweep
-    # params (for --seeds) and the start/end times (for the search's best so far) are not columns
-    assert all(set(r) == {*COLUMNS, "params", "start_time", "end_time"} for r in rows)
+    # params (for --seeds), the start/end times (for the search's best so far) and the experiment's
+    # id (MLflow's compare page) are not columns
+    assert all(set(r) == {*COLUMNS, "params", "start_time", "end_time", "experiment_id"} for r in rows)
 
     pre = by_name["t-dig-pre"]
     assert pre["best_top1"] == pytest.approx(0.95) and pre["final_top1"] == pytest.approx(0.85)

@@ -185,3 +185,18 @@ def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, 
                                                                                   str(tmp_path / "b")]
     monkeypatch.chdir("/")
     assert {trial_config(spec, t)[0].data.shards for t in _probes(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}
+
+
+def test_only_reports_with_the_sweeps_metric_reach_tune():
+    """A checkpoint between evaluations reports no val/top1; Tune would end the whole sweep on it
+    (its strict metric check), so the trial's callback passes on only reports that carry it."""
+    from vitp.tune.progress import EvaluationReports
+
+    class Queue(list):
+        put = list.append
+
+    callback = EvaluationReports.__new__(EvaluationReports)  # its Tune session's queue, without Tune
+    callback.metric, callback._training_actor_item_queue = "val/top1", Queue()
+    callback.after_report(None, [{"step": 100, "train/loss": 1.0}], None)  # a checkpoint's report
+    callback.after_report(None, [{"step": 300, "val/top1": 0.5}, {"step": 300}], None)
+    assert callback._training_actor_item_queue == [{"step": 300, "val/top1": 0.5}]

@@ -1,4 +1,5 @@
-"""What a sweep prints, and what it records of trials Tune stopped: a Tune callback on the driver.
+"""What a sweep prints, and what it records of trials Tune stopped: a Tune callback on the driver;
+and which of a trial's Train reports reach Tune (EvaluationReports, in the trial).
 
 One line per trial start and end with the sweep's ETA (Tune's own tables are off: they show
 nested configs); a trial the scheduler stopped early has its MLflow run ended KILLED with tags
@@ -10,6 +11,7 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 from ray.tune import Callback
+from ray.tune.integration.ray_train import TuneReportCallback
 
 from ..console import duration, get_logger, progress
 from ..tracking import find_runs
@@ -33,6 +35,20 @@ def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
     if (result or {}).get(USER_ERROR):
         return str(result[USER_ERROR]).splitlines()[0][:300]
     return (str(error).strip().splitlines() or ["?"])[-1][:300] if error else ""
+
+
+class EvaluationReports(TuneReportCallback):
+    """Ray's TuneReportCallback for the Train reports that carry the sweep's `metric`: a checkpoint
+    saved between evaluations (train.checkpoint_every, kept where train.eval_every is 0) reports
+    none, and Tune ends the whole sweep on a result without the metric it searches on."""
+
+    def __init__(self, metric: str):
+        super().__init__()
+        self.metric = metric
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if self.metric in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
 
 
 class SweepProgress(Callback):

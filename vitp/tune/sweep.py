@@ -18,7 +18,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 from ray import tune
-from ray.tune.integration.ray_train import TuneReportCallback
 
 from .. import storage
 from ..console import get_logger
@@ -37,7 +36,7 @@ from .outcome import summarise
 from .population import (CHECKPOINTED, check_scheduler, hyperband_plan, mutations, population_trial,
                          scheduler_for, search_slots)
 from .turns import start_turns, turn
-from .progress import USER_ERROR, SweepProgress
+from .progress import USER_ERROR, EvaluationReports, SweepProgress
 from .search import check_search, fold_cases, param_space, search_algorithm
 from .space import Dist, grid_size, parse_space, probe_trials
 
@@ -260,7 +259,7 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
                 summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
         else:
             summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
-                                   callbacks=[TuneReportCallback()])
+                                   callbacks=[EvaluationReports(spec.metric)])
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
         tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
         return
