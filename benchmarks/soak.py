@@ -58,9 +58,11 @@ class Workload:
     def __init__(self, name: str, argv: list[str], resume_flag: list[str], env: dict[str, str], log: Path):
         self.name, self.argv, self.resume_flag, self.env, self.log = name, argv, resume_flag, env, log
         self.proc, self.launches, self.exits, self._seen = None, 0, [], None
+        self.resumable = True  # False while the sweep has no state to resume (it was killed first)
+        self.lock = threading.Lock()  # the injector's kill and the soak's relaunch, one at a time
 
     def start(self, resume: bool = False) -> None:
-        argv = self.argv + (self.resume_flag if resume else [])
+        argv = self.argv + (self.resume_flag if resume and self.resumable else [])
         with open(self.log, "a") as out:
             out.write(f"\n[soak] {time.strftime('%H:%M:%S')} launch {self.launches + 1}: {shlex.join(argv)}\n")
             out.flush()
@@ -72,10 +74,12 @@ class Workload:
         return self.proc is not None and self.proc.poll() is None
 
     def kill_and_relaunch(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.exits.append("SIGKILL (the soak)")
-        self.start(resume=True)
+        with self.lock:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._seen = self.proc.pid
+            self.exits.append("SIGKILL (the soak)")
+            self.start(resume=True)
 
     def poll(self) -> int | None:
         """The exit code once the current launch ended (each launch's recorded once), else None."""
@@ -84,6 +88,11 @@ class Workload:
         if self._seen != self.proc.pid:
             self._seen = self.proc.pid
             self.exits.append(self.proc.returncode)
+            tail = self.log.read_text()[-3000:]
+            if "no sweep state at" in tail:  # killed before Tune saved anything: start it afresh
+                self.resumable = False
+            elif "continue it with --resume" in tail:
+                self.resumable = True
         return self.proc.returncode
 
 
@@ -116,10 +125,19 @@ class World:
         return f"http://127.0.0.1:{self.mlflow_port}"
 
     def mlflow_start(self) -> None:
-        from vitp.tracking import start_server
+        """The server on its port again (retried while the old one's port is not free yet)."""
+        from vitp.tracking import TrackingError, start_server
 
-        self.server = start_server(self.backend, f"{self.bucket}/mlflow", port=self.mlflow_port, workers=2,
-                                   timeout=180, log_path=self.root / "mlflow-server.log")
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                self.server = start_server(self.backend, f"{self.bucket}/mlflow", port=self.mlflow_port,
+                                           workers=2, timeout=180, log_path=self.root / "mlflow-server.log")
+                return
+            except TrackingError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(3)
 
     def mlflow_stop(self) -> None:
         self.server.stop()
@@ -235,14 +253,15 @@ def soak(args) -> dict:
         thread.start()
         while thread.is_alive() or any(w.alive() for w in current.values()):
             time.sleep(2)
-            for kind, w in current.items():
-                rc = w.poll()
-                if rc is None:
-                    continue
-                if rc != 0 and thread.is_alive():  # a user would run it again: the same command
-                    w.start(resume=True)
-                elif thread.is_alive():
-                    current[kind] = next_of(kind)
+            for kind, w in list(current.items()):
+                with w.lock:
+                    rc = w.poll()
+                    if rc is None or not thread.is_alive():
+                        continue
+                    if rc != 0:  # a user would run it again: the same command
+                        w.start(resume=True)
+                    else:
+                        current[kind] = next_of(kind)
             if time.monotonic() - t0 > 60 * (args.minutes + args.settle_minutes):
                 print("[soak] the workloads did not end in time: stopping them", flush=True)
                 for w in current.values():
@@ -251,8 +270,10 @@ def soak(args) -> dict:
                 break
         stop.set()
         print(f"[soak] faults over after {(time.monotonic() - t0) / 60:.1f} min; checking the invariants", flush=True)
-        while world.server is None or not world.server.alive():
+        while "mlflow" in injector.busy():  # an outage still running ends first
             time.sleep(1)
+        if not world.server.alive():
+            world.mlflow_start()
         result = check_all(world, work, env)
         result.update({"seed": args.seed, "minutes": args.minutes, "faults": injector.faults, "root": str(root),
                        "workloads": {w.name: {"launches": w.launches, "exits": w.exits} for w in world.workloads}})

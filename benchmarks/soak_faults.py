@@ -35,6 +35,10 @@ class Injector:
         self._t0 = time.monotonic()
         self._lock = threading.Lock()
 
+    def busy(self) -> set:
+        """The faults still in effect (an outage, a cut, a node to replace)."""
+        return set(self._busy)
+
     def _record(self, kind: str, detail: str, hit: bool) -> None:
         entry = {"t_s": round(time.monotonic() - self._t0, 1), "at": time.strftime("%H:%M:%S"), "kind": kind,
                  "hit": hit, "detail": detail}

@@ -549,7 +549,7 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
 # ---------------------------------------------------------------- a node lost under a Tune trial
 TRIAL_SETTINGS = [
     "parallel.num_workers=1", "parallel.cpus_per_worker=2", "parallel.global_batch=16",
-    "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=300", "train.log_every=1",
+    "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=400", "train.log_every=1",
     # no evaluations but the last: the trial keeps its recipe's checkpoints (a sweep that evaluates
     # checkpoints only for schedulers that pause trials)
     "train.eval_every=0", "train.checkpoint_every=100", "train.keep_checkpoints=2",
@@ -560,8 +560,8 @@ TRIAL_SETTINGS = [
 @pytest.mark.timeout(1500)
 def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_sweep_completes(rehearsal, tmp_path):
     """A node joins; a sweep of two trials (one 2-CPU Train worker each, so one trains on each
-    node) runs from this machine's driver. Once a trial whose worker is on the worker node has
-    committed its checkpoint at step 100, that node is SIGKILLed, raylet and all, and a new node
+    node) runs from this machine's driver. Once both trials have committed their checkpoint at step
+    100, the node of the one on the worker node is SIGKILLed, raylet and all, and a new node
     joins (as an autoscaler replaces a lost VM). The trial goes on from that checkpoint (Train's
     restart, or Tune's retry where the trial's own driver was on the node), the sweep exits 0, both
     trials' MLflow runs are FINISHED with every step of train/loss once."""
@@ -581,7 +581,8 @@ def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_swe
              "--tracking-uri", rehearsal.mlflow.uri, "--space", "optim.lr=0.03,0.1", *sets(common + TRIAL_SETTINGS)],
             cwd=ROOT, env=vitp_env(rehearsal.env), stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(r"\] checkpoint 100 committed", log, proc)
+        for lr in ("0.03", "0.1"):
+            _wait_for(rf"-lr{lr}\] checkpoint 100 committed", log, proc)
         node = _node_of_a_rank_off_the_head(cluster)
         cluster.kill_node(node)
         cluster.add_node()
@@ -602,4 +603,4 @@ def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_swe
     assert {name for name, _, _ in resumed} <= {r.info.run_name for r in runs}
     for run in runs:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-        assert sorted(steps) == list(range(1, 301)), (run.info.run_name, "a step is missing or logged twice")
+        assert sorted(steps) == list(range(1, 401)), (run.info.run_name, "a step is missing or logged twice")

@@ -50,9 +50,9 @@ def test_trials_under_pbt_checkpoint_at_evaluations_keep_them_all_and_are_named_
     assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (10, 0)  # any may be copied
     assert cfg.tune.scheduler == "pbt"  # so its workers take its own values after a restore
     assert cfg.run_name == "s-debug_finetune-scratch-t00001"  # its lr changes as it goes: not in its name
-    asha = _spec(tmp_path, "tune.scheduler=asha", "train.keep_checkpoints=2")
+    asha = _spec(tmp_path, "tune.scheduler=asha", "train.keep_checkpoints=2", "train.checkpoint_every=5")
     cfg, _ = trial_config(asha, {"optim.lr": 0.1, "source": "scratch"})
-    assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (0, 2)
+    assert (cfg.train.checkpoint_every, cfg.train.keep_checkpoints) == (5, 2)  # the recipe's: a lost node resumes
     assert trial_run_name(asha, {"optim.lr": 0.1, "source": "scratch"}) == "s-debug_finetune-scratch-lr0.1"
 
 

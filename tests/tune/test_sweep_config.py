@@ -65,7 +65,7 @@ def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
 
     cfg, tags = trial_config(spec, {"recipe": "demo_finetune", "source": export_dir, "optim.lr": 0.25})
     assert cfg.recipe == "demo_finetune" and cfg.optim.lr == 0.25 and cfg.model.variant == "mu/4"
-    assert cfg.train.checkpoint_every == 0  # eval_every > 0: one Train report per evaluation
+    assert cfg.train.checkpoint_every == 0  # the recipe's (a trial keeps its checkpoints)
     name = cfg.tracking.run_name
     assert name.startswith("s-demo_finetune-from-") and name.endswith("_export-lr0.25"), name
     assert (cfg.tracking.uri, cfg.tracking.experiment) == (spec.tracking_uri, spec.experiment)

@@ -192,11 +192,12 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any],
                    "tracking.run_name": trial_run_name(spec, trial, trial_id),
                    "tune.scheduler": spec.scheduler})  # a PBT trial's workers follow its values on restore
     cfg = set_values(cfg, values)
-    # one Train report per evaluation, so ASHA can stop a trial between evaluations; with a checkpoint
-    # where the scheduler pauses or copies trials (all kept: another trial may copy any of them)
-    if cfg.train.eval_every:
-        every, keep = (cfg.train.eval_every, 0) if spec.scheduler in CHECKPOINTED else (0, cfg.train.keep_checkpoints)
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=every, keep_checkpoints=keep))
+    # where the scheduler pauses or copies trials, a checkpoint at every evaluation, all kept (another
+    # trial may copy any); otherwise the recipe's own, so a trial whose node is lost goes on from its
+    # newest (only reports with the sweep's metric reach Tune: progress.EvaluationReports)
+    if cfg.train.eval_every and spec.scheduler in CHECKPOINTED:
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=cfg.train.eval_every,
+                                                    keep_checkpoints=0))
     return finetune_config(cfg, trial.get("source", "scratch"))
 
 
