@@ -1,9 +1,7 @@
-"""What a sweep prints, and what it records of trials Tune stopped: a Tune callback on the driver;
-and which of a trial's Train reports reach Tune (EvaluationReports, in the trial).
-
-One line per trial start and end with the sweep's ETA (Tune's own tables are off: they show
-nested configs); a trial the scheduler stopped early has its MLflow run ended KILLED with tags
-naming the scheduler and step, never left FAILED. MLflow only through `vitp.tracking`.
+"""What a sweep prints and records of trials Tune stopped (a Tune callback on the driver), and
+which of a trial's Train reports reach Tune (EvaluationReports). One line per trial start and end
+with the sweep's ETA; a trial the scheduler stopped early has its MLflow run ended KILLED with tags
+naming the scheduler and step, never FAILED. MLflow only through `vitp.tracking`.
 """
 from __future__ import annotations
 
