@@ -81,6 +81,17 @@ class Workload:
             self.exits.append("SIGKILL (the soak)")
             self.start(resume=True)
 
+    def interrupt(self, grace_s: float = 180) -> None:
+        """What a user's Ctrl-C does (the run ends KILLED, a sweep saves its state), SIGKILL after `grace_s`."""
+        if not self.alive():
+            return
+        os.kill(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
     def poll(self) -> int | None:
         """The exit code once the current launch ended (each launch's recorded once), else None."""
         if self.proc is None or self.proc.poll() is None:
@@ -263,10 +274,9 @@ def soak(args) -> dict:
                     else:
                         current[kind] = next_of(kind)
             if time.monotonic() - t0 > 60 * (args.minutes + args.settle_minutes):
-                print("[soak] the workloads did not end in time: stopping them", flush=True)
+                print("[soak] the workloads did not end in time: interrupting them (Ctrl-C)", flush=True)
                 for w in current.values():
-                    if w.alive():
-                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    w.interrupt()
                 break
         stop.set()
         print(f"[soak] faults over after {(time.monotonic() - t0) / 60:.1f} min; checking the invariants", flush=True)

@@ -58,45 +58,86 @@ def statuses(runs) -> dict:
             "checked": f"{len(runs)} runs", "violations": bad}
 
 
-def samples(work: str, runs) -> dict:
-    """train.record_samples: each sample at most once per epoch; every finished epoch complete."""
-    from vitp import storage
-    from vitp.data.ingest import shards_dir
+def _epoch_keys(root: str, unit_rows: int) -> tuple[list, list]:
+    """The training read units of the shards at `root` at `unit_rows`: their sizes and their keys."""
+    from vitp.data.ingest import _read_unit, plan_units
     from vitp.data.shards import read_manifest
+
+    manifest = read_manifest(root)
+    units = plan_units(root, "train", manifest, unit_rows)
+    keys = [[str(k) for k in _read_unit(u, manifest["storage"]["format"])["key"]] for u in units]
+    return [len(k) for k in keys], keys
+
+
+def _left(sizes, keys, meta: dict) -> dict[int, set]:
+    """{epoch: keys} the run has yet to train on, of every epoch it began, at its checkpoint
+    (vitp.data.position: what each rank of the current world takes next)."""
+    import numpy as np
+
+    from vitp.data.augment import row_order
+    from vitp.data.position import RankStream, current_segment
+
+    state = meta["train_state"]
+    worlds = state.get("worlds") or [[int(meta["world_size"]), 0]]
+    sizes = np.asarray(sizes, dtype=np.int64)
+    seg = current_segment(sizes, int(meta["config"]["train"]["seed"]), worlds)
+    consumed = (int(state["samples_seen"]) - seg.start) // seg.world
+    streams = [RankStream(sizes, int(meta["config"]["train"]["seed"]), seg, r) for r in range(seg.world)]
+    upto = max(st.last_epoch(consumed) for st in streams)
+    left: dict[int, set] = {e: set() for e in range(upto + 1)}
+    for st in streams:
+        for unit, epoch, skip in st.leftover(consumed, upto):  # a unit's rows come shuffled by epoch
+            left[epoch].update(np.asarray(keys[unit])[row_order(keys[unit], st.seed, epoch)][skip:].tolist())
+    return left
+
+
+def kept_complete(name: str, kept, sizes, keys) -> tuple[int, list[str]]:
+    """One run's samples (vitp.train.samples.Kept, the shards' units `sizes`, `keys`): how many it
+    kept, and what is wrong with them."""
+    meta, bad, taken = kept.meta, [f"{name}: {p}" for p in kept.problems], {}
+    for rows in kept.steps.values():
+        for key, epoch in rows:
+            taken.setdefault(epoch, []).append(key)
+    count = sum(len(v) for v in taken.values())
+    if count != int(meta["train_state"]["samples_seen"]):
+        bad.append(f"{name}: {count} samples recorded, its checkpoint counts {meta['train_state']['samples_seen']}")
+    left, every = _left(sizes, keys, meta), {k for u in keys for k in u}
+    for epoch in sorted(set(taken) | set(left)):
+        got = taken.get(epoch, [])
+        if len(got) != len(set(got)):
+            bad.append(f"{name} epoch {epoch}: {len(got) - len(set(got))} sample(s) twice")
+        if set(got) & left.get(epoch, set()):
+            bad.append(f"{name} epoch {epoch}: {len(set(got) & left[epoch])} sample(s) trained and still due")
+        if epoch not in left:
+            bad.append(f"{name} epoch {epoch}: trained past where its data position is")
+        elif set(got) | left[epoch] != every:
+            bad.append(f"{name} epoch {epoch}: {len(every - set(got) - left[epoch])} sample(s) skipped")
+    return count, bad
+
+
+def samples(work: str, runs) -> dict:
+    """train.record_samples: what each run kept (its newest checkpoint's attempt back to step 0,
+    vitp.train.samples) is every step recorded on every rank, as many samples as its data position
+    counts, each sample at most once an epoch, and, with what the position says is left, every
+    epoch it began complete."""
+    from vitp.data.ingest import shards_dir
     from vitp.paths import RunPaths
     from vitp.recipes import resolve
+    from vitp.train.samples import kept_samples
 
-    manifest = read_manifest(shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)))
-    rows = sum(s["rows"] for s in manifest["shards"]["train"])
-    bad, checked = [], 0
+    shards, bad, checked, units = shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)), [], 0, {}
     for run in runs:
-        if not run.info.run_name.startswith("soak-pretrain-"):
+        name = run.info.run_name
+        if not name.startswith("soak-pretrain-"):
             continue
-        root = storage.join(RunPaths.of(work).run(run.info.run_name), "samples")
-        files = [(rank, name) for rank in storage.listdir(root)
-                 for name in storage.listdir(storage.join(root, rank))] if storage.exists(root) else []
-        kept: dict[int, tuple[int, dict]] = {}  # step -> (the attempt that kept it, its records by rank)
-        for rank, name in files:
-            first = int(name.split("_")[1])
-            for line in storage.read_bytes(storage.join(root, rank, name)).decode().splitlines():
-                rec = json.loads(line)
-                attempt, by_rank = kept.get(rec["step"], (-1, {}))
-                if first > attempt:
-                    kept[rec["step"]] = attempt, by_rank = first, {}
-                if first == attempt:
-                    by_rank.setdefault(rank, []).extend(zip(rec["keys"], rec["epochs"]))
-        seen: dict[int, list[str]] = {}
-        for _, by_rank in kept.values():
-            for pairs in by_rank.values():
-                for key, epoch in pairs:
-                    seen.setdefault(epoch, []).append(key)
-        checked += sum(len(v) for v in seen.values())
-        for epoch, keys in sorted(seen.items()):
-            if len(keys) != len(set(keys)):
-                bad.append(f"{run.info.run_name} epoch {epoch}: {len(keys) - len(set(keys))} sample(s) twice")
-            if epoch < max(seen) and len(set(keys)) != rows:
-                bad.append(f"{run.info.run_name} epoch {epoch} (finished): {rows - len(set(keys))} of {rows} missing")
-    return {"name": "each sample at most once per epoch, finished epochs complete",
+        kept = kept_samples(RunPaths.of(work).run(name))
+        if kept.checkpoint is None:
+            continue  # killed before its first checkpoint: nothing kept
+        rows = int(kept.meta["train_state"]["unit_rows"])
+        units[rows] = units.get(rows) or _epoch_keys(shards, rows)
+        count, wrong = kept_complete(name, kept, *units[rows])
+        checked, bad = checked + count, bad + wrong
+    return {"name": "each sample at most once per epoch, none skipped",
             "checked": f"{checked} samples trained", "violations": bad}
 
 

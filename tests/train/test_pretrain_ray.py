@@ -336,21 +336,15 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
 
 
 def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
-    """({(rank, step): keys trained on}, steps attempts started from) from train.record_samples'
-    files; where attempts overlap, the later one's record counts."""
+    """({(rank, step): keys trained on}, steps the attempts it kept started from) from
+    train.record_samples' files, followed back from the newest checkpoint's attempt."""
     from vitp.train.checkpoint import run_dir
+    from vitp.train.samples import kept_samples
 
-    root = os.path.join(run_dir(cfg), "samples")
-    out, starts = {}, set()
-    for rank_dir in sorted(os.listdir(root)):
-        for name in sorted(os.listdir(os.path.join(root, rank_dir))):  # by attempt, then step
-            starts.add(int(name.split("_")[1]))
-            steps = {}  # a step's micro-batches, in order
-            for line in open(os.path.join(root, rank_dir, name)):
-                rec = json.loads(line)
-                steps.setdefault((int(rank_dir.split("_")[1]), rec["step"]), []).extend(rec["keys"])
-            out.update(steps)
-    return out, starts
+    kept = kept_samples(run_dir(cfg))
+    assert not kept.problems, kept.problems
+    return ({k: [key for key, _ in v] for k, v in kept.steps.items()},
+            {a["first"] for a in kept.attempts})
 
 
 # Once, at ZeRO-3 (partitioned optimizer state, the consolidated export on Ray): that the engine

@@ -10,8 +10,6 @@ across the change. It runs once, at ZeRO-3 (partitioned parameters, the universa
 the Train workers). That each stage's weights, Adam moments, LR and loss curve survive 2 -> 1 -> 2
 ranks exactly is checked per stage (0-3, fp32 and bf16) in-process in tests/train/test_resize.py.
 """
-import json
-import os
 
 import pytest
 
@@ -46,19 +44,15 @@ def _history(cfg, run_id, key):
 
 
 def _samples(cfg) -> dict[int, list[tuple[int, str]]]:
-    """{step: [(epoch, key), ...] over all ranks} from train.record_samples' files."""
+    """{step: [(epoch, key), ...] over all ranks} of what the run kept (train.record_samples)."""
     from vitp.train.checkpoint import run_dir
+    from vitp.train.samples import kept_samples
 
-    root = os.path.join(run_dir(cfg), "samples")
-    by_rank = {}
-    for rank_dir in sorted(os.listdir(root)):
-        for name in sorted(os.listdir(os.path.join(root, rank_dir))):  # by attempt, then step
-            for line in open(os.path.join(root, rank_dir, name)):
-                rec = json.loads(line)
-                by_rank.setdefault((rank_dir, rec["step"]), []).extend(zip(rec["epochs"], rec["keys"]))
+    kept = kept_samples(run_dir(cfg))
+    assert not kept.problems, kept.problems
     out = {}
-    for (_, step), rows in sorted(by_rank.items()):
-        out.setdefault(step, []).extend(rows)
+    for (_, step), rows in sorted(kept.steps.items()):
+        out.setdefault(step, []).extend((epoch, key) for key, epoch in rows)
     return out
 
 

@@ -276,8 +276,8 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
 def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_study(tmp_path, server, ray_session,
                                                                                    digits_shards):
     """Optuna's TPE over a log-uniform learning rate, an optimizer choice and a momentum that
-    depends on it, one trial at a time; the driver is killed after two trials. Resumed, the same
-    search goes on: the finished trials are not re-run and the study continues where it was (a
+    depends on it, one trial at a time; the driver is interrupted (Ctrl-C) after two trials and ends
+    its parent run KILLED, the resumed one SIGKILLed after the third. Resumed, the same search goes on: the finished trials are not re-run and the study continues where it was (a
     study started afresh with the same seed would propose the first trial's values again). Each
     trial's logged config holds the values drawn for it, within their ranges, the conditional one
     by its optimizer's case; one parent run records the search and its seed."""
@@ -300,14 +300,34 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     t0 = time.time()
     while _terminated_trials(tmp_path / "sweeps" / "s-tpe") < len(done) and time.time() - t0 < 180:
         time.sleep(0.5)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
+    first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves the search and returns; the sweep is not done
+    assert first.wait(timeout=300) == 130, first_log.read_text()[-3000:]
+    assert "unfinished: continue it with --resume" in first_log.read_text()
     client = get_client(server.uri)
+    experiment = client.get_run(done[0]["run_id"]).info.experiment_id
+    (parent,) = client.search_runs([experiment], "attributes.run_name = 'sweep-s-tpe'")
+    assert parent.info.status == "KILLED"  # not FINISHED with trials left
     finished_before = {r["run_id"]: client.get_run(r["run_id"]).info.end_time for r in done}
 
-    second = _vitp(args + ["--resume"], env)
-    log, _ = second.communicate(timeout=900)
-    assert second.returncode == 0, log[-4000:]
+    # resumed, then SIGKILLed once a third trial finished (Tune's periodic save is all it has)
+    second_log = tmp_path / "second.log"
+    second = _vitp(args + ["--resume"], env, log_path=second_log)
+    t0 = time.time()
+    while time.time() - t0 < 600 and second.poll() is None and len(done) < 3:
+        done = [r for r in _children(server.uri, "s-tpe") if r["status"] == "FINISHED"]
+        time.sleep(1)
+    t0 = time.time()
+    while _terminated_trials(tmp_path / "sweeps" / "s-tpe") < len(done) and time.time() - t0 < 180:
+        time.sleep(0.5)
+    second.send_signal(signal.SIGKILL)
+    second.wait()
+    assert len(done) >= 3, second_log.read_text()[-3000:]
+    finished_before.update({r["run_id"]: client.get_run(r["run_id"]).info.end_time for r in done
+                            if r["run_id"] not in finished_before})
+
+    third = _vitp(args + ["--resume"], env)
+    log, _ = third.communicate(timeout=900)
+    assert third.returncode == 0, log[-4000:]
     runs = _children(server.uri, "s-tpe")
     assert len(runs) == 4 and {r["status"] for r in runs} == {"FINISHED"}, runs
     for run_id, end_time in finished_before.items():
@@ -324,6 +344,7 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     assert len(set(drawn)) == 4, drawn
     (parent,) = client.search_runs([run.info.experiment_id], "attributes.run_name = 'sweep-s-tpe'")
     assert (parent.data.params["sweep.search"], parent.data.params["sweep.seed"]) == ("optuna", "3")
+    assert parent.info.status == "FINISHED"  # the same parent run, continued
 
 
 @pytest.mark.e2e

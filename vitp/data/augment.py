@@ -54,6 +54,13 @@ def _crop(img: np.ndarray, size: int, mode: str, rng: Optional[np.random.Generat
     return crop_resize(img, box, size, flip, out=out)
 
 
+def row_order(keys, seed: int, epoch: int) -> np.ndarray:
+    """The order a training stream yields one read unit's rows (`keys`, in shard order) in `epoch`."""
+    if len(keys) < 2:
+        return np.arange(len(keys))
+    return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, _key_int(str(keys[0])), 7]).permutation(len(keys))
+
+
 def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: bool, seed: int,
                  epoch: int, storage_format: str, shuffle_rows: bool,
                  randaug: tuple[int, float] = (0, 0.0)) -> dict:
@@ -61,10 +68,7 @@ def augment_rows(rows: dict, *, size: int, mode: str, scale_min: float, hflip: b
     "key" (B,) str}; rows permuted by an RNG from (seed, epoch, first key) if shuffle_rows."""
     keys = rows["key"]
     n = len(keys)
-    order = np.arange(n)
-    if shuffle_rows and n > 1:
-        order = np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF,
-                                       _key_int(str(keys[0])), 7]).permutation(n)
+    order = row_order(keys, seed, epoch) if shuffle_rows else np.arange(n)
     out = np.empty((n, size, size, 3), dtype=np.uint8)
     for j, i in enumerate(order):
         img = decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]),

@@ -169,7 +169,11 @@ def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
     """Newest checkpoint directory of this run that passes `verify`, on local disk or object
     storage, whether or not Ray registered it (a worker killed inside `report` leaves one).
     `warn(line)` is told of each newer one passed over and why."""
-    root = run_dir(cfg)
+    return latest_complete_in(run_dir(cfg), warn)
+
+
+def latest_complete_in(root: str, warn=None) -> str | None:
+    """latest_complete_checkpoint of the run directory `root`."""
     names = storage.listdir(root)
     fenced = storage.read_json(join(root, FENCE)) if FENCE in names else None
     for name in reversed(names):

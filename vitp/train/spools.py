@@ -22,7 +22,8 @@ _ended_spools = ray.remote(num_cpus=0, max_retries=0)(ended_spools)
 _remove_spools = ray.remote(num_cpus=0, max_retries=0)(remove_spools)
 
 
-def _on(node_id: str, task, *args):
+def on_node(node_id: str, task, *args):
+    """`task` run on node `node_id` only (a per-node read or delete)."""
     return task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
 
 
@@ -43,7 +44,7 @@ def gather_spools(run_id: str) -> int:
 
 def _gather(run_id: str) -> int:
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    refs = {node: _on(node, _ended_spools, run_id) for node in nodes}
+    refs = {node: on_node(node, _ended_spools, run_id) for node in nodes}
     found: dict[str, list[tuple[str, bytes]]] = {}
     for node, ref in refs.items():  # every node read before any copy is written: the driver's
         try:                        # node would otherwise find (and copy again) copies of others
@@ -57,7 +58,7 @@ def _gather(run_id: str) -> int:
             copied.setdefault(node, {})[name] = len(data)
     for node, files in copied.items():  # copies are on disk here: the originals can go
         try:
-            ray.get(_on(node, _remove_spools, run_id, files), timeout=TIMEOUT_S)
+            ray.get(on_node(node, _remove_spools, run_id, files), timeout=TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - left there, sent again: the sender drops repeats
             log.warning("metric spools of run %s on node %s copied but not removed: %s", run_id, node[:8], e)
     count = sum(len(f) for f in copied.values())

@@ -37,6 +37,7 @@ from . import checkpoint as ckpt
 from .export import consolidate
 from .failures import Trainer, final_error
 from .spools import gather_spools
+from .staging import clear_dead_everywhere
 from .streams import EvalDatasetFactory, RankStreams, train_placeholder
 from .worker import train_per_worker
 
@@ -212,6 +213,8 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
         if user_error is not None:  # the worker's own one-line error, not Train's wrapper
             raise user_error from e
         raise
+    finally:
+        clear_dead_everywhere()  # staged copies of workers killed mid-upload, on every node
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
     checkpoint = (storage.join(run.dir, storage.basename(result.checkpoint.path))
                   if result.checkpoint else None)

@@ -6,7 +6,6 @@ due meanwhile waits for it (and says so). Rules and metrics: docs/training.md.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -19,6 +18,7 @@ from ray.train import CheckpointUploadMode
 from .. import storage
 from ..config import ExperimentConfig
 from ..paths import staging_root
+from .staging import clear_dead, new_stage
 from . import checkpoint as ckpt
 from .step import all_reduce_max, all_reduce_sum
 
@@ -77,9 +77,10 @@ class CheckpointWriter:
                  mlflow_run_id: Optional[str] = None, ema=None):
         self.cfg, self.engine, self.rank, self.device, self.say = cfg, engine, rank, device, say
         self.log_metrics, self.mlflow_run_id, self.ema = log_metrics, mlflow_run_id, ema
-        # A worker killed mid-checkpoint leaves its staged copy: every start of the workers clears them.
+        # A worker killed mid-checkpoint leaves its staged copy: every start of the workers clears
+        # those of dead processes on its node (staging.py)
+        clear_dead()
         self.staging = os.path.join(staging_root(), cfg.run_name)
-        storage.rmtree(self.staging, staging_root())
         self.run_dir = ckpt.run_dir(cfg)
         self.attempt = _shared(uuid.uuid4().hex if rank == 0 else None)  # this worker group's, in every marker
         self._idle = threading.Event()
@@ -99,8 +100,7 @@ class CheckpointWriter:
         waited = time.perf_counter() - t0
         self.commit()
         t1, started = time.perf_counter(), time.time()
-        os.makedirs(self.staging, exist_ok=True)
-        local = tempfile.mkdtemp(prefix=f"ckpt-{step}-r{self.rank}-", dir=self.staging)
+        local = new_stage(self.cfg.run_name, step, self.rank)
         marker = ckpt.save(self.engine, local, state, self.cfg.to_dict() if self.rank == 0 else None,
                            mlflow_run_id=self.mlflow_run_id, metrics=metrics, ema=self.ema, mark=False,
                            attempt=self.attempt)

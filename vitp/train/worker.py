@@ -29,6 +29,7 @@ from .fewshot_probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .restore import load as load_checkpoint, node_copy
+from .samples import SampleRecorder
 from .sysmetrics import SystemSampler
 from .uploads import CheckpointWriter, commit_metrics, report_metrics
 
@@ -36,32 +37,6 @@ log = get_logger(__name__)
 
 if TYPE_CHECKING:  # MLflow is imported by rank 0 only (_setup): other ranks never log
     from ..tracking.runs import RunLogger
-
-
-class SampleRecorder:
-    """train.record_samples: the keys (and epochs) of every micro-batch this rank trains on, by step, written
-    beside the checkpoints (<run>/samples/rank_NNNNN/from_FFFFFFFF_upto_SSSSSSSS.jsonl: F the
-    step this attempt started from) each time one is saved, up to its step; so what a resumed
-    run trained on can be compared with an uninterrupted run. Where attempts overlap, the
-    later attempt (larger F) is what the run kept."""
-
-    def __init__(self, cfg: ExperimentConfig, rank: int, first_step: int):
-        self.dir = storage.join(ckpt.run_dir(cfg), "samples", f"rank_{rank:05d}")
-        self.accum, self.first, self.micro = cfg.parallel.grad_accum, first_step, 0
-        self.pending: list[tuple[int, list[str]]] = []
-
-    def __call__(self, keys, epochs) -> None:
-        self.pending.append((self.first + 1 + self.micro // self.accum, [str(k) for k in keys],
-                             [int(e) for e in epochs]))
-        self.micro += 1
-
-    def flush(self, upto: int) -> None:
-        done = [p for p in self.pending if p[0] <= upto]
-        self.pending = [p for p in self.pending if p[0] > upto]
-        if done:
-            lines = "\n".join(json.dumps({"step": s, "keys": k, "epochs": e}) for s, k, e in done)
-            name = f"from_{self.first:08d}_upto_{upto:08d}.jsonl"
-            storage.write_bytes(storage.join(self.dir, name), lines.encode())
 
 
 INPUT_BOUND = 0.25  # the progress line says so when the loop waits this part of its time for data
@@ -115,6 +90,7 @@ class _Rank:
     mlflow_run_id: str | None
     epoch_rows: int  # training rows in one epoch of the shards
     ema: WeightEMA | None = None  # train.ema_decay: this rank's EMA of its fp32 fragments
+    resumed_attempt: str | None = None  # the attempt that wrote the checkpoint it resumed from
 
     def say(self, line: str) -> None:
         if self.rank == 0:
@@ -159,7 +135,9 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
             state = load_checkpoint(r.engine, d)
             if cfg.tune.scheduler == "pbt":  # a trial goes on with its own (perturbed) values
                 follow_config(r.engine, cfg)
-            state.worlds = state.worlds or [[int(ckpt.read_meta(d)["world_size"]), 0]]
+            meta = ckpt.read_meta(d)
+            state.worlds = state.worlds or [[int(meta["world_size"]), 0]]
+            r.resumed_attempt = meta.get("attempt")
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")
         r.say(f"resumed from {where} at step {state.step} ({time.perf_counter() - t0:.1f} s to restore)")
@@ -250,7 +228,8 @@ class _Reporter:
         preempted = bool(self.watch.steps) and self.watch.steps[-1] == step
         st.epoch, st.epoch_offset = divmod(st.samples_seen, max(r.epoch_rows, 1))
         if self.recorder:  # before the checkpoint can count as complete: a rank killed right after it
-            self.recorder.flush(step)  # must not lose the record of the steps that checkpoint covers
+            self.recorder.flush(step, self.writer.attempt)  # must not lose the record of the steps that
+            # checkpoint covers
         io = self.writer.write(step, st, metrics)
         if preempted:
             self.writer.wait()
@@ -298,7 +277,8 @@ def train_per_worker(config: dict[str, Any]) -> None:
     # This rank's stream starts right after what it consumed before the restored checkpoint
     # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
     cfg = r.cfg
-    recorder = SampleRecorder(cfg, r.rank, state.step) if cfg.train.record_samples else None
+    recorder = SampleRecorder(cfg, r.rank, r.world, state.step, r.resumed_attempt) \
+        if cfg.train.record_samples else None
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  r.device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)
     reporter = _Reporter(r, state, recorder)

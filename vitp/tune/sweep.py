@@ -29,6 +29,7 @@ from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
 from ..tracking import RunLogger, find_runs, resolve_tracking_uri
 from ..tracking.redact import is_secret_key
+from ..train.staging import clear_dead_everywhere
 from ..tracking.store import quote, tag_filters
 from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
@@ -376,9 +377,15 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
             )
         results = tuner.fit()
         progress.settle()
+        if results.num_terminated + results.num_errors < len(results):  # Ctrl-C: Tune saved and returned
+            log(f"[sweep {spec.name}] interrupted with {len(results) - results.num_terminated - results.num_errors}"
+                f" trial(s) unfinished: continue it with --resume")
+            raise KeyboardInterrupt
     except BaseException as e:
         parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+    finally:
+        clear_dead_everywhere()  # what trials killed mid-upload (or stopped) staged, on every node
     del turns  # the trials' turns end with the sweep
     summary = summarise(spec, parent, results, time.time() - t0)
     parent.end("FINISHED")
