@@ -12,7 +12,7 @@ package) with its artifacts on S3. Running at once, each from its own driver on 
 elastic pre-training run (`debug`, 1..3 workers, ZeRO-2, a checkpoint every 20 steps, every
 sample recorded) and a fine-tuning sweep (`debug_finetune`, ASHA over a random search, 6 trials,
 2 at a time); a workload that ends is followed by the next (a new run name) until the faults stop.
-benchmarks/soak_faults.py throws a fault every 20-60 s (seeded: the same seed throws the same
+benchmarks/soak_faults.py throws a fault every 20-45 s (seeded: the same seed throws the same
 sequence; what each hits depends on timing) and logs each to FAULTS.jsonl. When the workloads
 have ended, the invariants are checked and printed as a table (soak-result.json beside it), the
 tracking load run (benchmarks/tracking_load.py) goes against the same PostgreSQL-backed server,
@@ -192,7 +192,7 @@ class World:
 
         gcs = ray._raylet.GcsClient(address=self.gcs)
         marker = f"/node-{index}/"
-        node_id = next(n.node_id for n in gcs.get_all_node_info().values()
+        node_id = next(n.node_id.hex() for n in gcs.get_all_node_info().values()
                        if marker in n.raylet_socket_name and n.state == 0)  # 0: ALIVE
         accepted, refusal = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                                            "soak: spot reclaim", int((time.time() + deadline_s) * 1000))
@@ -299,6 +299,9 @@ def soak(args) -> dict:
 
 
 def main() -> None:
+    # started in the background (nohup ... &), SIGINT is ignored, and every driver would inherit that:
+    # the soak's Ctrl-C and the interrupt it sends its drivers at the deadline need it back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=20.0, help="how long faults are thrown")
     ap.add_argument("--seed", type=int, default=1)

@@ -260,16 +260,19 @@ def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp
 
     args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "asha",
-            "--set=tune.max_concurrent_trials=1", "--set=train.steps=40", "--set=train.eval_every=10",
+            "--set=tune.max_concurrent_trials=1", "--set=train.steps=200", "--set=train.eval_every=10",
             "--set=train.log_every=10"]
     proc = _vitp(args, _env(ray_session))
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]  # a pruned trial is not a failure
-    assert "stopped early by asha at step 10 of 40" in log, log[-4000:]
+    assert "stopped early by asha at step 10 of 200" in log, log[-4000:]
     runs = {("lr1e-07" in r["run_name"]): r for r in _children(server.uri, "s-asha")}
     assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
     tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
     assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "10")
+    # the stop ends the trial's process and its Train run with it: it does not train on to step 200
+    steps = [m.step for m in get_client(server.uri).get_metric_history(runs[True]["run_id"], "train/loss")]
+    assert steps and max(steps) < 200, steps
 
 
 @pytest.mark.e2e
@@ -277,8 +280,9 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
                                                                                    digits_shards):
     """Optuna's TPE over a log-uniform learning rate, an optimizer choice and a momentum that
     depends on it, one trial at a time; the driver is interrupted (Ctrl-C) after two trials and ends
-    its parent run KILLED, the resumed one SIGKILLed after the third. Resumed, the same search goes on: the finished trials are not re-run and the study continues where it was (a
-    study started afresh with the same seed would propose the first trial's values again). Each
+    its parent run KILLED, the resumed one SIGKILLed after the third. Resumed, the same search goes
+    on: the finished trials are not re-run and the study continues where it was (a study started
+    afresh with the same seed would propose the first trial's values again). Each
     trial's logged config holds the values drawn for it, within their ranges, the conditional one
     by its optimizer's case; one parent run records the search and its seed."""
     from vitp.tracking.store import get_client

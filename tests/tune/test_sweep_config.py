@@ -200,3 +200,28 @@ def test_only_reports_with_the_sweeps_metric_reach_tune():
     callback.after_report(None, [{"step": 100, "train/loss": 1.0}], None)  # a checkpoint's report
     callback.after_report(None, [{"step": 300, "val/top1": 0.5}, {"step": 300}], None)
     assert callback._training_actor_item_queue == [{"step": 300, "val/top1": 0.5}]
+
+
+def test_a_restored_sweep_callback_takes_the_resumed_drivers_functions_and_its_place():
+    """Tune.restore unpickles the callback saved with the sweep, not the one the resumed driver built:
+    the restored one names trials with the driver's function (not "?"), keeps what it recorded (the
+    trials the scheduler stopped, which settle() marks), and is the one the driver settles; what
+    it counted goes on from Tune's last save of its state."""
+    import pickle
+
+    from vitp.tune.progress import SweepProgress
+
+    def make(names):
+        return SweepProgress("s-restore", 4, 2, "val/top1", "sqlite:///x.db", "e", run_name=names, scheduler="asha")
+
+    saved = make(lambda config, trial_id="": "first-driver")
+    saved.stopped["t1"], saved.ended = 40, 3
+    blob = pickle.dumps(saved)
+    fresh = make(lambda config, trial_id="": f"run-{trial_id}")
+    restored = pickle.loads(blob)
+    assert restored.run_name({}, "t2") == "run-t2" and restored.log is fresh.log
+    assert (restored.stopped, restored.ended) == ({"t1": 40}, 3)
+    assert SweepProgress.active("s-restore") is restored
+    saved.ended, saved.durations = 5, [10.0, 12.0]  # Tune's periodic save of the callback's state
+    restored.set_state(pickle.loads(pickle.dumps(saved.get_state())))
+    assert (restored.ended, restored.durations, restored.stopped) == (5, [10.0, 12.0], {"t1": 40})

@@ -49,6 +49,9 @@ class EvaluationReports(TuneReportCallback):
             super().after_report(run_context, metrics, checkpoint)
 
 
+_ACTIVE: dict[str, "SweepProgress"] = {}  # sweep name -> its callback in this driver
+
+
 class SweepProgress(Callback):
     """Prints `[sweep NAME] trial i/N ...` lines with an ETA, and marks pruned trials' runs."""
 
@@ -64,12 +67,30 @@ class SweepProgress(Callback):
         self.durations: list[float] = []
         self.ended = 0
         self.stopped: dict[str, Any] = {}  # trial id -> the step the scheduler stopped it at
+        _ACTIVE[name] = self
 
     def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
         return {k: v for k, v in self.__dict__.items() if k not in ("log", "run_name", "planned_steps")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, log=_log.info, run_name=lambda config, trial_id: "?", planned_steps=None)
+        """Tune.restore brings back the saved callback, not the resumed driver's: it takes that one's
+        functions (run names, planned steps, log) and its place as the sweep's (`active`)."""
+        fresh = _ACTIVE.get(state["name"])
+        self.__dict__.update(state, log=fresh.log if fresh else _log.info,
+                             run_name=fresh.run_name if fresh else (lambda config, trial_id="": "?"),
+                             planned_steps=fresh.planned_steps if fresh else None)
+        _ACTIVE[state["name"]] = self
+
+    def get_state(self) -> dict:  # saved with the sweep's state: a resumed driver goes on counting
+        return {"ended": self.ended, "durations": list(self.durations), "stopped": dict(self.stopped)}
+
+    def set_state(self, state: dict) -> None:
+        self.ended, self.durations, self.stopped = state["ended"], list(state["durations"]), dict(state["stopped"])
+
+    @staticmethod
+    def active(name: str) -> "SweepProgress":
+        """The callback Tune runs for sweep `name` in this process (the restored one after a resume)."""
+        return _ACTIVE[name]
 
     def _eta(self) -> str:
         left = self.total - self.ended

@@ -367,15 +367,17 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                                                 spec.startup_trials, spec.metric, spec.mode,
                                                 search_slots(scheduler, spec.search, concurrency)),
                                             # a trial's driver is light; its process and imports
-                                            # are not: the next trial reuses them (not where a
-                                            # paused trial's process must end with its training)
-                                            reuse_actors=spec.scheduler not in CHECKPOINTED),
+                                            # are not: the next trial reuses them, but only where
+                                            # no scheduler stops trials (a stopped trial's process
+                                            # must end, its Train run with it)
+                                            reuse_actors=spec.scheduler == "none"),
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
                                           storage_filesystem=fs,
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
                                           callbacks=[progress], verbose=0),
             )
         results = tuner.fit()
+        progress = SweepProgress.active(spec.name)  # after a resume: the one Tune restored and ran
         progress.settle()
         if results.num_terminated + results.num_errors < len(results):  # Ctrl-C: Tune saved and returned
             log(f"[sweep {spec.name}] interrupted with {len(results) - results.num_terminated - results.num_errors}"
