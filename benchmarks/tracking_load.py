@@ -184,7 +184,7 @@ def run(args) -> dict:
                                                         str(work / "train.json")))
         t0 = time.monotonic()
         print(f"[load] {len(procs)} streams ({args.ranks} ranks x {len(RANK_KEYS)} keys, {args.trials} trials x "
-              f"{len(TRIAL_KEYS)} keys), {args.steps} steps at {args.rate}/s, to {servers and 'PostgreSQL at '}{uri}",
+              f"{len(TRIAL_KEYS)} keys), {args.steps} steps at {args.rate}/s, to {'PostgreSQL at ' if servers else ''}{uri}",
               flush=True)
         for p in procs + [trainer]:
             p.start()
