@@ -306,7 +306,7 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
         time.sleep(0.5)
     first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves the search and returns; the sweep is not done
     assert first.wait(timeout=300) == 130, first_log.read_text()[-3000:]
-    assert "unfinished: continue it with --resume" in first_log.read_text()
+    assert "interrupted: continue it with --resume" in first_log.read_text()
     client = get_client(server.uri)
     experiment = client.get_run(done[0]["run_id"]).info.experiment_id
     (parent,) = client.search_runs([experiment], "attributes.run_name = 'sweep-s-tpe'")
@@ -349,6 +349,19 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     (parent,) = client.search_runs([run.info.experiment_id], "attributes.run_name = 'sweep-s-tpe'")
     assert (parent.data.params["sweep.search"], parent.data.params["sweep.seed"]) == ("optuna", "3")
     assert parent.info.status == "FINISHED"  # the same parent run, continued
+
+    # a driver killed before Tune recorded any trial leaves only tuner.pkl (restored from it alone,
+    # Tune would search without the space): --resume starts the search afresh, values drawn again
+    sweep_dir = tmp_path / "sweeps" / "s-tpe"
+    for state in [*sweep_dir.glob("experiment_state-*.json"), *sweep_dir.glob("searcher-state-*.pkl")]:
+        state.unlink()
+    assert (sweep_dir / "tuner.pkl").exists()
+    fourth = _vitp(args + ["--resume"], env)
+    log, _ = fourth.communicate(timeout=900)
+    assert fourth.returncode == 0 and "no trial was recorded" in log and "starts afresh" in log, log[-4000:]
+    for r in _children(server.uri, "s-tpe"):
+        params = client.get_run(r["run_id"]).data.params
+        assert "-lr" in r["run_name"] and 1e-3 <= float(params["optim.lr"]) <= 0.3, (r["run_name"], params)
 
 
 @pytest.mark.e2e

@@ -225,3 +225,27 @@ def test_a_restored_sweep_callback_takes_the_resumed_drivers_functions_and_its_p
     saved.ended, saved.durations = 5, [10.0, 12.0]  # Tune's periodic save of the callback's state
     restored.set_state(pickle.loads(pickle.dumps(saved.get_state())))
     assert (restored.ended, restored.durations, restored.stopped) == (5, [10.0, 12.0], {"t1": 40})
+
+
+def test_ctrl_c_inside_tunes_fit_is_told_from_a_fit_that_ended():
+    """Tune's own SIGINT handler (set at fit, as here) saves the search, returns normally and puts back
+    the handler it found: CtrlC tells the two endings apart and restores what was there before."""
+    import os
+    import signal
+    import time
+
+    from vitp.tune.progress import CtrlC
+
+    def tune_like():  # what ray.tune.tune._setup_signal_catching installs
+        found = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, lambda signum, frame: signal.signal(signal.SIGINT, found))
+
+    before = signal.getsignal(signal.SIGINT)
+    with CtrlC() as ended:
+        tune_like()
+    assert not ended.pressed and signal.getsignal(signal.SIGINT) is before
+    with CtrlC() as interrupted:
+        tune_like()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler runs in this (main) thread
+    assert interrupted.pressed and signal.getsignal(signal.SIGINT) is before

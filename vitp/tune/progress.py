@@ -5,6 +5,8 @@ naming the scheduler and step, never FAILED. MLflow only through `vitp.tracking`
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -156,3 +158,26 @@ class SweepProgress(Callback):
                 client.set_terminated(run["run_id"], "KILLED")
         except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
             self.log(f"[sweep {self.name}] could not mark trial {trial_id}'s MLflow run KILLED: {e}")
+
+
+class CtrlC:
+    """Whether Ctrl-C interrupted a `tuner.fit()` inside this block: Tune catches it, saves the search
+    and returns as if the sweep had ended, putting back the SIGINT handler it found; so the handler
+    set here is back afterwards only if Ctrl-C was pressed (a second one then raises KeyboardInterrupt)."""
+
+    pressed = False
+
+    @staticmethod
+    def _again(signum, frame):
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "CtrlC":
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGINT, self._again) if main else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            self.pressed = signal.getsignal(signal.SIGINT) is self._again
+            signal.signal(signal.SIGINT, self.previous)
+

@@ -37,7 +37,7 @@ from .outcome import summarise
 from .population import (CHECKPOINTED, check_scheduler, hyperband_plan, mutations, population_trial,
                          scheduler_for, search_slots)
 from .turns import start_turns, turn
-from .progress import USER_ERROR, EvaluationReports, SweepProgress
+from .progress import USER_ERROR, CtrlC, EvaluationReports, SweepProgress
 from .search import check_search, fold_cases, param_space, search_algorithm
 from .space import Dist, grid_size, parse_space, probe_trials
 
@@ -316,6 +316,13 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
         raise FileExistsError(f"sweep {spec.name!r} exists at {path}: continue it with --resume, "
                               "or pass another --name")
+    if resume and not tune.Tuner.can_restore(inner, storage_filesystem=fs):
+        raise FileNotFoundError(f"--resume: no sweep state at {path}; start it without --resume")
+    # a driver killed before Tune recorded any trial leaves only tuner.pkl: restored from it alone,
+    # Tune starts a search without the searcher's space; so that search starts afresh instead
+    restore = resume and any(n.startswith("experiment_state-") for n in storage.listdir(path))
+    if resume and not restore:
+        log(f"[sweep {spec.name}] --resume: no trial was recorded at {path}; the search starts afresh")
     first_trial_cfg, _ = trial_config(spec, _probes(spec)[0])
     # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
     parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
@@ -346,9 +353,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                              planned_steps=lambda config: trial_config(spec, trial_params(config))[0].train.steps)
     t0 = time.time()
     try:
-        if resume:
-            if not tune.Tuner.can_restore(inner, storage_filesystem=fs):
-                raise FileNotFoundError(f"--resume: no sweep state at {path}; start it without --resume")
+        if restore:
             tuner = tune.Tuner.restore(inner, trainable=trainable, resume_unfinished=True,
                                        resume_errored=True, storage_filesystem=fs)
         else:
@@ -376,12 +381,12 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                                           failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
                                           callbacks=[progress], verbose=0),
             )
-        results = tuner.fit()
+        with CtrlC() as ctrl_c:
+            results = tuner.fit()
         progress = SweepProgress.active(spec.name)  # after a resume: the one Tune restored and ran
         progress.settle()
-        if results.num_terminated + results.num_errors < len(results):  # Ctrl-C: Tune saved and returned
-            log(f"[sweep {spec.name}] interrupted with {len(results) - results.num_terminated - results.num_errors}"
-                f" trial(s) unfinished: continue it with --resume")
+        if ctrl_c.pressed:  # Tune saved the search and returned: the sweep is not done
+            log(f"[sweep {spec.name}] interrupted: continue it with --resume")
             raise KeyboardInterrupt
     except BaseException as e:
         parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
