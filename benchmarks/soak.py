@@ -43,11 +43,13 @@ from soak_faults import Injector  # noqa: E402
 
 from vitp.net import free_port  # noqa: E402
 
+# a trial's 2-CPU worker does not fit beside another and pre-training's on the head: one trial
+# trains on a worker node, for kill_trial_node to find
 PRETRAIN = ["parallel.num_workers=3", "parallel.min_workers=1", "parallel.cpus_per_worker=2",
             "parallel.zero_stage=2", "parallel.global_batch=24", "parallel.micro_batch=8", "parallel.grad_accum=1",
             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=20", "train.keep_checkpoints=3",
             "train.record_samples=true", "train.max_failures=50", "optim.warmup_steps=5"]
-SWEEP = ["parallel.num_workers=1", "parallel.cpus_per_worker=1", "train.steps=200", "train.eval_every=20",
+SWEEP = ["parallel.num_workers=1", "parallel.cpus_per_worker=2", "train.steps=200", "train.eval_every=20",
          "train.log_every=1", "train.max_failures=50", "tune.num_samples=6", "tune.max_concurrent_trials=2",
          "tune.trial_retries=5"]
 

@@ -110,7 +110,7 @@ class Injector:
             return self._record("drain", "no worker node alive", False)
         self.world.drain(index, DRAIN_DEADLINE_S)
         self._record("drain", f"node {index} drained for preemption, deadline {DRAIN_DEADLINE_S} s", True)
-        self._later(DRAIN_DEADLINE_S, lambda: self._lose_node("drain", index, "at its deadline"))
+        self._later(DRAIN_DEADLINE_S, lambda: self._lose_node("drain_deadline", index, "at its deadline"))
 
     def kill_trial_node(self) -> None:
         nodes = sorted({w["node_index"] for w in self.world.train_workers() if w["job"] == "sweep"
