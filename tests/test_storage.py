@@ -90,3 +90,37 @@ def test_local_writes_are_atomic_and_listed(tmp_path):
     assert storage.read_json(path) == [1, 2] and os.listdir(tmp_path / "d") == ["x.json"]
     assert storage.file_sizes(str(tmp_path)) == {"d/x.json": os.path.getsize(path)}
     assert storage.listdir("file://" + str(tmp_path)) == ["d"]
+
+
+def test_through_outages_tries_again_while_the_store_is_unreachable_not_on_a_missing_path():
+    """A connection reset is tried again (said each time) until it answers; a missing path is the
+    caller's answer at once; an outage longer than the limit raises its last error."""
+    import pytest
+
+    from vitp.storage import through_outages
+
+    said, calls = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: Connection reset")
+        return "manifest"
+
+    assert through_outages(flaky, "the shards", said.append, limit_s=5, first_pause_s=0.01) == "manifest"
+    assert len(calls) == 3 and len(said) == 2 and all("the shards: storage unreachable" in s for s in said)
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError("s3://bucket/shards/manifest.json")
+
+    calls.clear()
+    with pytest.raises(FileNotFoundError):
+        through_outages(missing, "the shards", said.append, limit_s=5, first_pause_s=0.01)
+    assert len(calls) == 1
+
+    def down():
+        raise OSError("Connection refused")
+
+    with pytest.raises(OSError, match="refused"):
+        through_outages(down, "the shards", said.append, limit_s=0.05, first_pause_s=0.01)

@@ -305,3 +305,25 @@ def abspath(path: str) -> str:
     if not path or path == "scratch" or is_uri(path):
         return path
     return os.path.abspath(path)
+
+
+NOT_TRANSIENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+OUTAGE_S = 180.0  # how long `through_outages` keeps trying a store that cannot be reached
+
+
+def through_outages(fn, what: str, warn, limit_s: float = OUTAGE_S, first_pause_s: float = 2.0):
+    """fn() again while the store cannot be reached (an OSError other than a missing or refused
+    path: a connection reset, a timeout), up to `limit_s` with doubling pauses; `warn(line)` says so
+    each time. The last error is raised once the time is up."""
+    import time
+
+    deadline, pause = time.monotonic() + limit_s, first_pause_s
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if isinstance(e, NOT_TRANSIENT) or time.monotonic() + pause > deadline:
+                raise
+            warn(f"{what}: storage unreachable ({str(e).splitlines()[0][:200]}); trying again in {pause:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)

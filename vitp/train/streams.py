@@ -12,8 +12,12 @@ from ray.data import DataContext
 from ray.train import DataConfig
 
 from ..config import ExperimentConfig
+from ..console import get_logger
 from ..data.ingest import build_eval_dataset, build_train_dataset
+from ..storage import through_outages
 from . import checkpoint as ckpt
+
+_log = get_logger(__name__)
 
 
 def train_placeholder():
@@ -43,15 +47,22 @@ class RankStreams(DataConfig):
         if "train" in datasets:
             DataContext.get_current().enable_progress_bars = False
             cfg = ExperimentConfig.from_dict(self.cfg_dict)
-            resume = ckpt.data_position(cfg)
             share = reader_share(cfg, world_size)
-            for r in range(world_size):
-                ds = build_train_dataset(cfg, rank=r, world=world_size, resume=resume)
+            # in Train's controller, at every worker-group start: a store that cannot be reached
+            # for a while (an S3 outage) would otherwise end the run, which Train does not retry
+            resume, streams = through_outages(lambda: self._streams(cfg, world_size), f"run {cfg.run_name}'s "
+                                              "data position and shards", _log.warning)
+            for r, ds in enumerate(streams):
                 options = self._resolve_execution_options("train")
                 options.resource_limits = options.resource_limits.copy(cpu=share)
                 ds.context.execution_options = options
                 out[r]["train"] = ds.iterator()
         return out
+
+    @staticmethod
+    def _streams(cfg: ExperimentConfig, world_size: int):
+        resume = ckpt.data_position(cfg)
+        return resume, [build_train_dataset(cfg, rank=r, world=world_size, resume=resume) for r in range(world_size)]
 
 
 def reader_share(cfg: ExperimentConfig, world: int) -> float:
@@ -73,4 +84,5 @@ class EvalDatasetFactory:
 
     def __call__(self):
         DataContext.get_current().enable_progress_bars = False
-        return build_eval_dataset(ExperimentConfig.from_dict(self.cfg_dict))
+        cfg = ExperimentConfig.from_dict(self.cfg_dict)
+        return through_outages(lambda: build_eval_dataset(cfg), f"run {cfg.run_name}'s eval shards", _log.warning)
