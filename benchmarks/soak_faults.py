@@ -91,7 +91,10 @@ class Injector:
         self._later(self.rng.uniform(*REPLACE_AFTER_S), self._replace, busy="replace")
 
     def _replace(self) -> None:
-        index = self.world.cluster.add_node()
+        try:
+            index = self.world.cluster.add_node()
+        except Exception as e:  # noqa: BLE001 - e.g. Ray's start-up timeout on a loaded machine: logged
+            return self._record("node_joined", f"a new node did not join: {str(e).strip().splitlines()[-1][:200]}", False)
         self._record("node_joined", f"node {index} joined", True)
 
     def _worker_node(self) -> int | None:

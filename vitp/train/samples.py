@@ -25,7 +25,7 @@ class SampleRecorder:
         self.dir = storage.join(self.root, f"rank_{rank:05d}")
         self.accum, self.first, self.micro = cfg.parallel.grad_accum, first_step, 0
         self.rank, self.world, self.parent, self.noted = rank, world, parent, False
-        self.pending: list[tuple[int, list[str]]] = []
+        self.pending: list[tuple[int, list[str], list[int]]] = []  # (step, keys, epochs)
 
     def __call__(self, keys, epochs) -> None:
         self.pending.append((self.first + 1 + self.micro // self.accum, [str(k) for k in keys],
