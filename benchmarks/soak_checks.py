@@ -21,6 +21,17 @@ def _runs(uri: str) -> list:
             if (r.data.tags.get("sweep") or "").startswith("soak-") or r.info.run_name.startswith("soak-")]
 
 
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7, 9, 10] as "1-3, 7, 9-10"."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
 def metrics_once(uri: str, runs) -> dict:
     """Every (metric, step) of every run exactly once; train/loss steps contiguous from 1."""
     from vitp.tracking.store import get_client
@@ -34,7 +45,7 @@ def metrics_once(uri: str, runs) -> dict:
                 bad.append(f"{run.info.run_name} {key}: {len(steps) - len(set(steps))} step(s) logged twice")
             if key == "train/loss" and sorted(set(steps)) != list(range(1, max(steps) + 1)):
                 missing = sorted(set(range(1, max(steps) + 1)) - set(steps))
-                bad.append(f"{run.info.run_name} train/loss: steps {missing[:10]} missing")
+                bad.append(f"{run.info.run_name} train/loss: {len(missing)} step(s) missing: {_ranges(missing)}")
     return {"name": "every (metric, step) once, train/loss steps contiguous",
             "checked": f"{n} points of {len(runs)} runs", "violations": bad}
 

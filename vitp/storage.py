@@ -96,10 +96,11 @@ def open_input(path: str):
 
 def open_output(path: str):
     """A binary output stream at `path` (parents created). On object storage the object appears
-    when the stream is closed; for whole-file writes prefer write_bytes (atomic on local disk)."""
+    when the stream is closed; for whole-file writes prefer write_bytes (atomic on local disk).
+    The bytes go as given: pyarrow would otherwise compress a name ending .gz/.bz2/.zst once more."""
     fs, inner = filesystem(path)
     fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
-    return fs.open_output_stream(inner)
+    return fs.open_output_stream(inner, compression=None)
 
 
 def _info(path: str):

@@ -2,8 +2,10 @@
 stopped and restarted on the same store and port, responses lost after the server committed
 (a TCP proxy), end() while down, a SIGKILLed owner marked KILLED by its stale heartbeat.
 """
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -246,6 +248,37 @@ def test_attached_worker_logger_needs_no_server_and_drops_replayed_steps(mlflow_
     assert sorted(m.step for m in client.get_metric_history(driver.run_id, "val/top1")) == list(range(3, 9))
     assert client.get_run(driver.run_id).info.status == "FINISHED"
     assert spooled_bytes(spool, driver.run_id) == 0
+
+
+def test_a_checkpoints_backlog_arriving_after_later_steps_fills_the_gap_once(mlflow_server, experiment, tmp_path):
+    """A rank 0 cut off from MLflow spools steps 1..8 and its node is lost with the spool; only the
+    checkpoint's copy of its backlog survives. Its successor has sent steps 9..12 by the time the
+    backlog comes in: the sender asks the server which steps it holds, not only its top one."""
+    uri = mlflow_server.uri
+    driver = RunLogger.start(uri, experiment, "late-backlog", background=True, spool_dir=tmp_path / "driver")
+    for step in range(1, 4):
+        driver.log_metrics(metrics(step), step=step)
+    assert driver.flush(30)
+    lost = tmp_path / "lost-node"
+    cut_off = RunLogger.attach(f"http://127.0.0.1:{free_port()}", driver.run_id, spool_dir=lost, timeout_s=0.5)
+    for step in range(1, 9):  # 1..3 again, other values: the server's stay
+        cut_off.log_metrics(metrics(step, offset=5.0 if step <= 3 else 0.0), step=step)
+    backlog = cut_off.backlog()
+    assert [json.loads(line)["step"] for line in backlog.splitlines()] == list(range(1, 9))
+    assert not cut_off.close(0.5)
+    shutil.rmtree(lost)  # the node and its spool are gone
+
+    successor = RunLogger.attach(uri, driver.run_id, spool_dir=tmp_path / "successor")
+    for step in range(9, 13):
+        successor.log_metrics(metrics(step), step=step)
+    assert successor.flush(30)
+    successor.take_backlog(backlog)
+    assert successor.log_metrics(metrics(8, offset=9.0), step=8) == 0  # the backlog's steps count as logged
+    successor.take_backlog(backlog)  # a second copy (a checkpoint resumed from twice) adds nothing
+    assert successor.close(30)
+    driver.end("FINISHED")
+    assert_each_step_once(MlflowClient(uri), driver.run_id, range(1, 13))
+    assert successor.backlog() == b""
 
 
 @pytest.mark.slow  # the server stopped and started again

@@ -78,3 +78,18 @@ def test_retention_keeps_the_newest_k_and_every_mth_complete_one(work_dir):
     assert ckpt.retain(cfg) == [] and storage.exists(storage.join(partial, "meta.json"))
     keep_all = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r", "train.keep_checkpoints=0"])
     assert ckpt.retain(keep_all) == []
+
+
+def test_a_checkpoints_metric_backlog_is_read_in_whole_lines_within_its_bound(work_dir):
+    import gzip
+    import json
+
+    d = _write_checkpoint(work_dir, 10)
+    assert ckpt.read_backlog(d, 1 << 20) == b""  # MLflow had every step: no file
+    lines = b"".join(json.dumps({"step": s, "ts": 1, "m": {"train/loss": 1.0 / s}}).encode() + b"\n"
+                     for s in range(1, 11))
+    storage.write_bytes(storage.join(d, ckpt.BACKLOG), gzip.compress(lines))
+    assert ckpt.read_backlog(d, 1 << 20) == lines
+    bound = len(lines) // 2
+    cut = ckpt.read_backlog(d, bound)  # past tracking.spool_max_mb: the first whole lines only
+    assert cut and len(cut) <= bound and lines.startswith(cut) and cut.endswith(b"\n")

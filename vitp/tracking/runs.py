@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
@@ -19,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from vitp import storage
 from vitp.tracking.redact import redact
 from vitp.tracking.spool import HEARTBEAT_TAG, MetricSender
-from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, has_leftovers
+from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, add_leftover, has_leftovers
 from vitp.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
 from vitp.tracking.values import PARAMS_PER_BATCH, chunks, params_for_mlflow, tags_for_mlflow
 
@@ -273,6 +274,21 @@ class RunLogger:
         for m in batch:
             self._last_steps[m.key] = step
         return len(batch)
+
+    def backlog(self) -> bytes:
+        """The spooled lines MLflow does not have yet (b"" when it has them all): a checkpoint keeps
+        them, so a node lost with its spool loses no metric of a step before that checkpoint."""
+        return self._sender.spool.unsent() if self._sender else b""
+
+    def take_backlog(self, data: bytes) -> None:
+        """Send the lines of another process's `backlog()` with this logger's (each (key, step)
+        once: the server's steps decide what it still lacks); where both hold a step, this logger's
+        value is the one kept."""
+        if not data or self._sender is None:
+            return
+        add_leftover(self.run_id, f"backlog-{uuid.uuid4().hex[:8]}.jsonl", data, self._sender.spool.dir.parent)
+        for key, step in self._sender.adopt().items():
+            self._last_steps[key] = max(step, self._last_steps.get(key, -1))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait at most timeout_s until every spooled metric is in MLflow; False if some are not."""

@@ -1,7 +1,7 @@
 """Off-thread metric logging: the sender thread that posts a run's spool (spoolfile.py), the heartbeat.
 
 log_metrics appends a line and returns; the sender posts in order, one post a second (SEND_INTERVAL_S;
-more while a backlog fills whole batches), asking the server each key's top step first and after any
+more while a backlog fills whole batches), asking the server each key's steps first and after any
 failure: each (metric, step) lands once. A dead process's spool goes with its run's next start. No torch/ray.
 """
 from __future__ import annotations
@@ -76,9 +76,8 @@ class SenderClient:
         else:
             self._client.log_batch(run_id, metrics=list(metrics), tags=list(tags))
 
-    def max_step(self, run_id: str, key: str) -> int:
-        history = (self._rest or self._client).get_metric_history(run_id, key)
-        return max((m.step for m in history), default=-1)
+    def steps(self, run_id: str, key: str) -> set[int]:
+        return {m.step for m in (self._rest or self._client).get_metric_history(run_id, key)}
 
     def terminate(self, run_id: str, status: str) -> None:
         end = int(time.time() * 1000)
@@ -96,10 +95,11 @@ def _rejected(e: Exception) -> bool:
 class MetricSender:
     """A run's spool plus the daemon thread that posts it and refreshes the heartbeat tag.
 
-    `known`: top step per key the server holds (None: not known). The sender reads the server's top
-    step of each key before sending it first and again after any failed request (it may have
-    succeeded server-side), and drops every (key, step) at or below it; per key the spool is in
-    step order, so the top step suffices.
+    `known`: top step per key the server holds (None: not known). The sender reads the server's
+    steps of each key before sending it first and again after any failed request (it may have
+    succeeded server-side). A step above the key's top is sent; one at or below it (a line that came
+    late: a dead rank's spool gathered after its successor logged on, a checkpoint's backlog) is
+    sent only if the server lacks it, so each (key, step) lands once whatever order lines come in.
     """
 
     def __init__(self, tracking_uri: str, run_id: str, known: dict[str, int] | None, *, timeout_s: float = 5.0,
@@ -153,11 +153,13 @@ class MetricSender:
         self._hurry.clear()
         return True
 
-    def adopt(self) -> None:
+    def adopt(self) -> dict[str, int]:
         """Take over the spools of this run's processes that ended meanwhile (e.g. a Train worker's
-        on this node); they may have sent part of them since the server's steps were read."""
-        if self.spool.adopt_leftovers():
+        on this node); they may have sent part of them since the server's steps were read. Returns
+        the adopted top step per key."""
+        if top := self.spool.adopt_leftovers():
             self._checked.clear()
+        return top
 
     def close(self, timeout_s: float) -> bool:
         """Adopt ended processes' spools, flush (bounded), stop the thread, release the spool
@@ -182,15 +184,19 @@ class MetricSender:
         """Send what is spooled; False at the first failure (the rest stays spooled). Not
         `until_empty`: stop after a batch that was not full, so steps appended while it was being
         posted wait for the next post instead of making one each."""
+        have: dict[str, set[int]] = {}  # the server's steps of keys with late lines (this drain)
         while True:
             metrics, nbytes = self.spool.read(METRICS_PER_BATCH)
             if not nbytes:
                 return True
             try:
                 for key in {m.key for m in metrics} - self._checked:
-                    self.known[key] = max(self.known.get(key, -1), self.client.max_step(self.run_id, key))
+                    have[key] = self.client.steps(self.run_id, key)
+                    self.known[key] = max(self.known.get(key, -1), max(have[key], default=-1))
                     self._checked.add(key)
-                batch = self._new(metrics)
+                for key in {m.key for m in metrics if m.step <= self.known.get(m.key, -1)} - have.keys():
+                    have[key] = self.client.steps(self.run_id, key)
+                batch = self._new(metrics, have)
                 if batch:
                     self.client.log_batch(self.run_id, metrics=batch)
             except Exception as e:  # noqa: BLE001 - any failure: keep it spooled and retry later
@@ -200,7 +206,9 @@ class MetricSender:
                 log.warning("MLflow rejected %d metric values of run %s (dropped): %s", len(metrics), self.run_id, e)
                 batch = []
             for m in batch:
-                self.known[m.key] = m.step
+                self.known[m.key] = max(self.known.get(m.key, -1), m.step)
+                if m.key in have:
+                    have[m.key].add(m.step)
             self.spool.advance(nbytes)
             if self.last_error:
                 log.warning("MLflow at %s answers again: sending spooled metrics", self.client.uri)
@@ -210,14 +218,17 @@ class MetricSender:
             if not until_empty and len(metrics) < METRICS_PER_BATCH:
                 return True
 
-    def _new(self, metrics: list[Metric]) -> list[Metric]:
-        """The metrics the server lacks, in step order, one per (key, step)."""
-        top = dict(self.known)
-        batch = []
+    def _new(self, metrics: list[Metric], have: dict[str, set[int]]) -> list[Metric]:
+        """The metrics the server lacks, in step order, one per (key, step): above the key's top
+        step, or at or below it and not among the server's steps (`have`)."""
+        top, taken, batch = dict(self.known), set(), []
         for m in sorted(metrics, key=lambda m: m.step):
             if m.step > top.get(m.key, -1):
                 top[m.key] = m.step
-                batch.append(m)
+            elif m.step in have.get(m.key, ()) or (m.key, m.step) in taken:
+                continue
+            taken.add((m.key, m.step))
+            batch.append(m)
         return batch
 
     def _failed(self, e: Exception) -> None:

@@ -199,6 +199,11 @@ class MetricSpool:
             used += len(line)
         return metrics, used
 
+    def unsent(self) -> bytes:
+        """The whole lines not sent yet (what a checkpoint carries: tracking/runs.py backlog)."""
+        data = self._unsent(max(self.pending_bytes(), 1))
+        return data[:data.rfind(b"\n") + 1]
+
     def pending_values(self) -> int:
         data = self._unsent(max(self.pending_bytes(), 1))
         return sum(len(rec["m"]) for line in data.splitlines() if (rec := _parse(line, self.path)))

@@ -5,6 +5,7 @@ directories); torch only where one is written, so finding one (RankStreams) impo
 """
 from __future__ import annotations
 
+import gzip
 import os
 import random
 import re
@@ -29,10 +30,12 @@ log = get_logger(__name__)
 #     complete/rank_00000.json   written by each rank *after* its files are in place: step, world,
 #                                the worker group's attempt, and the size of every file it wrote
 #     meta.json                  rank 0: step, world size, ZeRO stage, data position, config
+#     metrics_backlog.jsonl.gz   rank 0, while MLflow lacks some: its spooled lines (tracking/runs.py)
 # A checkpoint is complete only when meta.json and one marker per rank are present, all of one
 # attempt, and every file a marker lists exists with its recorded size.
 TAG = "state"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}$")  # Ray Train's own files beside them do not match
+BACKLOG = "metrics_backlog.jsonl.gz"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -71,7 +74,7 @@ def rank_world() -> tuple[int, int]:
 
 def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | None = None,
          mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None, ema=None,
-         mark: bool = True, attempt: str | None = None) -> dict[str, Any]:
+         mark: bool = True, attempt: str | None = None, backlog: bytes = b"") -> dict[str, Any]:
     """All ranks: write this rank's part of a checkpoint into `directory` (may be rank-local);
     returns this rank's completion marker.
 
@@ -84,6 +87,7 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
     `mark=False` leaves it unwritten: an uploader writes it where the files went, after them.
     `attempt` (the same on every rank of one worker group) goes into meta.json and each marker:
     where a restarted group writes the same step again, parts of two attempts never count as one.
+    `backlog` (rank 0): the metric lines MLflow lacks so far, kept with the steps they belong to.
     """
     import torch
 
@@ -107,6 +111,8 @@ def save(engine, directory: str, state: TrainState, cfg_dict: dict[str, Any] | N
                 "zero_stage": engine.zero_optimization_stage(), "config": redact(cfg_dict) if cfg_dict else cfg_dict,
                 "mlflow_run_id": mlflow_run_id, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
         storage.write_json(os.path.join(directory, "meta.json"), meta)
+        if backlog:
+            storage.write_bytes(os.path.join(directory, BACKLOG), gzip.compress(backlog, compresslevel=1))
     if distributed():
         torch.distributed.barrier()  # every rank's DeepSpeed files are written
     # Markers are left out: other ranks may be writing theirs into a shared directory now.
@@ -152,6 +158,20 @@ def verify(directory: str) -> tuple[bool, str]:
             if present.get(rel.replace(os.sep, "/")) != size:
                 return False, f"{directory}: {rel} from rank {r} is missing or truncated"
     return True, "complete"
+
+
+def read_backlog(directory: str, max_bytes: int) -> bytes:
+    """The metric lines the checkpoint in `directory` kept for MLflow (b"" if none); at most
+    `max_bytes` of them (tracking.spool_max_mb), a longer file is cut at a line's end."""
+    path = join(directory, BACKLOG)
+    if not storage.exists(path):
+        return b""
+    with storage.open_input(path) as raw, gzip.GzipFile(fileobj=raw) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        log.warning("%s holds more than %d MB of metric lines: only the first are sent", path, max_bytes // 2**20)
+        data = data[:data.rfind(b"\n", 0, max_bytes) + 1]
+    return data
 
 
 def read_meta(directory: str) -> dict[str, Any]:

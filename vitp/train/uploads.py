@@ -74,9 +74,10 @@ class CheckpointWriter:
 
     def __init__(self, cfg: ExperimentConfig, engine, rank: int, device, say: Callable[[str], None],
                  log_metrics: Optional[Callable[[dict[str, float], int], None]] = None,
-                 mlflow_run_id: Optional[str] = None, ema=None):
+                 mlflow_run_id: Optional[str] = None, ema=None, backlog: Optional[Callable[[], bytes]] = None):
         self.cfg, self.engine, self.rank, self.device, self.say = cfg, engine, rank, device, say
         self.log_metrics, self.mlflow_run_id, self.ema = log_metrics, mlflow_run_id, ema
+        self.backlog = backlog  # rank 0: the metric lines MLflow lacks, kept in each checkpoint
         # A worker killed mid-checkpoint leaves its staged copy: every start of the workers clears
         # those of dead processes on its node (staging.py)
         clear_dead()
@@ -103,7 +104,7 @@ class CheckpointWriter:
         local = new_stage(self.cfg.run_name, step, self.rank)
         marker = ckpt.save(self.engine, local, state, self.cfg.to_dict() if self.rank == 0 else None,
                            mlflow_run_id=self.mlflow_run_id, metrics=metrics, ema=self.ema, mark=False,
-                           attempt=self.attempt)
+                           attempt=self.attempt, backlog=self.backlog() if self.backlog else b"")
         t2 = time.perf_counter()
         previous, self.last = self.last, Upload(step, started, sum(storage.file_sizes(local).values()))
         self._idle.clear()

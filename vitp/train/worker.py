@@ -138,6 +138,8 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
             meta = ckpt.read_meta(d)
             state.worlds = state.worlds or [[int(meta["world_size"]), 0]]
             r.resumed_attempt = meta.get("attempt")
+            if r.logger:  # what MLflow lacked of the steps before it: their spool may be lost with its node
+                r.logger.take_backlog(ckpt.read_backlog(d, int(cfg.tracking.spool_max_mb * 2**20)))
             if r.ema and not r.ema.load(d):
                 r.say("the checkpoint has no weight EMA (train.ema_decay was 0): it starts from these weights")
         r.say(f"resumed from {where} at step {state.step} ({time.perf_counter() - t0:.1f} s to restore)")
@@ -176,7 +178,8 @@ class _Reporter:
     def __init__(self, r: _Rank, state: ckpt.TrainState, recorder: SampleRecorder | None):
         self.r, self.recorder = r, recorder
         self.writer = CheckpointWriter(r.cfg, r.engine, r.rank, r.device, r.say,
-                                       r.logger.log_metrics if r.logger else None, r.mlflow_run_id, r.ema)
+                                       r.logger.log_metrics if r.logger else None, r.mlflow_run_id, r.ema,
+                                       r.logger.backlog if r.logger else None)
         self.t_start, self.start_step = time.time(), state.step
         self.watch = PreemptionWatch(r.device, r.say)
         self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None
