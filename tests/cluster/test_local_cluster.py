@@ -1,7 +1,8 @@
 """A real two-node local Ray cluster: a failing job's exit status and error, that the nodes share
 no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
 that a metric spool left on the worker node reaches MLflow through the driver, and that a real
-Train run whose rank 0 runs on the worker node and is killed before its last send loses no step.
+Train run whose rank 0 runs on the worker node and is killed before its last send loses no step;
+that a vitp driver joining the cluster removes the placement groups an ended vitp job left.
 A pre-training job through `vitp submit --follow`, one Train worker per node, its MLflow run
 FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with a worker killed."""
 import pytest
@@ -177,9 +178,10 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
                                                                                        tmp_path):
     """A real Train run whose only worker, rank 0, runs on the non-head node (on the session's debug
     shards). MLflow goes down after step SENT_BEFORE_OUTAGE; rank 0 spools on past the next
-    checkpoint and is SIGKILLed with those steps never sent; MLflow comes back; Train restarts the
-    worker from that checkpoint, so the steps before it are not trained again. Every step's
-    train/loss is in MLflow exactly once and the run is FINISHED."""
+    checkpoint and is SIGKILLed with those steps never sent, and its spool file is deleted (as a lost
+    node's disk); MLflow comes back; Train restarts the worker from that checkpoint, so the steps
+    before it are not trained again and reach MLflow only from the checkpoint's metric backlog.
+    Every step's train/loss is in MLflow exactly once and the run is FINISHED."""
     import json
     import os
     import signal
@@ -229,6 +231,9 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
                            filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     spooled = _spooled_steps(spool_root)
     os.kill(rank0.pid, signal.SIGKILL)  # before its last send: steps sent+1..spooled are only in its spool
+    lost = list(spool_root.glob(f"{rank0.pid}-*.jsonl"))
+    for path in lost:  # and that spool goes as with its node's disk: steps before the checkpoint come from it
+        path.unlink()
     server = start_server(store, str(tmp_path / "artifacts"), port=port, log_path=tmp_path / "mlflow-2.log")
     while not jobs.get_job_status(job).is_terminal():
         time.sleep(1)
@@ -237,8 +242,71 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
     seen = json.loads(next(line for line in logs.splitlines() if line.startswith("RANK0 "))[len("RANK0 "):])
     assert rank0.node_id == seen["node"] and seen["step"] == steps  # rank 0 ran on the node without the driver
     print(f"MLflow had steps 1-{sent}; rank 0 had spooled to step {spooled} when it was killed")
-    assert spooled >= target > sent, (sent, spooled)
+    assert spooled >= target > sent and lost, (sent, spooled, lost)
     mlflow = MlflowClient(server.uri)
     assert sorted(logged(run_id)) == list(range(1, steps + 1))  # every step, once
     assert mlflow.get_run(run_id).info.status == "FINISHED"
     server.stop()
+
+
+KEEPER = """
+import sys, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], namespace="orphans")
+
+@ray.remote(num_cpus=0)
+class Keeper:  # outlives this job; the group it makes is not detached, so it is its job's
+    def make(self):
+        self.pg = placement_group([{"CPU": 1}])
+        ray.get(self.pg.ready())
+        return self.pg.id.hex()
+
+print("PG " + ray.get(Keeper.options(name=sys.argv[2], lifetime="detached").remote().make.remote()))
+"""
+
+JANITOR = """
+import json, sys, time
+from ray.util.state import list_placement_groups
+from vitp.cluster.connect import connect_ray
+from vitp.config import ExperimentConfig
+connect_ray(ExperimentConfig(), sys.argv[1])
+mine, theirs = sys.argv[2:]
+deadline = time.time() + 60
+while time.time() < deadline:
+    live = {g.placement_group_id for g in list_placement_groups(limit=10000) if g.state != "REMOVED"}
+    if mine not in live:
+        break
+    time.sleep(1)
+print("LEFT " + json.dumps(sorted(live & {mine, theirs})))
+import ray
+for name in ("ours", "theirs"):
+    ray.kill(ray.get_actor(name, namespace="orphans"))
+"""
+
+
+@pytest.mark.e2e
+def test_a_driver_joining_removes_the_placement_groups_an_ended_vitp_job_left(two_node_cluster, tmp_path):
+    """A job that ran vitp (a script named vitp) ends and leaves a placement group that is not
+    detached, as Ray should have removed with it (the chaos soak's sweep drivers, SIGKILLed, left
+    their trials' worker groups holding CPUs so that a pre-training waited forever): a vitp driver
+    that joins the cluster removes it, and names it. Another job's such group stays (a detached
+    actor of it may still use it)."""
+    import subprocess
+    import sys
+
+    from tests.localcluster import vitp_env
+
+    def run(script, *args):
+        out = subprocess.run([sys.executable, str(script), f"127.0.0.1:{two_node_cluster.port}", *args], env=vitp_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    (tmp_path / "vitp").write_text(KEEPER)
+    (tmp_path / "keeper.py").write_text(KEEPER)
+    (tmp_path / "janitor.py").write_text(JANITOR)
+    ours = run(tmp_path / "vitp", "ours").stdout.split("PG ")[1].split()[0]
+    theirs = run(tmp_path / "keeper.py", "theirs").stdout.split("PG ")[1].split()[0]
+    out = run(tmp_path / "janitor.py", ours, theirs)
+    assert out.stdout.split("LEFT ")[1].strip() == f'["{theirs}"]', out.stdout + out.stderr[-2000:]
+    assert f"removed placement group {ours}" in out.stderr + out.stdout

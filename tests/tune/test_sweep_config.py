@@ -249,3 +249,42 @@ def test_ctrl_c_inside_tunes_fit_is_told_from_a_fit_that_ended():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.2)  # the handler runs in this (main) thread
     assert interrupted.pressed and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_trial_run_left_running_by_a_dead_trial_ends_failed_with_its_error(tmp_path):
+    """A trial whose actor or node died never ended its own MLflow run: on_trial_error ends it
+    FAILED with the error Tune recorded, and settle() (the sweep done) ends any other trial run of
+    the sweep still RUNNING (its driver died before on_trial_error); the parent run, finished
+    trials, another sweep's runs and, while the sweep is not done, its trials are left as they are."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from vitp.tune.progress import SweepProgress
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e")
+
+    def run(sweep, trial_id=None, status=None):
+        tags = {"sweep": sweep, **({"trial_id": trial_id} if trial_id else {})}
+        run_id = client.create_run(exp, tags=tags).info.run_id
+        if status:
+            client.set_terminated(run_id, status)
+        return run_id
+
+    parent, died, finished, orphan = run("s"), run("s", "t1"), run("s", "t2", "FINISHED"), run("s", "t3")
+    other = run("other", "t1")
+    lines = []
+    progress = SweepProgress("s", 3, 2, "val/top1", uri, "e", run_name=lambda config, trial_id="": trial_id,
+                             log=lines.append)
+    progress.on_trial_error(0, [], SimpleNamespace(trial_id="t1", config={}, error_msg=(
+        "Traceback (most recent call last):\n  ...\nRayActorError: The actor is unavailable: Socket closed")))
+    progress.settle(done=False)  # interrupted: its trials may go on after --resume
+    status = {r: client.get_run(r).info.status for r in (parent, died, finished, orphan, other)}
+    assert status == {parent: "RUNNING", died: "FAILED", finished: "FINISHED", orphan: "RUNNING", other: "RUNNING"}
+    assert client.get_run(died).data.tags["vitp.error"] == "RayActorError: The actor is unavailable: Socket closed"
+    progress.settle()
+    assert [client.get_run(r).info.status for r in (parent, orphan, other)] == ["RUNNING", "FAILED", "RUNNING"]
+    assert "ended without ending its run" in client.get_run(orphan).data.tags["vitp.error"]
+    assert not [line for line in lines if "could not mark" in line], lines

@@ -1,7 +1,7 @@
-"""Join a Ray cluster, or start a local Ray sized for a config: `connect_ray`; and how much of
-Ray's own output a user sees (vitp.console: errors and our lines, unless `vitp --verbose`).
-
-The one place a command calls `ray.init`. Must not submit jobs or train.
+"""Join a Ray cluster (removing what ended vitp jobs left there: orphans.py) or start a local Ray
+sized for a config: `connect_ray`; how much of Ray's own output a user sees (vitp.console: errors
+and our lines, unless `vitp --verbose`). The one place a command calls `ray.init`; never submits
+jobs or trains.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ray
 from ..config import ExperimentConfig
 from ..console import library_log_level, log_env, quiet_env, verbose
 from ..net import free_port
-from . import output
+from . import orphans, output
 
 
 # Logical CPUs a local Ray has beside its Train workers' own: Train's controller and Ray Data's
@@ -68,6 +68,7 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
             remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
         ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
                  logging_config=logging_config, runtime_env={"env_vars": remote_env})
+        orphans.watch()  # placement groups our killed drivers' trials left holding CPUs
     else:
         # Its address is chosen here and given to the processes it starts, which inherit this
         # environment: Ray's state API (Train's placement-group cleaner calls it every second)

@@ -26,6 +26,7 @@ except ImportError:  # Windows: no flock; get_client's retries absorb most races
     fcntl = None
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: what the UI nests child runs under
+ERROR_TAG = "vitp.error"  # a FAILED run's error: its type and last line, as the UI shows tags
 
 
 class TrackingError(UserError, RuntimeError):

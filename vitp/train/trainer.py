@@ -31,7 +31,7 @@ from ..model.vit import build_vit
 from ..model.weights import check_source
 from ..tracking.lineage import log_model_input, log_shards
 from ..tracking.runs import RunLogger
-from ..tracking.store import get_client, quote, resolve_tracking_uri
+from ..tracking.store import ERROR_TAG, get_client, quote, resolve_tracking_uri
 from ..tracking.values import source_tags
 from . import checkpoint as ckpt
 from .export import consolidate
@@ -320,9 +320,6 @@ def _mlflow_run_named(uri: str, cfg: ExperimentConfig):
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     runs = client.search_runs([exp.experiment_id], f"attributes.run_name = {quote(cfg.run_name)}") if exp else []
     return runs[0] if runs else None
-
-
-ERROR_TAG = "vitp.error"  # a FAILED run's error: its type and last line, as the UI shows tags
 
 
 def _ended_killed(logger) -> bool:

@@ -15,7 +15,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from ..console import duration, get_logger, progress
 from ..tracking import find_runs
-from ..tracking.store import get_client, quote
+from ..tracking.store import ERROR_TAG, get_client, quote
 
 _log = get_logger(__name__)
 
@@ -69,6 +69,7 @@ class SweepProgress(Callback):
         self.durations: list[float] = []
         self.ended = 0
         self.stopped: dict[str, Any] = {}  # trial id -> the step the scheduler stopped it at
+        self.failed: dict[str, str] = {}  # trial id -> the error it ended on
         _ACTIVE[name] = self
 
     def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
@@ -84,10 +85,12 @@ class SweepProgress(Callback):
         _ACTIVE[state["name"]] = self
 
     def get_state(self) -> dict:  # saved with the sweep's state: a resumed driver goes on counting
-        return {"ended": self.ended, "durations": list(self.durations), "stopped": dict(self.stopped)}
+        return {"ended": self.ended, "durations": list(self.durations), "stopped": dict(self.stopped),
+                "failed": dict(self.failed)}
 
     def set_state(self, state: dict) -> None:
         self.ended, self.durations, self.stopped = state["ended"], list(state["durations"]), dict(state["stopped"])
+        self.failed = dict(state.get("failed", {}))
 
     @staticmethod
     def active(name: str) -> "SweepProgress":
@@ -134,30 +137,47 @@ class SweepProgress(Callback):
             return
         self._end(trial, f"stopped early by {self.scheduler} at step {step} of {planned} ({score})")
         self.stopped[trial.trial_id] = step
-        self._mark_stopped(trial.trial_id, step)
+        self._mark("KILLED", f"tags.trial_id = {quote(trial.trial_id)}",
+                   {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)})
 
-    def settle(self) -> None:
-        """Mark the stopped trials' runs KILLED again once every trial has ended: a stopped trial's
-        own driver sees the stop as an error and may end its run FAILED after the first mark."""
+    def settle(self, done: bool = True) -> None:
+        """Once every trial has ended: mark the stopped trials' runs KILLED again (a stopped trial's
+        own driver sees the stop as an error and may end its run FAILED after the first mark) and,
+        if the sweep is `done`, end FAILED each trial run still RUNNING: its process died with its
+        actor or node before it could end it (a driver killed meanwhile missed on_trial_error)."""
         for trial_id, step in getattr(self, "stopped", {}).items():
-            self._mark_stopped(trial_id, step)
+            self._mark("KILLED", f"tags.trial_id = {quote(trial_id)}",
+                       {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)})
+        if done:
+            failed = getattr(self, "failed", {})
+            for run in self._mark("FAILED", "attributes.status = 'RUNNING' and tags.trial_id != ''", {}):
+                error = failed.get(run["tags"].get("trial_id", ""), "its process ended without ending its run")
+                self._tag(run["run_id"], {ERROR_TAG: error[:500]})
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = trial_error(getattr(trial, "error_msg", None) or "see the trial's error.txt", None)
+        self.failed[trial.trial_id] = error
         self._end(trial, f"FAILED: {error[:200]}")
+        # a trial whose actor or node died could not end its own run
+        self._mark("FAILED", f"tags.trial_id = {quote(trial.trial_id)} and attributes.status = 'RUNNING'",
+                   {ERROR_TAG: error[:500]})
 
-    def _mark_stopped(self, trial_id: str, step: Any) -> None:
-        """End the trial's MLflow run KILLED with who stopped it and when (not FAILED)."""
+    def _mark(self, status: str, filter_string: str, tags: dict[str, str]) -> list[dict]:
+        """End this sweep's trial runs matching `filter_string` with `status` and `tags`; the runs."""
         try:
-            runs = find_runs(self.tracking_uri, self.experiment,
-                             f"tags.trial_id = {quote(trial_id)} and tags.sweep = {quote(self.name)}")
-            client = get_client(self.tracking_uri)
+            runs = find_runs(self.tracking_uri, self.experiment, f"{filter_string} and tags.sweep = {quote(self.name)}")
             for run in runs:
-                client.set_tag(run["run_id"], STOPPED_BY_TAG, self.scheduler)
-                client.set_tag(run["run_id"], STOPPED_AT_TAG, str(step))
-                client.set_terminated(run["run_id"], "KILLED")
+                self._tag(run["run_id"], tags)
+                get_client(self.tracking_uri).set_terminated(run["run_id"], status)
+            return runs
         except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
-            self.log(f"[sweep {self.name}] could not mark trial {trial_id}'s MLflow run KILLED: {e}")
+            self.log(f"[sweep {self.name}] could not mark trial runs {status} ({filter_string}): {e}")
+            return []
+
+    def _tag(self, run_id: str, tags: dict[str, str]) -> None:
+        client = get_client(self.tracking_uri)
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
 
 
 class CtrlC:

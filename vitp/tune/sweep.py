@@ -384,7 +384,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
         with CtrlC() as ctrl_c:
             results = tuner.fit()
         progress = SweepProgress.active(spec.name)  # after a resume: the one Tune restored and ran
-        progress.settle()
+        progress.settle(done=not ctrl_c.pressed)
         if ctrl_c.pressed:  # Tune saved the search and returned: the sweep is not done
             log(f"[sweep {spec.name}] interrupted: continue it with --resume")
             raise KeyboardInterrupt
