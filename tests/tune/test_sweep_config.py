@@ -255,7 +255,8 @@ def test_a_trial_run_left_running_by_a_dead_trial_ends_failed_with_its_error(tmp
     """A trial whose actor or node died never ended its own MLflow run: on_trial_error ends it
     FAILED with the error Tune recorded, and settle() (the sweep done) ends any other trial run of
     the sweep still RUNNING (its driver died before on_trial_error); the parent run, finished
-    trials, another sweep's runs and, while the sweep is not done, its trials are left as they are."""
+    trials, a completed trial's run left RUNNING (MLflow was down as it ended: some metrics are not
+    in), another sweep's runs and, while the sweep is not done, its trials are left as they are."""
     from types import SimpleNamespace
 
     from mlflow.tracking import MlflowClient
@@ -274,17 +275,19 @@ def test_a_trial_run_left_running_by_a_dead_trial_ends_failed_with_its_error(tmp
         return run_id
 
     parent, died, finished, orphan = run("s"), run("s", "t1"), run("s", "t2", "FINISHED"), run("s", "t3")
-    other = run("other", "t1")
+    other, unsent = run("other", "t1"), run("s", "t4")
     lines = []
     progress = SweepProgress("s", 3, 2, "val/top1", uri, "e", run_name=lambda config, trial_id="": trial_id,
                              log=lines.append)
     progress.on_trial_error(0, [], SimpleNamespace(trial_id="t1", config={}, error_msg=(
         "Traceback (most recent call last):\n  ...\nRayActorError: The actor is unavailable: Socket closed")))
+    progress.on_trial_complete(0, [], SimpleNamespace(trial_id="t4", config={}, last_result={"val/top1": 0.5}))
     progress.settle(done=False)  # interrupted: its trials may go on after --resume
     status = {r: client.get_run(r).info.status for r in (parent, died, finished, orphan, other)}
     assert status == {parent: "RUNNING", died: "FAILED", finished: "FINISHED", orphan: "RUNNING", other: "RUNNING"}
     assert client.get_run(died).data.tags["vitp.error"] == "RayActorError: The actor is unavailable: Socket closed"
     progress.settle()
-    assert [client.get_run(r).info.status for r in (parent, orphan, other)] == ["RUNNING", "FAILED", "RUNNING"]
+    assert [client.get_run(r).info.status for r in (parent, orphan, other, unsent)] == [
+        "RUNNING", "FAILED", "RUNNING", "RUNNING"]
     assert "ended without ending its run" in client.get_run(orphan).data.tags["vitp.error"]
     assert not [line for line in lines if "could not mark" in line], lines

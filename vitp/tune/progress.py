@@ -70,6 +70,7 @@ class SweepProgress(Callback):
         self.ended = 0
         self.stopped: dict[str, Any] = {}  # trial id -> the step the scheduler stopped it at
         self.failed: dict[str, str] = {}  # trial id -> the error it ended on
+        self.completed: set[str] = set()  # trials Tune saw complete (their own driver ends their runs)
         _ACTIVE[name] = self
 
     def __getstate__(self):  # Tune pickles its callbacks with the sweep state: no functions
@@ -86,11 +87,11 @@ class SweepProgress(Callback):
 
     def get_state(self) -> dict:  # saved with the sweep's state: a resumed driver goes on counting
         return {"ended": self.ended, "durations": list(self.durations), "stopped": dict(self.stopped),
-                "failed": dict(self.failed)}
+                "failed": dict(self.failed), "completed": sorted(self.completed)}
 
     def set_state(self, state: dict) -> None:
         self.ended, self.durations, self.stopped = state["ended"], list(state["durations"]), dict(state["stopped"])
-        self.failed = dict(state.get("failed", {}))
+        self.failed, self.completed = dict(state.get("failed", {})), set(state.get("completed", ()))
 
     @staticmethod
     def active(name: str) -> "SweepProgress":
@@ -125,6 +126,7 @@ class SweepProgress(Callback):
         # A trial the scheduler stopped completes too (Tune marks its last result done): it is
         # told apart by its last reported step, short of the steps it was planned to train.
         result = trial.last_result or {}
+        self.completed.add(trial.trial_id)
         if result.get(USER_ERROR):  # ended on the user's mistake: failed, not retried
             self._end(trial, f"FAILED: {trial_error(None, result)[:200]}")
             return
@@ -143,16 +145,19 @@ class SweepProgress(Callback):
     def settle(self, done: bool = True) -> None:
         """Once every trial has ended: mark the stopped trials' runs KILLED again (a stopped trial's
         own driver sees the stop as an error and may end its run FAILED after the first mark) and,
-        if the sweep is `done`, end FAILED each trial run still RUNNING: its process died with its
-        actor or node before it could end it (a driver killed meanwhile missed on_trial_error)."""
+        if the sweep is `done`, end FAILED each trial run still RUNNING of a trial that did not
+        complete: its process died with its actor or node before it could end it (a driver killed
+        meanwhile missed on_trial_error). A completed trial's run left RUNNING stays so: MLflow was
+        down as it ended and lacks some of its metrics (tracking/runs.py)."""
         for trial_id, step in getattr(self, "stopped", {}).items():
             self._mark("KILLED", f"tags.trial_id = {quote(trial_id)}",
                        {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)})
         if done:
-            failed = getattr(self, "failed", {})
-            for run in self._mark("FAILED", "attributes.status = 'RUNNING' and tags.trial_id != ''", {}):
-                error = failed.get(run["tags"].get("trial_id", ""), "its process ended without ending its run")
-                self._tag(run["run_id"], {ERROR_TAG: error[:500]})
+            failed, completed = getattr(self, "failed", {}), getattr(self, "completed", set())
+            for trial_id in {r["tags"].get("trial_id") for r in self._mark(None, "attributes.status = 'RUNNING'", {})
+                             if r["tags"].get("trial_id")} - completed:
+                self._mark("FAILED", f"tags.trial_id = {quote(trial_id)} and attributes.status = 'RUNNING'", {
+                    ERROR_TAG: failed.get(trial_id, "the trial ended without ending its run (its process died)")[:500]})
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = trial_error(getattr(trial, "error_msg", None) or "see the trial's error.txt", None)
@@ -162,11 +167,12 @@ class SweepProgress(Callback):
         self._mark("FAILED", f"tags.trial_id = {quote(trial.trial_id)} and attributes.status = 'RUNNING'",
                    {ERROR_TAG: error[:500]})
 
-    def _mark(self, status: str, filter_string: str, tags: dict[str, str]) -> list[dict]:
-        """End this sweep's trial runs matching `filter_string` with `status` and `tags`; the runs."""
+    def _mark(self, status: str | None, filter_string: str, tags: dict[str, str]) -> list[dict]:
+        """End this sweep's runs matching `filter_string` with `status` (None: only find them) and
+        `tags`; the runs."""
         try:
             runs = find_runs(self.tracking_uri, self.experiment, f"{filter_string} and tags.sweep = {quote(self.name)}")
-            for run in runs:
+            for run in runs if status else ():
                 self._tag(run["run_id"], tags)
                 get_client(self.tracking_uri).set_terminated(run["run_id"], status)
             return runs
