@@ -262,7 +262,7 @@ def soak(args) -> dict:
         stop = threading.Event()
         injector = Injector(world, args.seed, str(root / "FAULTS.jsonl"))
         thread = threading.Thread(target=injector.run, args=(args.minutes, stop), daemon=True)
-        t0 = time.monotonic()
+        t0, interrupted = time.monotonic(), []
         thread.start()
         while thread.is_alive() or any(w.alive() for w in current.values()):
             time.sleep(2)
@@ -278,6 +278,8 @@ def soak(args) -> dict:
             if time.monotonic() - t0 > 60 * (args.minutes + args.settle_minutes):
                 print("[soak] the workloads did not end in time: interrupting them (Ctrl-C)", flush=True)
                 for w in current.values():
+                    if w.alive():
+                        interrupted.append(w.name)
                     w.interrupt()
                 break
         stop.set()
@@ -286,7 +288,7 @@ def soak(args) -> dict:
             time.sleep(1)
         if not world.server.alive():
             world.mlflow_start()
-        result = check_all(world, work, env)
+        result = check_all(world, work, env, interrupted)
         result.update({"seed": args.seed, "minutes": args.minutes, "faults": injector.faults, "root": str(root),
                        "workloads": {w.name: {"launches": w.launches, "exits": w.exits} for w in world.workloads}})
         if args.load:
@@ -309,8 +311,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--cpus", type=int, default=4, help="logical CPUs per node")
-    ap.add_argument("--pretrain-steps", type=int, default=1500)
-    ap.add_argument("--settle-minutes", type=float, default=20.0, help="how long the workloads may run on after")
+    # ~25 steps/min under faults on 2 cores: a run that spans the faults and ends within the settle
+    ap.add_argument("--pretrain-steps", type=int, default=800)
+    ap.add_argument("--settle-minutes", type=float, default=30.0, help="how long the workloads may run on after")
     ap.add_argument("--no-load", dest="load", action="store_false", help="skip the tracking load run")
     ap.add_argument("--load-steps", type=int, default=300)
     ap.add_argument("--json", help="write the result here too")

@@ -194,11 +194,23 @@ def node_local(world) -> dict:
             "checked": f"{len(alive)} live nodes' directories", "violations": sorted(hits)}
 
 
-def check_all(world, work: str, env: dict) -> dict:
+def ended(workloads, interrupted: list[str]) -> dict:
+    """Each workload ended by itself before the deadline, its last launch with exit 0."""
+    for w in workloads:
+        w.poll()  # the last launch's exit, where the soak's loop ended before it saw it
+    bad = [f"{name}: interrupted at the deadline" for name in interrupted]
+    bad += [f"{w.name}: last launch exited {w.exits[-1]}" for w in workloads
+            if w.name not in interrupted and w.exits and w.exits[-1] != 0]
+    return {"name": "workloads ended by themselves, exit 0", "checked": f"{len(workloads)} workloads",
+            "violations": bad}
+
+
+def check_all(world, work: str, env: dict, interrupted: list[str]) -> dict:
     runs = _runs(world.uri)
     logs = [w.log for w in world.workloads]
-    return {"runs": len(runs), "checks": [metrics_once(world.uri, runs), statuses(runs), samples(work, runs),
-                                          checkpoints(work, runs, logs, env), node_local(world)]}
+    return {"runs": len(runs), "checks": [ended(world.workloads, interrupted), metrics_once(world.uri, runs),
+                                          statuses(runs), samples(work, runs), checkpoints(work, runs, logs, env),
+                                          node_local(world)]}
 
 
 def table(result: dict) -> str:

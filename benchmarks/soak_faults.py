@@ -90,12 +90,18 @@ class Injector:
         self._record(kind, f"node {index} SIGKILLed ({why})", True)
         self._later(self.rng.uniform(*REPLACE_AFTER_S), self._replace, busy="replace")
 
-    def _replace(self) -> None:
-        try:
-            index = self.world.cluster.add_node()
-        except Exception as e:  # noqa: BLE001 - e.g. Ray's start-up timeout on a loaded machine: logged
-            return self._record("node_joined", f"a new node did not join: {str(e).strip().splitlines()[-1][:200]}", False)
-        self._record("node_joined", f"node {index} joined", True)
+    def _replace(self, tries: int = 4) -> None:
+        """A new node, tried again 30 s after a failed start as an autoscaler would (the cluster
+        lost every worker node in the fifth seed-1 run, whose replacements timed out starting)."""
+        for attempt in range(1, tries + 1):
+            try:
+                index = self.world.cluster.add_node()
+            except Exception as e:  # noqa: BLE001 - e.g. Ray's start-up timeout on a loaded machine: logged
+                why = str(e).strip().splitlines()[-1][:200]
+                self._record("node_joined", f"a new node did not join (try {attempt} of {tries}): {why}", False)
+                time.sleep(30)
+                continue
+            return self._record("node_joined", f"node {index} joined", True)
 
     def _worker_node(self) -> int | None:
         alive = self.world.alive_worker_nodes()

@@ -93,3 +93,19 @@ def test_a_checkpoints_metric_backlog_is_read_in_whole_lines_within_its_bound(wo
     bound = len(lines) // 2
     cut = ckpt.read_backlog(d, bound)  # past tracking.spool_max_mb: the first whole lines only
     assert cut and len(cut) <= bound and lines.startswith(cut) and cut.endswith(b"\n")
+
+
+def test_a_checkpoint_is_not_passed_over_while_the_store_is_cut_off(s3):
+    """S3 cut off (tests/netproxy.py) while a checkpoint is verified: the error is raised for the
+    caller to wait out, not read as an incomplete checkpoint (a resume would have started from an
+    older one, or from step 0); once S3 is back the newest complete one is found."""
+    cfg = resolve("debug", [f"work_dir={storage.join(s3.bucket(), 'vit')}", "tracking.run_name=r"])
+    newest = _write_checkpoint(ckpt.run_dir(cfg), 10)
+    s3.proxy.cut()
+    try:
+        with pytest.raises(OSError) as raised:
+            ckpt.verify(newest)
+        assert not isinstance(raised.value, storage.NOT_TRANSIENT)
+    finally:
+        s3.proxy.restore()
+    assert ckpt.latest_complete_checkpoint(cfg) == newest

@@ -132,6 +132,13 @@ def write_marker(directory: str, marker: dict[str, Any]) -> None:
     storage.write_json(join(directory, "complete", f"rank_{marker['rank']:05d}.json"), marker)
 
 
+def _raise_if_unreachable(e: Exception) -> None:
+    """An unreachable store says nothing of a checkpoint: raised, for the caller to wait it out
+    (storage.through_outages), instead of the checkpoint being passed over as incomplete."""
+    if isinstance(e, OSError) and not isinstance(e, storage.NOT_TRANSIENT):
+        raise e
+
+
 def verify(directory: str) -> tuple[bool, str]:
     """(complete?, reason). Complete = meta + a marker per rank + every listed file present with
     its recorded size. Works the same on a local directory and on object storage (one listing)."""
@@ -141,6 +148,7 @@ def verify(directory: str) -> tuple[bool, str]:
     except FileNotFoundError:
         return False, f"{directory}: no meta.json (rank 0 never finished saving)"
     except (OSError, ValueError, KeyError, TypeError) as e:  # may be mid-copy
+        _raise_if_unreachable(e)
         return False, f"{directory}: meta.json is unreadable ({e}); still being written?"
     present = storage.file_sizes(directory)
     for r in range(world):
@@ -151,6 +159,7 @@ def verify(directory: str) -> tuple[bool, str]:
             mark = storage.read_json(join(directory, marker))
             listed = mark["files"]
         except (OSError, ValueError, KeyError) as e:
+            _raise_if_unreachable(e)
             return False, f"{directory}: marker of rank {r} is unreadable ({e}); still being written?"
         if mark.get("attempt") != meta.get("attempt"):  # a restarted group is writing this step again
             return False, f"{directory}: rank {r}'s part is from another attempt than meta.json's"

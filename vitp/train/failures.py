@@ -1,6 +1,6 @@
 """Which worker failures Ray Train retries: faults yes, a user's mistake no.
 
-Owns the failure policy handed to Train's controller (`Trainer`); the driver re-raises the
+Owns the failure policy handed to Train's controller (controller.py's `Trainer`); the driver re-raises the
 worker's own error (failures.final_error). Must not decide anything about faults themselves.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
 
@@ -42,12 +41,3 @@ class UserErrorsAreFinal(DefaultFailurePolicy):
         if final_error(training_failed_error) is not None:
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
-
-
-class Trainer(TorchTrainer):
-    """TorchTrainer whose controller does not retry a user's mistake (UserErrorsAreFinal)."""
-
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        if "failure_policy" in controller_init_kwargs:  # otherwise Train's own policy runs
-            controller_init_kwargs["failure_policy"] = UserErrorsAreFinal(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)

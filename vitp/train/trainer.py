@@ -20,6 +20,7 @@ from ray.data import DataContext
 from ray.train.torch import TorchConfig
 
 from .. import storage
+from ..storage import through_outages
 from ..config import ExperimentConfig, Run
 from ..console import get_logger, library_log_level
 from ..data.commands import require_labels
@@ -35,7 +36,8 @@ from ..tracking.store import ERROR_TAG, get_client, quote, resolve_tracking_uri
 from ..tracking.values import source_tags
 from . import checkpoint as ckpt
 from .export import consolidate
-from .failures import Trainer, final_error
+from .controller import Trainer
+from .failures import final_error
 from .spools import gather_spools
 from .staging import clear_dead_everywhere
 from .streams import EvalDatasetFactory, RankStreams, train_placeholder
@@ -88,11 +90,25 @@ def _forget_removed_checkpoints(cfg: ExperimentConfig) -> None:
     path = storage.join(root, RAY_SNAPSHOT)
     try:
         named = set(re.findall(r'"checkpoint_dir_name": *"([^"]+)"', storage.read_bytes(path).decode()))
-    except (OSError, UnicodeDecodeError):  # none (a run Ray never registered a checkpoint of)
+    except (FileNotFoundError, UnicodeDecodeError):  # none (a run Ray never registered a checkpoint of)
         return
     if named - set(storage.listdir(root)):
         storage.rmtree(path, root)
         log.info("[%s] Ray Train's checkpoint list named checkpoints retention removed: dropped", cfg.run_name)
+
+
+def _warn(cfg: ExperimentConfig):
+    return lambda line: log.warning("[%s] %s", cfg.run_name, line)
+
+
+def _where_it_stands(cfg: ExperimentConfig) -> tuple[str | None, dict[str, Any] | None]:
+    """The newest complete checkpoint of the run and its meta.json (None, None for a fresh run),
+    once the shards are known to be labelled if the run trains a classifier."""
+    root = shards_dir(cfg)
+    if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)
+        require_labels(cfg, root, read_manifest(root))  # no classifier on unlabelled shards
+    existing = ckpt.latest_complete_checkpoint(cfg, warn=_warn(cfg))
+    return existing, (ckpt.read_meta(existing) if existing else None)
 
 
 def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
@@ -154,17 +170,13 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     if cfg.train.init_from not in ("", "scratch"):
         check_source(cfg.train.init_from)  # a wrong file fails here, once, not in every worker
     t0 = time.time()
-    root = shards_dir(cfg)
-    if storage.exists(storage.join(root, "manifest.json")):  # (missing shards fail in the workers)
-        require_labels(cfg, root, read_manifest(root))  # no classifier on unlabelled shards
-    existing = ckpt.latest_complete_checkpoint(
-        cfg, warn=lambda line: log.warning("[%s] %s", cfg.run_name, line))
+    existing, meta = through_outages(lambda: _where_it_stands(cfg), f"run {cfg.run_name}'s shards and checkpoints",
+                                     _warn(cfg))
     if existing and cfg.train.resume == "never":
         raise FileExistsError(
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
             "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
         )
-    meta = ckpt.read_meta(existing) if existing else None
     if meta and meta["step"] >= (cfg.train.pause_at or cfg.train.steps):
         return _already_finished(cfg, existing, meta, tracking, t0)
     if existing:
@@ -196,7 +208,7 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", uri)
     if existing:
-        _forget_removed_checkpoints(cfg)
+        through_outages(lambda: _forget_removed_checkpoints(cfg), f"run {cfg.run_name}'s checkpoint list", _warn(cfg))
     trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
     try:
         with _elastic_start_timeout(cfg):
@@ -353,6 +365,8 @@ def _log_manifest(logger, cfg: ExperimentConfig) -> None:
     dataset and train fraction, digest of the manifest: same shards, same digest)."""
     root = shards_dir(cfg)
     path = storage.join(root, "manifest.json")
-    if storage.exists(path):
-        logger.log_dict(storage.read_json(path), "data/manifest.json")
-        log_shards(logger.client, logger.run_id, shards_name(cfg), root)
+    manifest = through_outages(lambda: storage.read_json(path) if storage.exists(path) else None,
+                               f"run {cfg.run_name}'s shard manifest", _warn(cfg))
+    if manifest is not None:
+        logger.log_dict(manifest, "data/manifest.json")
+        log_shards(logger.client, logger.run_id, shards_name(cfg), root, manifest=manifest)

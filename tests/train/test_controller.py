@@ -1,0 +1,95 @@
+"""What vitp hands Ray Train's controller (vitp/train/controller.py).
+
+A Train worker that dies while its worker group starts, on real Ray (the session's 4 logical CPUs)
+with vitp's Trainer: a worker group callback kills one worker
+once the group is built, before the training function runs on it (the window the soak's worker
+kills hit, where Ray 2.60 ended the run as a controller error). The run must start the group
+again and finish, and the first group's placement group must be gone. And the elastic policy's
+worker counts against Train's own, on the clusters the soak was left with.
+"""
+import os
+import sys
+import time
+
+import cloudpickle
+import pytest
+import ray
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+from vitp.train.controller import DATA_CPUS, LeavesCPUsForData, Trainer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the controller and workers need no tests/ path
+
+
+def _train(config):
+    import ray.train
+
+    ray.train.report({"rank": ray.train.get_context().get_world_rank()})
+
+
+class KillsAWorkerOnce(WorkerGroupCallback):
+    """Kills the group's last worker the first time a group has started, and waits until it is dead."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def after_worker_group_start(self, worker_group):
+        if os.path.exists(self.marker):
+            return
+        open(self.marker, "w").close()
+        victim = worker_group.get_workers()[-1].actor
+        ray.kill(victim, no_restart=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get(victim.__ray_ready__.remote(), timeout=10)
+            except RayActorError:
+                return
+            time.sleep(0.2)
+        raise AssertionError("the killed worker still answers")
+
+
+class KillingTrainer(Trainer):
+    marker = ""
+
+    def _initialize_and_run_controller(self, **kwargs):
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), KillsAWorkerOnce(self.marker)]
+        return super()._initialize_and_run_controller(**kwargs)
+
+
+def _live_groups() -> set[str]:
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_worker_dying_as_its_group_starts_is_retried_and_its_group_released(ray_session, tmp_path):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    before = _live_groups()
+    trainer = KillingTrainer(_train, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                             run_config=RunConfig(name="group-start", storage_path=str(tmp_path / "ray"),
+                                                  failure_config=FailureConfig(max_failures=0)))
+    trainer.marker = str(tmp_path / "killed")
+    result = trainer.fit()  # raised "Training failed due to controller error" before
+    assert os.path.exists(trainer.marker), "the callback never killed a worker"
+    assert result.error is None
+    assert _live_groups() - before == set(), "a worker group's placement group outlived its run"
+
+
+@pytest.mark.parametrize("nodes,train_own,ours", [
+    ([4], 2, 1),  # the soak's last node: Train's two workers left no CPU for the reads
+    ([4, 4], 3, 3),  # 2 CPUs left over either way
+    ([3, 3], 2, 2),  # the rehearsal cluster's two nodes: 2 left
+    ([2], 1, 0),  # one worker would take the only 2 CPUs: wait for more instead of hanging
+])
+def test_an_elastic_run_leaves_cpus_to_its_data_tasks(nodes, train_own, ours):
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    config = ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 2})
+    reserved = {f"node-{i}": {"CPU": float(n), "memory": 8e9} for i, n in enumerate(nodes)}
+    assert ElasticScalingPolicy(config)._count_possible_workers(reserved) == train_own
+    n = LeavesCPUsForData(config)._count_possible_workers(reserved)
+    assert n == ours and sum(nodes) - 2 * n >= DATA_CPUS

@@ -1,0 +1,84 @@
+"""What vitp hands Ray Train's controller in place of its own parts (`Trainer`).
+
+Owns: the failure policy's use (failures.py decides which errors are final), a worker group that
+retries a start a worker died in, and an elastic policy that leaves CPUs to the data tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ray.exceptions import RayActorError
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.worker_group import WorkerGroup
+from ray.train.v2.api import data_parallel_trainer
+
+from .failures import UserErrorsAreFinal
+
+# CPUs an elastic run leaves free of its workers: one Ray Data read task of the streams that feed
+# them (vitp/train/streams.py) asks for one.
+DATA_CPUS = 1.0
+
+
+class StartsWholeOrRetries(WorkerGroup):
+    """Train's worker group, except that a worker dying after the group is built but before every
+    worker runs the training function is a startup failure, which Train retries. Ray 2.60 raises
+    the dead actor's error from there, so the controller ended the run ("controller error"; the
+    soak's worker kills hit that window) and left the group's other workers and placement group
+    holding their CPUs: those are released here first."""
+
+    def _start(self):
+        try:
+            super()._start()
+        except RayActorError as e:
+            if self.has_started():  # Train cleans up only a group that was never built
+                with contextlib.suppress(Exception):
+                    self._worker_group_state.shutdown()
+                self._clear_state()
+            raise WorkerGroupStartupFailedError(f"a worker died while its group started: {e}") from e
+
+
+class LeavesCPUsForData(ElasticScalingPolicy):
+    """Train's elastic policy, with no more workers than leave DATA_CPUS of the CPUs it may use.
+    Train's own took every CPU of what was left of a cluster (two 2-CPU workers on the soak's last
+    4-CPU node), and the workers then waited forever for the data tasks that had no CPU to run on."""
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        n = super()._count_possible_workers(reserved_resources)
+        per_worker = self.scaling_config._resources_per_worker_not_none.get("CPU", 0.0)
+        cpus = sum(node.get("CPU", 0.0) for node in reserved_resources.values())
+        while n > 0 and per_worker and cpus - n * per_worker < DATA_CPUS:
+            n -= 1
+        return n
+
+
+class Controller(TrainController):
+    """Train's controller, with worker groups that retry a start a worker died in."""
+
+    worker_group_cls = StartsWholeOrRetries
+
+
+@contextlib.contextmanager
+def _our_controller():
+    """Train makes its controller actor of `data_parallel_trainer.TrainController`: ours meanwhile."""
+    data_parallel_trainer.TrainController = Controller
+    try:
+        yield
+    finally:
+        data_parallel_trainer.TrainController = TrainController
+
+
+class Trainer(TorchTrainer):
+    """TorchTrainer whose controller does not retry a user's mistake (UserErrorsAreFinal), does
+    retry a worker group a worker died in as it started, and, elastic, leaves CPUs to the data."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if "failure_policy" in controller_init_kwargs:  # otherwise Train's own policy runs
+            controller_init_kwargs["failure_policy"] = UserErrorsAreFinal(self.run_config.failure_config)
+        if type(controller_init_kwargs.get("scaling_policy")) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = LeavesCPUsForData(self.scaling_config)
+        with _our_controller():
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
