@@ -124,3 +124,31 @@ def test_through_outages_tries_again_while_the_store_is_unreachable_not_on_a_mis
 
     with pytest.raises(OSError, match="refused"):
         through_outages(down, "the shards", said.append, limit_s=0.05, first_pause_s=0.01)
+
+
+def test_a_driver_checking_its_shards_waits_out_a_store_cut_off(debug_shards, s3):
+    """S3 cut off for 12 s (tests/netproxy.py) as a driver checks its shards before training
+    (`ensure_shards`): it tries again, says so, and goes on once S3 is back; before, `vitp
+    pretrain` stopped with "internal error: OSError" (the chaos soak)."""
+    import logging
+    import threading
+
+    from vitp.data.commands import ensure_shards
+    from vitp.recipes import resolve
+
+    root = storage.join(s3.bucket(), "shards")
+    storage.copy_dir(debug_shards, root)
+    cfg = resolve("debug", [f"data.shards={root}", "tracking.run_name=cut"], check_paths=False)
+    said, heard = [], logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vitp.data.commands").addHandler(heard)
+    s3.proxy.cut()
+    restore = threading.Timer(12.0, s3.proxy.restore)
+    restore.start()
+    try:
+        assert ensure_shards(cfg, log=lambda _: None) == root
+    finally:
+        restore.cancel()
+        s3.proxy.restore()
+        logging.getLogger("vitp.data.commands").removeHandler(heard)
+    assert any("the shards at" in line and "storage unreachable" in line for line in said), said

@@ -10,6 +10,7 @@ import time
 from typing import Callable, Optional
 
 from .. import storage
+from ..storage import through_outages
 from ..console import get_logger
 from ..errors import InputError
 from ..paths import RunPaths
@@ -81,10 +82,14 @@ def ensure_shards(cfg, log: Callable[[str], None] = _log.info) -> str:
     (synthetic fractals, scikit-learn's digits), are made now; unlabelled shards only for a
     self-supervised objective (`require_labels`); every listed shard present (`check_shard_files`)."""
     root = shards_dir(cfg)
-    try:
+
+    def check() -> None:
         manifest = sh.read_manifest(root)
         require_labels(cfg, root, manifest)
         sh.check_shard_files(root, manifest)  # a missing or foreign shard fails here, not in each worker
+
+    try:  # an unreachable store is waited out; a missing manifest is the answer
+        through_outages(check, f"[{cfg.run_name}] the shards at {root}", _log.warning)
         return root
     except FileNotFoundError:
         if cfg.data.source not in ("synthetic", "digits"):
