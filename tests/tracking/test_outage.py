@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from vitp.net import free_port
@@ -23,6 +24,7 @@ from vitp.tracking import RunLogger, TrackingError, start_server
 from vitp.tracking.spool import HEARTBEAT_TAG, SEND_INTERVAL_S
 from vitp.tracking.spoolfile import MetricSpool, spool_dir_for
 from vitp.tracking.stale import STALE_TAG, mark_stale_runs
+from vitp.tracking.store import through_mlflow_outages, unreachable
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("train/loss", "train/lr", "perf/images_per_sec")
@@ -308,6 +310,37 @@ def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experimen
     assert_each_step_once(client, run.run_id, range(1, 12))
     assert client.get_run(run.run_id).info.status == "FINISHED"
     assert spooled_bytes(spool, run.run_id) == 0
+
+
+@pytest.mark.slow  # the server stopped and started again
+def test_a_driver_opening_its_run_waits_out_a_server_that_does_not_answer(own_server, experiment, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries off: ours are tested
+    uri, tries, lines = own_server.handle.uri, [], []
+
+    def open_run():  # what a driver does as it starts: its run, then an artifact
+        run = RunLogger.start(uri, experiment, "driver", background=True, spool_dir=tmp_path / "spool")
+        tries.append(run.run_id)
+        if len(tries) == 1:  # the server goes away between the run and its artifact, back in a while
+            own_server.handle.stop()
+            threading.Timer(6.0, own_server.restart).start()
+        run.log_dict({"space": {"optim.lr": [0.1]}}, "sweep.json")
+        return run
+
+    run = through_mlflow_outages(open_run, "the sweep's parent run", lines.append, first_pause_s=1.0)
+    assert len(tries) >= 2 and lines and all("MLflow does not answer" in line for line in lines), lines
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert [r.info.run_id for r in runs] == [run.run_id] and set(tries) == {run.run_id}  # resumed, not twice
+    assert [a.path for a in client.list_artifacts(run.run_id)] == ["sweep.json"]
+    run.end("FINISHED")
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+
+    # a request the server refuses is not an outage: raised at once, nothing waited for
+    with pytest.raises(TrackingError, match="not found"):
+        through_mlflow_outages(lambda: RunLogger.start(uri, experiment, "x", run_id="0" * 32), "x", lines.append)
+    assert all("MLflow does not answer" in line for line in lines)
+    assert not unreachable(MlflowException("RESOURCE_DOES_NOT_EXIST: run 0 not found"))
 
 
 # Starts a background-logged run, says READY, then waits to be killed.

@@ -14,6 +14,7 @@ import time
 import cloudpickle
 import pytest
 import ray
+import ray.train
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
@@ -93,3 +94,33 @@ def test_an_elastic_run_leaves_cpus_to_its_data_tasks(nodes, train_own, ours):
     assert ElasticScalingPolicy(config)._count_possible_workers(reserved) == train_own
     n = LeavesCPUsForData(config)._count_possible_workers(reserved)
     assert n == ours and sum(nodes) - 2 * n >= DATA_CPUS
+
+
+def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
+    """S3 cut off for 12 s (tests/netproxy.py) as Train's controller makes the run's storage
+    context (a marker file written to the store): it tries again, says so, and the context is made
+    once S3 is back; before, the controller actor's creation failed and the sweep trial with it."""
+    import logging
+    import threading
+
+    from vitp import storage
+    from vitp.train.controller import storage_context
+
+    root = storage.join(s3.bucket(), "runs")
+    fs, inner = storage.filesystem(root)
+    run_config = ray.train.RunConfig(name="cut", storage_path=inner, storage_filesystem=fs)
+    said, heard = [], logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vitp.train.controller").addHandler(heard)
+    s3.proxy.cut()
+    restore = threading.Timer(12.0, s3.proxy.restore)
+    restore.start()
+    try:
+        context = storage_context(run_config)
+    finally:
+        restore.cancel()
+        s3.proxy.restore()
+        logging.getLogger("vitp.train.controller").removeHandler(heard)
+    assert any("run cut's Train storage" in line and "storage unreachable" in line for line in said), said
+    assert run_config.storage_context is context  # what Train's controller reads next
+    assert storage.listdir(storage.join(root, "cut"))  # its marker file is in the bucket

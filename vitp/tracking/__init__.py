@@ -19,6 +19,7 @@ _WHERE = {
     "StaleRun": "stale", "mark_stale_runs": "stale",
     "PARENT_TAG": "store", "TrackingError": "store", "get_client": "store",
     "get_or_create_experiment": "store", "resolve_tracking_uri": "store",
+    "through_mlflow_outages": "store",
 }
 
 __all__ = sorted(_WHERE)

@@ -21,7 +21,8 @@ from vitp import storage
 from vitp.tracking.redact import redact
 from vitp.tracking.spool import HEARTBEAT_TAG, MetricSender
 from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, add_leftover, has_leftovers
-from vitp.tracking.store import PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote
+from vitp.tracking.store import (PARENT_TAG, TrackingError, get_client, get_or_create_experiment, quote,
+                                 unreachable)
 from vitp.tracking.values import PARAMS_PER_BATCH, chunks, params_for_mlflow, tags_for_mlflow
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class RunLogger:
             try:
                 run = client.get_run(run_id)
             except MlflowException as e:
+                if unreachable(e):  # the server is down: not a wrong id
+                    raise
                 raise TrackingError(
                     f"run_id={run_id!r} not found in {client.tracking_uri}: pass the id of an "
                     "existing run, or run_id=None to resume by name / start a new run"
@@ -212,6 +215,8 @@ class RunLogger:
             try:
                 self.client.log_batch(self.run_id, params=batch)
             except MlflowException as e:
+                if unreachable(e):
+                    raise
                 # Another attempt of the same run logged in between: re-check, report ours.
                 self._check_conflicts(wanted, self.client.get_run(self.run_id).data.params)
                 raise TrackingError(f"logging params to run {self.run_id}: {e.message}") from e

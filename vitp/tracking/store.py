@@ -116,6 +116,35 @@ def get_client(tracking_uri: str) -> MlflowClient:
     return client
 
 
+_NO_ANSWER = re.compile(r"^API request to \S+ failed with (timeout )?exception")
+
+
+def unreachable(e: BaseException) -> bool:
+    """MLflow's client gave up on a request that got no answer (refused, reset, timed out, 5xx
+    past its retries): the server is down or unreachable, not refusing the request itself."""
+    return isinstance(e, MlflowException) and bool(_NO_ANSWER.match(str(e.message)))
+
+
+MLFLOW_OUTAGE_S = 300.0  # how long `through_mlflow_outages` keeps trying a tracking server that does not answer
+
+
+def through_mlflow_outages(fn, what: str, warn, limit_s: float = MLFLOW_OUTAGE_S, first_pause_s: float = 5.0):
+    """fn() again while the tracking server does not answer (`unreachable`; each try includes
+    MLflow's own retries), up to `limit_s` with doubling pauses; `warn(line)` says so each time.
+    fn must be safe to repeat. The last error is raised once the time is up."""
+    deadline, pause = time.monotonic() + limit_s, first_pause_s
+    while True:
+        try:
+            return fn()
+        except MlflowException as e:
+            if not unreachable(e) or time.monotonic() + pause > deadline:
+                raise
+            warn(f"{what}: MLflow does not answer ({str(e.message).splitlines()[0][:160]}); "
+                 f"trying again in {pause:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 60.0)
+
+
 # --------------------------------------------------------------------------------------
 # Experiments
 # --------------------------------------------------------------------------------------

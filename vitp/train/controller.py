@@ -1,7 +1,8 @@
 """What vitp hands Ray Train's controller in place of its own parts (`Trainer`).
 
-Owns: the failure policy's use (failures.py decides which errors are final), a worker group that
-retries a start a worker died in, and an elastic policy that leaves CPUs to the data tasks.
+Owns: the failure policy's use (failures.py decides which errors are final), the storage context
+made through an outage, a worker group that retries a start a worker died in, an elastic policy
+that leaves CPUs to the data tasks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
 
+from ..console import get_logger
+from ..storage import through_outages
 from .failures import UserErrorsAreFinal
+
+log = get_logger(__name__)
 
 # CPUs an elastic run leaves free of its workers: one Ray Data read task of the streams that feed
 # them (vitp/train/streams.py) asks for one.
@@ -55,10 +60,23 @@ class LeavesCPUsForData(ElasticScalingPolicy):
         return n
 
 
+def storage_context(run_config):
+    """The run's Ray Train storage context, made through a store that cannot be reached for a while:
+    making it writes a marker file to the store (`storage.through_outages`)."""
+    return through_outages(lambda: run_config.storage_context, f"run {run_config.name}'s Train storage",
+                           log.warning)
+
+
 class Controller(TrainController):
-    """Train's controller, with worker groups that retry a start a worker died in."""
+    """Train's controller, with worker groups that retry a start a worker died in. It is built with
+    the run's storage context: S3 cut off then made the actor's creation fail, the run (or the
+    sweep trial) with it; the context is made first here, waiting out the outage."""
 
     worker_group_cls = StartsWholeOrRetries
+
+    def __init__(self, train_fn_ref, train_run_context, *args, **kwargs):
+        storage_context(train_run_context.run_config)  # a cached property: Train's read finds it made
+        super().__init__(train_fn_ref, train_run_context, *args, **kwargs)
 
 
 @contextlib.contextmanager

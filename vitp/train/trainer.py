@@ -32,7 +32,8 @@ from ..model.vit import build_vit
 from ..model.weights import check_source
 from ..tracking.lineage import log_model_input, log_shards
 from ..tracking.runs import RunLogger
-from ..tracking.store import ERROR_TAG, get_client, quote, resolve_tracking_uri
+from ..tracking.store import (ERROR_TAG, MLFLOW_OUTAGE_S, get_client, quote, resolve_tracking_uri,
+                              through_mlflow_outages)
 from ..tracking.values import source_tags
 from . import checkpoint as ckpt
 from .export import consolidate
@@ -99,6 +100,32 @@ def _forget_removed_checkpoints(cfg: ExperimentConfig) -> None:
 
 def _warn(cfg: ExperimentConfig):
     return lambda line: log.warning("[%s] %s", cfg.run_name, line)
+
+
+def _open_mlflow_run(cfg: ExperimentConfig, uri: str, meta, parent_run_id, extra_tags, continuable,
+                     start_metrics) -> RunLogger:
+    """Start or resume the run's MLflow run and log its config, manifest and inputs. Safe to repeat
+    (`through_mlflow_outages`): a second try resumes the run the first one created, by name."""
+    previous = _mlflow_run_of(uri, meta) if meta else None
+    logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
+                             run_id=previous.info.run_id if previous else None,
+                             parent_run_id=parent_run_id, background=True,
+                             timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb,
+                             tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
+                                   **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
+                                   "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
+                                   **(extra_tags or {})})
+    try:
+        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None, continuable=continuable)
+        if start_metrics:
+            logger.log_metrics(start_metrics, step=meta["step"] if meta else 0)
+        _log_manifest(logger, cfg)
+        if (extra_tags or {}).get("source_model_id"):  # started from a registered model
+            log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
+    except BaseException:
+        logger.close(timeout_s=0)  # its spool stays for the next try's start
+        raise
+    return logger
 
 
 def _where_it_stands(cfg: ExperimentConfig) -> tuple[str | None, dict[str, Any] | None]:
@@ -189,21 +216,9 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     mlflow_info = None
     if tracking:
         uri = resolve_tracking_uri(cfg)
-        previous = _mlflow_run_of(uri, meta) if meta else None
-        logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name,
-                                 run_id=previous.info.run_id if previous else None,
-                                 parent_run_id=parent_run_id, background=True,
-                                 timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb,
-                                 tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
-                                       **_source_tags(cfg, extra_tags), "dataset": dataset_name(cfg),
-                                       "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
-                                       **(extra_tags or {})})
-        logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None, continuable=continuable)
-        if start_metrics:
-            logger.log_metrics(start_metrics, step=meta["step"] if meta else 0)
-        _log_manifest(logger, cfg)
-        if (extra_tags or {}).get("source_model_id"):  # started from a registered model
-            log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
+        logger = through_mlflow_outages(
+            lambda: _open_mlflow_run(cfg, uri, meta, parent_run_id, extra_tags, continuable, start_metrics),
+            "its MLflow run", _warn(cfg))
         mlflow_info = {"uri": uri, "run_id": logger.run_id}
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", uri)
@@ -233,14 +248,15 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     metrics = dict(result.metrics or {})
     if logger:
         if checkpoint:
-            logger.set_tags({"checkpoint": checkpoint, **(
-                {"vitp.paused_at": str(cfg.train.pause_at)} if cfg.train.pause_at else {})})
+            tags = {"checkpoint": checkpoint,
+                    **({"vitp.paused_at": str(cfg.train.pause_at)} if cfg.train.pause_at else {})}
+            through_mlflow_outages(lambda: logger.set_tags(tags), "its MLflow run's checkpoint tag", _warn(cfg))
             if cfg.model.head == "finetune":
                 _log_rollouts(logger, cfg, checkpoint)
             elif metrics.get("step", 0) >= cfg.train.steps:  # pre-training done (not paused)
                 _log_analysis(logger, cfg, checkpoint, int(metrics["step"]))  # paper Figure 7
         gather_spools(logger.run_id)  # end() sends them before it marks the run FINISHED
-        logger.end("FINISHED")
+        logger.end("FINISHED", timeout_s=MLFLOW_OUTAGE_S)  # trained: worth waiting out an outage for
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, metrics,
                         time.time() - t0)
 
@@ -258,19 +274,23 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
              "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
              cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", checkpoint,
              meta["step"], cfg.train.steps)
-    run_id = None
-    if tracking:
-        uri = resolve_tracking_uri(cfg)
-        run = _mlflow_run_of(uri, meta)
-        if run is None and meta.get("copied_from"):  # another trial's final state (a PBT exploit): this run's own
-            run = _mlflow_run_named(uri, cfg)
-        run_id = run.info.run_id if run else None
-        if run and run.info.status != "FINISHED":
-            logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=run_id)
-            logger.set_tags({"checkpoint": checkpoint})
-            logger.end("FINISHED")
+    run_id = through_mlflow_outages(lambda: _finish_mlflow_run(cfg, meta, checkpoint), "its MLflow run",
+                                    _warn(cfg)) if tracking else None
     metrics = {"step": meta["step"], **meta.get("metrics", {})}
     return TrainSummary(cfg.run_name, run_id, checkpoint, metrics, time.time() - t0, already_finished=True)
+
+
+def _finish_mlflow_run(cfg: ExperimentConfig, meta: dict, checkpoint: str) -> str | None:
+    """The MLflow run of a run whose final checkpoint is stored, ended FINISHED; its id (None: none)."""
+    uri = resolve_tracking_uri(cfg)
+    run = _mlflow_run_of(uri, meta)
+    if run is None and meta.get("copied_from"):  # another trial's final state (a PBT exploit): this run's own
+        run = _mlflow_run_named(uri, cfg)
+    if run and run.info.status != "FINISHED":
+        logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=run.info.run_id)
+        logger.set_tags({"checkpoint": checkpoint})
+        logger.end("FINISHED")
+    return run.info.run_id if run else None
 
 
 def _final_model_and_rows(cfg: ExperimentConfig, checkpoint: str, count: int):

@@ -1,13 +1,53 @@
-"""What a finished sweep found: the best FINISHED child per dataset (the rule `vitp compare` uses)
-and the failed trials, recorded on the sweep's MLflow parent run. MLflow only through `vitp.tracking`."""
+"""The sweep's MLflow parent run: opened (or continued) through a tracking server outage, and what
+a finished sweep found recorded on it: the best FINISHED child per dataset (the rule `vitp compare`
+uses) and the failed trials. MLflow only through `vitp.tracking`."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+from typing import Any, Callable, Optional
 
-from ..tracking import find_runs
+from ..tracking import RunLogger, find_runs
 from ..tracking.compare import best_per_dataset
+from ..tracking.store import quote, tag_filters, through_mlflow_outages
+from ..tracking.values import source_tags
 from .progress import USER_ERROR, trial_error
+
+
+def open_parent(spec, resume: bool, log: Callable[[str], None]) -> RunLogger:
+    """Start sweep `spec`'s parent run, or with `resume` continue its newest one whatever its status
+    (its trials name it as parent); log its params and sweep.json. While the tracking server does
+    not answer it tries again (`through_mlflow_outages`), each try resuming the one before by name."""
+    return through_mlflow_outages(lambda: _open_parent(spec, resume), f"[sweep {spec.name}] its parent MLflow run",
+                                  log)
+
+
+def _open_parent(spec, resume: bool) -> RunLogger:
+    parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
+                             run_id=_parent_run_id(spec) if resume else None,
+                             background=True,  # its heartbeat: a live sweep is never taken for stale
+                             tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe,
+                                   **source_tags(f"vitp sweep {spec.name}")})
+    try:
+        if not parent.resumed:  # a resumed parent keeps the params of the run that started it
+            parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
+                               "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
+                               "sweep.seed": spec.seed, "sweep.startup_trials": spec.startup_trials,
+                               "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
+                               "sweep.overrides": json.dumps(spec.overrides)})
+        parent.log_dict(spec.to_dict(), "sweep.json")
+    except BaseException:
+        parent.close(timeout_s=0)  # its spool stays for the next try's start
+        raise
+    return parent
+
+
+def _parent_run_id(spec) -> Optional[str]:
+    """The newest parent run of sweep `spec.name` in its experiment, or None."""
+    filters = [f"attributes.run_name = {quote('sweep-' + spec.name)}", *tag_filters(spec.name, None)]
+    runs = find_runs(spec.tracking_uri, spec.experiment, " and ".join(filters))
+    runs = [r for r in runs if not r["parent_run_id"]]
+    return runs[0]["run_id"] if runs else None
 
 
 def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: str = "val/top1",
@@ -29,23 +69,26 @@ def best_trials(tracking_uri: str, experiment: str, parent_run_id: str, metric: 
             for dataset, row in best_per_dataset(rows, key="top1", mode=mode).items()}
 
 
-def summarise(spec, parent, results, seconds: float) -> dict[str, Any]:
+def summarise(spec, parent, results, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
     """Best trial per dataset (from the MLflow children) and the failures of sweep `spec` (a
-    SweepSpec), into its parent run."""
+    SweepSpec), into its parent run; through a tracking server outage."""
     failed = [{"trial": os.path.basename(str(r.path)), "config": {k: v for k, v in (r.config or {}).items()
                                                                  if not k.startswith("__")},
                "error": trial_error(r.error, r.metrics)}
               for r in results if r.error or (r.metrics or {}).get(USER_ERROR)]
-    best = best_trials(spec.tracking_uri, spec.experiment, parent.run_id, spec.metric, spec.mode)
+    what = f"[sweep {spec.name}] its summary"
+    best = through_mlflow_outages(lambda: best_trials(spec.tracking_uri, spec.experiment, parent.run_id,
+                                                      spec.metric, spec.mode), what, log)
     name = spec.metric.replace("/", "_")
     # a resumed sweep's parent may hold an earlier summary: log after it, so the newest is latest
     step = parent.last_step + 1
-    for dataset, b in best.items():
+    for dataset, b in best.items():  # metrics are spooled (a background logger): no wait here
         parent.log_metrics({f"best/{dataset}/{name}": b["top1"]}, step=step)
-        parent.set_tags({f"best_trial/{dataset}": b["run_id"]})
     parent.log_metrics({"sweep/trials": len(results), "sweep/failed": len(failed),
                         "sweep/seconds": seconds}, step=step)
-    parent.set_tags({"failed_trials": str(len(failed))})
-    parent.log_dict({"best": best, "failed": failed}, "sweep_summary.json")
+    tags = {**{f"best_trial/{dataset}": b["run_id"] for dataset, b in best.items()}, "failed_trials": str(len(failed))}
+    through_mlflow_outages(lambda: (parent.set_tags(tags),
+                                    parent.log_dict({"best": best, "failed": failed}, "sweep_summary.json")),
+                           what, log)
     return {"parent_run_id": parent.run_id, "trials": len(results), "failed": failed,
             "best": best, "seconds": seconds}

@@ -15,7 +15,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from ..console import duration, get_logger, progress
 from ..tracking import find_runs
-from ..tracking.store import ERROR_TAG, get_client, quote
+from ..tracking.store import ERROR_TAG, get_client, quote, through_mlflow_outages
 
 _log = get_logger(__name__)
 
@@ -151,13 +151,14 @@ class SweepProgress(Callback):
         down as it ended and lacks some of its metrics (tracking/runs.py)."""
         for trial_id, step in getattr(self, "stopped", {}).items():
             self._mark("KILLED", f"tags.trial_id = {quote(trial_id)}",
-                       {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)})
+                       {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)}, patient=True)
         if done:
             failed, completed = getattr(self, "failed", {}), getattr(self, "completed", set())
-            for trial_id in {r["tags"].get("trial_id") for r in self._mark(None, "attributes.status = 'RUNNING'", {})
-                             if r["tags"].get("trial_id")} - completed:
+            running = self._mark(None, "attributes.status = 'RUNNING'", {}, patient=True)
+            for trial_id in {r["tags"].get("trial_id") for r in running if r["tags"].get("trial_id")} - completed:
                 self._mark("FAILED", f"tags.trial_id = {quote(trial_id)} and attributes.status = 'RUNNING'", {
-                    ERROR_TAG: failed.get(trial_id, "the trial ended without ending its run (its process died)")[:500]})
+                    ERROR_TAG: failed.get(trial_id, "the trial ended without ending its run (its process died)")[:500]},
+                    patient=True)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = trial_error(getattr(trial, "error_msg", None) or "see the trial's error.txt", None)
@@ -167,15 +168,17 @@ class SweepProgress(Callback):
         self._mark("FAILED", f"tags.trial_id = {quote(trial.trial_id)} and attributes.status = 'RUNNING'",
                    {ERROR_TAG: error[:500]})
 
-    def _mark(self, status: str | None, filter_string: str, tags: dict[str, str]) -> list[dict]:
+    def _mark(self, status: str | None, filter_string: str, tags: dict[str, str], patient: bool = False) -> list[dict]:
         """End this sweep's runs matching `filter_string` with `status` (None: only find them) and
-        `tags`; the runs."""
-        try:
+        `tags`; the runs. `patient` (the driver's settle, not Tune's loop): through an MLflow outage."""
+        def mark() -> list[dict]:
             runs = find_runs(self.tracking_uri, self.experiment, f"{filter_string} and tags.sweep = {quote(self.name)}")
             for run in runs if status else ():
                 self._tag(run["run_id"], tags)
                 get_client(self.tracking_uri).set_terminated(run["run_id"], status)
             return runs
+        try:
+            return through_mlflow_outages(mark, f"[sweep {self.name}] its trial runs", self.log) if patient else mark()
         except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
             self.log(f"[sweep {self.name}] could not mark trial runs {status} ({filter_string}): {e}")
             return []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
@@ -27,13 +26,12 @@ from ..config.files import recipe_label
 from ..names import check_name
 from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
-from ..tracking import RunLogger, find_runs, resolve_tracking_uri
+from ..tracking import resolve_tracking_uri
+from ..tracking.store import MLFLOW_OUTAGE_S
 from ..tracking.redact import is_secret_key
 from ..train.staging import clear_dead_everywhere
-from ..tracking.store import quote, tag_filters
-from ..tracking.values import source_tags
 from ..train.transfer import finetune_config
-from .outcome import summarise
+from .outcome import open_parent, summarise
 from .population import (CHECKPOINTED, check_scheduler, hyperband_plan, mutations, population_trial,
                          scheduler_for, search_slots)
 from .turns import start_turns, turn
@@ -283,14 +281,6 @@ def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
     return max(1, int(min(by_cpu, by_gpu)))
 
 
-def _parent_run_id(spec: SweepSpec) -> Optional[str]:
-    """The newest parent run of sweep `spec.name` in its experiment, or None."""
-    filters = [f"attributes.run_name = {quote('sweep-' + spec.name)}", *tag_filters(spec.name, None)]
-    runs = find_runs(spec.tracking_uri, spec.experiment, " and ".join(filters))
-    runs = [r for r in runs if not r["parent_run_id"]]
-    return runs[0]["run_id"] if runs else None
-
-
 def _keep_credentials_out_of_trial_actors() -> None:
     """Tune copies AWS_* credentials from this process's environment into each trial actor's
     runtime_env, and Ray's runtime-env agent writes every runtime_env it creates into its log on the
@@ -324,19 +314,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     if resume and not restore:
         log(f"[sweep {spec.name}] --resume: no trial was recorded at {path}; the search starts afresh")
     first_trial_cfg, _ = trial_config(spec, _probes(spec)[0])
-    # --resume continues the sweep's parent run whatever its status (its trials name it as parent)
-    parent = RunLogger.start(spec.tracking_uri, spec.experiment, f"sweep-{spec.name}",
-                             run_id=_parent_run_id(spec) if resume else None,
-                             background=True,  # its heartbeat: a live sweep is never taken for stale
-                             tags={"sweep": spec.name, "kind": "sweep", "recipe": spec.base_recipe,
-                                   **source_tags(f"vitp sweep {spec.name}")})
-    if not parent.resumed:  # a resumed parent keeps the params of the run that started it
-        parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
-                           "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric, "sweep.seed": spec.seed,
-                           "sweep.startup_trials": spec.startup_trials,
-                           "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
-                           "sweep.overrides": json.dumps(spec.overrides)})
-    parent.log_dict(spec.to_dict(), "sweep.json")
+    parent = open_parent(spec, resume, log)
     concurrency = max_concurrent(spec, first_trial_cfg)
     log(f"[sweep {spec.name}] parent MLflow run {parent.run_id}; {concurrency} concurrent trial(s); "
         f"storage {path}")
@@ -394,6 +372,6 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     finally:
         clear_dead_everywhere()  # what trials killed mid-upload (or stopped) staged, on every node
     del turns  # the trials' turns end with the sweep
-    summary = summarise(spec, parent, results, time.time() - t0)
-    parent.end("FINISHED")
+    summary = summarise(spec, parent, results, time.time() - t0, log)
+    parent.end("FINISHED", timeout_s=MLFLOW_OUTAGE_S)
     return summary
