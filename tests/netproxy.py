@@ -78,6 +78,18 @@ class PortForward:
     def restore(self) -> None:
         self.is_cut = False
 
+    @contextlib.contextmanager
+    def cut_for(self, seconds: float):
+        """Cut off now and restored after `seconds`, or as the block ends if that comes first."""
+        self.cut()
+        timer = threading.Timer(seconds, self.restore)
+        timer.start()
+        try:
+            yield self
+        finally:
+            timer.cancel()
+            self.restore()
+
     def close(self) -> None:
         self._sock.close()
 

@@ -131,7 +131,6 @@ def test_a_driver_checking_its_shards_waits_out_a_store_cut_off(debug_shards, s3
     (`ensure_shards`): it tries again, says so, and goes on once S3 is back; before, `vitp
     pretrain` stopped with "internal error: OSError" (the chaos soak)."""
     import logging
-    import threading
 
     from vitp.data.commands import ensure_shards
     from vitp.recipes import resolve
@@ -142,13 +141,9 @@ def test_a_driver_checking_its_shards_waits_out_a_store_cut_off(debug_shards, s3
     said, heard = [], logging.Handler(logging.WARNING)
     heard.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("vitp.data.commands").addHandler(heard)
-    s3.proxy.cut()
-    restore = threading.Timer(12.0, s3.proxy.restore)
-    restore.start()
     try:
-        assert ensure_shards(cfg, log=lambda _: None) == root
+        with s3.proxy.cut_for(12.0):
+            assert ensure_shards(cfg, log=lambda _: None) == root
     finally:
-        restore.cancel()
-        s3.proxy.restore()
         logging.getLogger("vitp.data.commands").removeHandler(heard)
     assert any("the shards at" in line and "storage unreachable" in line for line in said), said

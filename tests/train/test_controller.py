@@ -101,7 +101,6 @@ def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     context (a marker file written to the store): it tries again, says so, and the context is made
     once S3 is back; before, the controller actor's creation failed and the sweep trial with it."""
     import logging
-    import threading
 
     from vitp import storage
     from vitp.train.controller import storage_context
@@ -112,14 +111,10 @@ def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     said, heard = [], logging.Handler(logging.WARNING)
     heard.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("vitp.train.controller").addHandler(heard)
-    s3.proxy.cut()
-    restore = threading.Timer(12.0, s3.proxy.restore)
-    restore.start()
     try:
-        context = storage_context(run_config)
+        with s3.proxy.cut_for(12.0):
+            context = storage_context(run_config)
     finally:
-        restore.cancel()
-        s3.proxy.restore()
         logging.getLogger("vitp.train.controller").removeHandler(heard)
     assert any("run cut's Train storage" in line and "storage unreachable" in line for line in said), said
     assert run_config.storage_context is context  # what Train's controller reads next
