@@ -5,7 +5,8 @@ them at the running world, logging each fault, its time and what it hit.
   kill_node        SIGKILL a whole worker node (raylet and all, `cluster/local.sh kill-node`); a
                    new node joins 30-90 s later
   drain            preemption: the node drained with a 30 s deadline, killed at it; a new one later
-  kill_trial_node  the node of a running Tune trial's Train worker, as kill_node
+  kill_trial_node  the node of a running Tune trial's Train worker, as kill_node (waiting up to 60 s
+                   for a trial to train on a worker node)
   mlflow_down      the MLflow server stopped for 30-120 s, then started again on its port
   s3_cut           the S3 endpoint cut off (connections reset, new ones refused) for 10-60 s
   kill_driver      SIGKILL a workload's driver (pre-training or the sweep) and start it again with
@@ -25,6 +26,7 @@ KINDS = ("kill_worker", "kill_node", "drain", "kill_trial_node", "mlflow_down", 
 DRAIN_DEADLINE_S = 30
 INTERVAL_S = (20, 45)  # between faults: within the 20-60 s asked for, so 20 minutes throw 30 or more
 REPLACE_AFTER_S = (30, 90)  # a lost node's replacement joins after this long (an autoscaler's)
+TRIAL_WAIT_S = 60  # kill_trial_node waits this long for a trial on a worker node before passing its turn
 
 
 class Injector:
@@ -121,12 +123,20 @@ class Injector:
         self._record("drain", f"node {index} drained for preemption, deadline {DRAIN_DEADLINE_S} s", True)
         self._later(DRAIN_DEADLINE_S, lambda: self._lose_node("drain_deadline", index, "at its deadline"))
 
-    def kill_trial_node(self) -> None:
-        nodes = sorted({w["node_index"] for w in self.world.train_workers() if w["job"] == "sweep"
-                        and w["node_index"] not in (None, 0)})
+    def kill_trial_node(self, wait_s: float = TRIAL_WAIT_S) -> None:
+        """Waits up to `wait_s` for a trial to train on a worker node (trials there are short-lived:
+        two seed-1 soaks found one only once each)."""
+        waited, start = 0.0, time.monotonic()
+        while True:
+            nodes = sorted({w["node_index"] for w in self.world.train_workers() if w["job"] == "sweep"
+                            and w["node_index"] not in (None, 0)})
+            waited = time.monotonic() - start
+            if nodes or waited >= wait_s:
+                break
+            time.sleep(3)
         if not nodes:
-            return self._record("kill_trial_node", "no trial trains on a worker node now", False)
-        self._lose_node("kill_trial_node", self.rng.choice(nodes), "a running trial's node")
+            return self._record("kill_trial_node", f"no trial trained on a worker node in {waited:.0f} s", False)
+        self._lose_node("kill_trial_node", self.rng.choice(nodes), f"a running trial's node, found after {waited:.0f} s")
 
     def mlflow_down(self) -> None:
         if "mlflow" in self._busy:

@@ -142,7 +142,7 @@ start_worker() {
   # uses the head's temp dir, which only works where they share a disk).
   (cd "$state_dir/node-$i/work" && TMPDIR="$state_dir/node-$i/tmp" exec setsid "$BIN/ray" start \
     --address "127.0.0.1:$port" --temp-dir "$state_dir/node-$i/ray" "${args[@]}" \
-    > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null) &
+    > "$state_dir/logs/worker-$i.log" 2>&1 < /dev/null) 9>&- &  # (fd 9: add-node's lock, not the node's)
   worker_pids[$((i - 1))]=$!
 }
 
@@ -277,12 +277,17 @@ add_node() {
   # start_worker's new port avoids these (the head's agent and client ports need no avoiding now:
   # they are bound)
   local i head_pid worker_pids=() agent_port="$port" client_port="$dash_port"
+  # Two add-nodes at once (replacements of two lost nodes) took the same index, so two nodes shared
+  # one node's directories and one pid was lost from DIR/pids: index, start and record under a lock.
+  exec 9>>"$state_dir/add-node.lock"
+  flock 9
   mapfile -t worker_pids < "$state_dir/pids"
   head_pid="${worker_pids[0]}"
   worker_pids=("${worker_pids[@]:1}")
   i=$((${#worker_pids[@]} + 1))  # a new index: a killed node's directories stay as they were
   start_worker "$i"
   write_pids
+  exec 9>&-
   if ! wait_nodes 1 "$state_dir/node-$i/ray/" "${worker_pids[$((i - 1))]}"; then
     echo "cluster/local.sh: node $i did not join within ${timeout}s; log $state_dir/logs/worker-$i.log:" >&2
     tail -n 30 "$state_dir/logs/worker-$i.log" >&2

@@ -2,6 +2,7 @@
 nodes sharing no directory), nodes added and SIGKILLed as VMs come and go, always stopped."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,8 +66,9 @@ class LocalCluster:
                              capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable},
                              timeout=600)
         assert out.returncode == 0, out.stdout + out.stderr
-        index = len((self.state_dir / "pids").read_text().split()) - 1
-        self.node_dirs.append(self.state_dir / f"node-{index}")
+        # as local.sh says (DIR/pids may hold a node another add_node started meanwhile)
+        index = int(re.search(r"^node (\d+) joined", out.stdout, re.M).group(1))
+        self.node_dirs = [self.state_dir / f"node-{i}" for i in range(max(len(self.node_dirs), index + 1))]
         return index
 
     def kill_node(self, index: int) -> None:

@@ -2,7 +2,8 @@
 no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
 that a metric spool left on the worker node reaches MLflow through the driver, and that a real
 Train run whose rank 0 runs on the worker node and is killed before its last send loses no step;
-that a vitp driver joining the cluster removes the placement groups an ended vitp job left.
+that a vitp driver joining the cluster removes the placement groups an ended vitp job left; that
+two nodes added at once each get directories of their own.
 A pre-training job through `vitp submit --follow`, one Train worker per node, its MLflow run
 FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with a worker killed."""
 import pytest
@@ -310,3 +311,30 @@ def test_a_driver_joining_removes_the_placement_groups_an_ended_vitp_job_left(tw
     out = run(tmp_path / "janitor.py", ours, theirs)
     assert out.stdout.split("LEFT ")[1].strip() == f'["{theirs}"]', out.stdout + out.stderr[-2000:]
     assert f"removed placement group {ours}" in out.stderr + out.stdout
+
+
+@pytest.mark.e2e
+def test_two_nodes_added_at_once_each_get_an_index_and_directories_of_their_own(two_node_cluster):
+    """Two nodes joining at once (an autoscaler replacing two lost VMs, as the chaos soak does) each
+    get their own index and directories, and both are recorded for kill-node and stop: two
+    add-nodes at once took the same index, so two raylets shared one node's directories and one of
+    them was lost from the cluster's record."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    cluster = two_node_cluster
+    with ThreadPoolExecutor(2) as pool:
+        indices = sorted(pool.map(lambda _: cluster.add_node(), range(2)))
+    try:
+        assert indices == [2, 3], indices
+        pids = (cluster.state_dir / "pids").read_text().split()
+        assert len(set(pids)) == len(pids) == 4, pids
+        gcs = ray._raylet.GcsClient(address=f"127.0.0.1:{cluster.port}")
+        sockets = [n.raylet_socket_name for n in gcs.get_all_node_info().values() if n.state == 0]  # 0: ALIVE
+        for i in indices:
+            own = [s for s in sockets if s.startswith(f"{cluster.node_dirs[i] / 'ray'}/")]
+            assert len(own) == 1, (i, sockets)
+    finally:
+        for i in indices:
+            cluster.kill_node(i)
