@@ -119,3 +119,37 @@ def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     assert any("run cut's Train storage" in line and "storage unreachable" in line for line in said), said
     assert run_config.storage_context is context  # what Train's controller reads next
     assert storage.listdir(storage.join(root, "cut"))  # its marker file is in the bucket
+
+
+def test_trains_checkpoint_bookkeeping_waits_out_a_store_cut_off(s3):
+    """Train's checkpoint manager reads its snapshot as the controller is made and writes it after
+    each checkpoint; S3 cut off for 6 s at each (the eighth seed-1 soak's pre-training ended as a
+    controller error on the write). Train's own manager fails at once; ours tries again, says so,
+    and the snapshot is in the bucket once S3 is back."""
+    import json
+    import logging
+
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+
+    from vitp import storage
+    from vitp.train.controller import WaitsOutTheStore
+
+    fs, inner = storage.filesystem(storage.join(s3.bucket(), "runs"))
+    context = ray.train.RunConfig(name="snap", storage_path=inner, storage_filesystem=fs).storage_context
+    with s3.proxy.cut_for(6.0), pytest.raises(OSError):
+        CheckpointManager(checkpoint_config=CheckpointConfig(), storage_context=context)
+    said, heard = [], logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vitp.train.controller").addHandler(heard)
+    try:
+        with s3.proxy.cut_for(6.0):
+            manager = WaitsOutTheStore(checkpoint_config=CheckpointConfig(), storage_context=context)
+        with s3.proxy.cut_for(6.0):
+            manager._write_state_to_storage()
+    finally:
+        logging.getLogger("vitp.train.controller").removeHandler(heard)
+    for what in ("read", "write"):
+        assert any(f"checkpoint snapshot ({what})" in line and "storage unreachable" in line for line in said), said
+    with fs.open_input_stream(context.checkpoint_manager_snapshot_path) as f:
+        assert json.loads(f.read()) == json.loads(manager._save_state())

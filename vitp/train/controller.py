@@ -1,7 +1,7 @@
 """What vitp hands Ray Train's controller in place of its own parts (`Trainer`).
 
 Owns: the failure policy's use (failures.py decides which errors are final), the storage context
-made through an outage, a worker group that retries a start a worker died in, an elastic policy
+and Train's checkpoint bookkeeping in the store made through an outage, a worker group that retries a start a worker died in, an elastic policy
 that leaves CPUs to the data tasks.
 """
 
@@ -12,7 +12,9 @@ import contextlib
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.controller import controller as train_controller
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
@@ -67,16 +69,34 @@ def storage_context(run_config):
                            log.warning)
 
 
+class WaitsOutTheStore(CheckpointManager):
+    """Train's checkpoint bookkeeping (a snapshot of the reported checkpoints, read as the
+    controller is made and written after each checkpoint), each read and write tried again while
+    the store cannot be reached: the eighth seed-1 soak cut S3 off as a checkpoint was registered,
+    and the write's error ended the pre-training as a controller error (exit 1)."""
+
+    def _maybe_load_state_from_storage(self):
+        through_outages(super()._maybe_load_state_from_storage, "Train's checkpoint snapshot (read)", log.warning)
+
+    def _write_state_to_storage(self):
+        through_outages(super()._write_state_to_storage, "Train's checkpoint snapshot (write)", log.warning)
+
+
 class Controller(TrainController):
     """Train's controller, with worker groups that retry a start a worker died in. It is built with
     the run's storage context: S3 cut off then made the actor's creation fail, the run (or the
-    sweep trial) with it; the context is made first here, waiting out the outage."""
+    sweep trial) with it; the context is made first here, waiting out the outage, and its
+    checkpoint bookkeeping waits out the store (WaitsOutTheStore)."""
 
     worker_group_cls = StartsWholeOrRetries
 
     def __init__(self, train_fn_ref, train_run_context, *args, **kwargs):
         storage_context(train_run_context.run_config)  # a cached property: Train's read finds it made
-        super().__init__(train_fn_ref, train_run_context, *args, **kwargs)
+        train_controller.CheckpointManager = WaitsOutTheStore  # the name Train's __init__ builds it by
+        try:
+            super().__init__(train_fn_ref, train_run_context, *args, **kwargs)
+        finally:
+            train_controller.CheckpointManager = CheckpointManager
 
 
 @contextlib.contextmanager
