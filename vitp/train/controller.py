@@ -1,8 +1,8 @@
 """What vitp hands Ray Train's controller in place of its own parts (`Trainer`).
 
 Owns: the failure policy's use (failures.py decides which errors are final), the storage context
-and Train's checkpoint bookkeeping in the store made through an outage, a worker group that retries a start a worker died in, an elastic policy
-that leaves CPUs to the data tasks.
+and Train's checkpoint bookkeeping kept through a store outage, a worker group that retries a start
+a worker died in, an elastic policy that leaves CPUs to the data tasks.
 """
 
 from __future__ import annotations
