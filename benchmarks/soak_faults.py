@@ -136,7 +136,8 @@ class Injector:
             time.sleep(3)
         if not nodes:
             return self._record("kill_trial_node", f"no trial trained on a worker node in {waited:.0f} s", False)
-        self._lose_node("kill_trial_node", self.rng.choice(nodes), f"a running trial's node, found after {waited:.0f} s")
+        self._lose_node("kill_trial_node", self.rng.choice(nodes),
+                        f"a running trial's node, found after {waited:.0f} s")
 
     def mlflow_down(self) -> None:
         if "mlflow" in self._busy:
