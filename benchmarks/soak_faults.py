@@ -126,7 +126,7 @@ class Injector:
     def kill_trial_node(self, wait_s: float = TRIAL_WAIT_S) -> None:
         """Waits up to `wait_s` for a trial to train on a worker node (trials there are short-lived:
         two seed-1 soaks found one only once each)."""
-        waited, start = 0.0, time.monotonic()
+        start = time.monotonic()
         while True:
             nodes = sorted({w["node_index"] for w in self.world.train_workers() if w["job"] == "sweep"
                             and w["node_index"] not in (None, 0)})
