@@ -7,6 +7,8 @@ kills hit, where Ray 2.60 ended the run as a controller error). The run must sta
 again and finish, and the first group's placement group must be gone. And the elastic policy's
 worker counts against Train's own, on the clusters the soak was left with.
 """
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -21,6 +23,18 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from vitp.train.controller import DATA_CPUS, LeavesCPUsForData, Trainer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the controller and workers need no tests/ path
+
+
+@contextlib.contextmanager
+def _controller_warnings():
+    """The warnings vitp/train/controller.py logs inside the block, as a list of their messages."""
+    said, heard = [], logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vitp.train.controller").addHandler(heard)
+    try:
+        yield said
+    finally:
+        logging.getLogger("vitp.train.controller").removeHandler(heard)
 
 
 def _train(config):
@@ -100,22 +114,14 @@ def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     """S3 cut off for 12 s (tests/netproxy.py) as Train's controller makes the run's storage
     context (a marker file written to the store): it tries again, says so, and the context is made
     once S3 is back; before, the controller actor's creation failed and the sweep trial with it."""
-    import logging
-
     from vitp import storage
     from vitp.train.controller import storage_context
 
     root = storage.join(s3.bucket(), "runs")
     fs, inner = storage.filesystem(root)
     run_config = ray.train.RunConfig(name="cut", storage_path=inner, storage_filesystem=fs)
-    said, heard = [], logging.Handler(logging.WARNING)
-    heard.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("vitp.train.controller").addHandler(heard)
-    try:
-        with s3.proxy.cut_for(12.0):
-            context = storage_context(run_config)
-    finally:
-        logging.getLogger("vitp.train.controller").removeHandler(heard)
+    with _controller_warnings() as said, s3.proxy.cut_for(12.0):
+        context = storage_context(run_config)
     assert any("run cut's Train storage" in line and "storage unreachable" in line for line in said), said
     assert run_config.storage_context is context  # what Train's controller reads next
     assert storage.listdir(storage.join(root, "cut"))  # its marker file is in the bucket
@@ -127,7 +133,6 @@ def test_trains_checkpoint_bookkeeping_waits_out_a_store_cut_off(s3):
     controller error on the write). Train's own manager fails at once; ours tries again, says so,
     and the snapshot is in the bucket once S3 is back."""
     import json
-    import logging
 
     from ray.train import CheckpointConfig
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
@@ -139,16 +144,11 @@ def test_trains_checkpoint_bookkeeping_waits_out_a_store_cut_off(s3):
     context = ray.train.RunConfig(name="snap", storage_path=inner, storage_filesystem=fs).storage_context
     with s3.proxy.cut_for(6.0), pytest.raises(OSError):
         CheckpointManager(checkpoint_config=CheckpointConfig(), storage_context=context)
-    said, heard = [], logging.Handler(logging.WARNING)
-    heard.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("vitp.train.controller").addHandler(heard)
-    try:
+    with _controller_warnings() as said:
         with s3.proxy.cut_for(6.0):
             manager = WaitsOutTheStore(checkpoint_config=CheckpointConfig(), storage_context=context)
         with s3.proxy.cut_for(6.0):
             manager._write_state_to_storage()
-    finally:
-        logging.getLogger("vitp.train.controller").removeHandler(heard)
     for what in ("read", "write"):
         assert any(f"checkpoint snapshot ({what})" in line and "storage unreachable" in line for line in said), said
     with fs.open_input_stream(context.checkpoint_manager_snapshot_path) as f:
