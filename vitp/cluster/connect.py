@@ -1,7 +1,7 @@
-"""Join a Ray cluster (removing what ended vitp jobs left there: orphans.py) or start a local Ray
-sized for a config: `connect_ray`; how much of Ray's own output a user sees (vitp.console: errors
-and our lines, unless `vitp --verbose`). The one place a command calls `ray.init`; never submits
-jobs or trains.
+"""Join a Ray cluster or start a local Ray sized for a config, and watch for placement groups left
+holding CPUs (orphans.py): `connect_ray`; how much of Ray's own output a user sees (vitp.console:
+errors and our lines, unless `vitp --verbose`). The one place a command calls `ray.init`; never
+submits jobs or trains.
 """
 from __future__ import annotations
 
@@ -82,5 +82,6 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
             # on a local cluster, ...) are not for the user to act on
             ray.init(address="local", num_cpus=local_cpus(cfg), include_dashboard=False,
                      logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
+    orphans.watch_job()  # placement groups of Train runs whose trials Tune stopped or paused
     if not verbose():
         output.install()

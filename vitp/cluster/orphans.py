@@ -1,28 +1,31 @@
-"""Placement groups that outlive the job that made them. Ray removes a job's placement groups (all
-but detached ones) when the job ends, yet a Train worker group's under a Tune trial whose sweep
-driver was SIGKILLed can stay, created or still pending, and hold its CPUs for good: the chaos soak's
-pre-training then waited forever for CPUs for its data tasks. A driver on a cluster removes such
-groups when it connects and every INTERVAL_S after that (`watch`)."""
+"""Placement groups that outlive what made them and hold their CPUs: those vitp jobs that have
+ended left on a cluster (`watch`, every driver on a cluster), and those of this job's Train runs
+whose controllers died with the trials Tune stopped or paused (`watch_job`, every driver). Only
+removes groups no live process can use; never touches another live job's."""
 from __future__ import annotations
 
 import logging
 import re
 import threading
 import time
+from typing import Callable
 
 import ray
 
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 30.0
+RELEASE_EVERY_S = 2.0
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")  # a job's status once its driver is gone
 VITP = re.compile(r"(^|[\s/])vitp(\.cli)?(\s|$)")  # an entrypoint that runs our CLI
-_thread: threading.Thread | None = None
+_threads: dict[str, threading.Thread] = {}
 
 
 def orphans() -> list[tuple[str, str]]:
     """(placement group id, job id) of each placement group not removed and not detached whose job
-    ran the vitp CLI and has ended. Other jobs' groups are left alone (a detached actor may keep
+    ran the vitp CLI and has ended. Ray removes a job's groups when the job ends, yet a Train worker
+    group's under a Tune trial whose sweep driver was SIGKILLed can stay, created or still pending
+    (the chaos soak's pre-training then waited forever for CPUs for its data tasks). Other jobs' groups are left alone (a detached actor may keep
     its job's groups in use), and a job the cluster does not list counts as running."""
     from ray.util.state import list_jobs, list_placement_groups
 
@@ -36,38 +39,83 @@ def orphans() -> list[tuple[str, str]]:
             if not g.is_detached and g.creator_job_id in ended]
 
 
-def remove_orphans() -> list[str]:
-    """Remove every orphan (above), naming each in a warning; the ids removed."""
-    from ray._raylet import PlacementGroupID
+def _remove(pg_id: str) -> bool:
+    """Remove the placement group `pg_id` (hex); False where it is gone already (removed meanwhile,
+    by Ray or another driver)."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+    try:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    except Exception as e:  # noqa: BLE001 - removed meanwhile
+        log.debug("placement group %s not removed: %s", pg_id, e)
+        return False
+    return True
+
+
+def remove_orphans() -> list[str]:
+    """Remove every orphan (above), naming each in a warning; the ids removed."""
     gone = []
     for pg_id, job_id in orphans():
-        try:
-            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
-        except Exception as e:  # noqa: BLE001 - removed meanwhile (by Ray or another driver)
-            log.debug("placement group %s not removed: %s", pg_id, e)
-            continue
-        log.warning("removed placement group %s of job %s, which has ended: it held its resources", pg_id, job_id)
-        gone.append(pg_id)
+        if _remove(pg_id):
+            log.warning("removed placement group %s of job %s, which has ended: it held its resources",
+                        pg_id, job_id)
+            gone.append(pg_id)
     return gone
 
 
-def _loop() -> None:
-    while ray.is_initialized():
-        try:
-            remove_orphans()
-        except Exception as e:  # noqa: BLE001 - housekeeping: never a reason to stop the driver
-            # no dashboard (Ray's state API), or the driver disconnecting: `vitp --verbose` says which
-            log.debug("placement groups of ended jobs are not checked by this driver: %s", e)
-            return
-        time.sleep(INTERVAL_S)
+def dead_creators(job_id: str) -> list[str]:
+    """Ids of job `job_id`'s placement groups, not removed and not detached, whose creator is an
+    actor that has died: a Train run's worker group whose controller ended with the trial Tune
+    stopped (ASHA) or paused (PBT, HyperBand). Ray removes a group only once its creator's job has
+    ended too, and Train's own cleaner asks the dashboard's state API, which the local Ray lacks:
+    ended trials' groups gathered until the last trials' data tasks found no CPU. Read from the
+    GCS's table, which names each group's creator (Ray's public API does not, and its state API
+    needs a dashboard). A group the driver made (Tune's trials') has no creator actor."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    table = gcs_pb2.PlacementGroupTableData
+    out = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = table.FromString(raw)
+        if (pg.creator_job_id.hex() == job_id and pg.creator_actor_dead and not pg.is_detached
+                and not ray.ActorID(pg.creator_actor_id).is_nil() and pg.state != table.REMOVED):
+            out.append(pg.placement_group_id.hex())
+    return out
+
+
+def release_dead_creators() -> list[str]:
+    """Remove this job's placement groups whose creator actor has died (above); the ids removed."""
+    gone = [pg_id for pg_id in dead_creators(ray.get_runtime_context().get_job_id()) if _remove(pg_id)]
+    if gone:
+        log.debug("released %d placement group(s) of ended Train runs: %s", len(gone), ", ".join(gone))
+    return gone
+
+
+def _every(name: str, interval_s: float, fn: Callable[[], object], stop_on_error: bool) -> None:
+    """fn() now and every interval_s, in a daemon thread named `name` (one per process), while this
+    process is connected to Ray."""
+    def loop() -> None:
+        while ray.is_initialized():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - housekeeping: never a reason to stop the driver
+                # no dashboard (Ray's state API), or the driver disconnecting: `vitp --verbose` says which
+                log.debug("%s: %s", name, e)
+                if stop_on_error:
+                    return
+            time.sleep(interval_s)
+
+    if name not in _threads or not _threads[name].is_alive():
+        _threads[name] = threading.Thread(target=loop, name=name, daemon=True)
+        _threads[name].start()
 
 
 def watch() -> None:
-    """remove_orphans now and every INTERVAL_S, in a daemon thread, while this process is connected
-    to a cluster (one thread per process)."""
-    global _thread
-    if _thread is None or not _thread.is_alive():
-        _thread = threading.Thread(target=_loop, name="vitp-orphan-placement-groups", daemon=True)
-        _thread.start()
+    """remove_orphans now and every INTERVAL_S while this process is connected to a cluster."""
+    _every("vitp-orphan-placement-groups", INTERVAL_S, remove_orphans, stop_on_error=True)
+
+
+def watch_job() -> None:
+    """release_dead_creators now and every RELEASE_EVERY_S while this process is connected."""
+    _every("vitp-ended-train-runs-placement-groups", RELEASE_EVERY_S, release_dead_creators, stop_on_error=False)

@@ -29,7 +29,6 @@ MUTABLE = ("optim.lr", "optim.weight_decay", "optim.momentum", "optim.beta1", "o
            "model.dropout", "model.attn_dropout", "model.drop_path", "data.randaug_layers",
            "data.randaug_magnitude", "train.mixup_alpha", "train.cutmix_alpha", "train.label_smoothing")
 CHECKPOINTED = ("pbt", "hyperband")  # schedulers that pause trials and restore them from checkpoints
-RELEASE_EVERY_S = 5.0  # between looks for placement groups a paused trial's Train run left
 EVALUATION = "evaluation"  # HyperBand's time: the evaluations a trial has reported (1, 2, ...)
 ETA = 2  # HyperBand's reduction factor (ASHA's too): a rung keeps the best 1/ETA of its trials
 
@@ -66,10 +65,9 @@ class CheckpointReports(UserCallback):
 
 def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentConfig, trial_id: str) -> Any:
     """`train(callbacks)` (a run_training call) in a thread; each of its reports goes to Tune from
-    here, with a pointer to the run's checkpoint where the report has one, and between reports the
-    placement groups of paused trials' Train runs are released. Returns what `train` returns and
-    raises what it raises."""
-    from ray.util.queue import Empty, Queue  # lazy: an actor per trial, only for these schedulers
+    here, with a pointer to the run's checkpoint where the report has one. Returns what `train`
+    returns and raises what it raises."""
+    from ray.util.queue import Queue  # lazy: an actor per trial, only for these schedulers
 
     queue, out = Queue(actor_options={"num_cpus": 0}), {}
 
@@ -84,11 +82,7 @@ def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentCon
     thread = threading.Thread(target=target, name="vitp-trial-training", daemon=True)
     thread.start()
     while True:
-        try:
-            item = queue.get(timeout=RELEASE_EVERY_S)
-        except Empty:  # a paused trial's Train run may end after this one started: its group too
-            release_orphaned_placement_groups()
-            continue
+        item = queue.get()
         if item == _END:
             break
         metrics = {**item["metrics"], EVALUATION: evaluations(int(item["metrics"].get("step", 0)), cfg)}
@@ -133,28 +127,6 @@ def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: Exper
                                        callbacks=callbacks, continuable=keys,
                                        start_metrics={f"pbt/{k}": float(values[k]) for k in keys}),
         cfg, trial_id)
-
-
-def release_orphaned_placement_groups() -> int:
-    """Remove the placement groups whose creator, an actor, is dead while its job lives on: those
-    of a Train run whose controller ended with the trial Tune paused (Ray removes a group only once
-    its creator's job ends too; Train's own cleaner asks the dashboard's state API, which a Ray
-    without a dashboard lacks, so the group would hold its CPUs from the trial's next start). A
-    group the Tune driver made has no creator actor and is left alone. Returns how many."""
-    import ray
-    from ray._private.state import state  # the GCS table with each group's creator (no public API)
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    removed = 0
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        made_by_actor = pg.creator_actor_id and not ray.ActorID(pg.creator_actor_id).is_nil()
-        if (made_by_actor and pg.creator_actor_dead and not pg.creator_job_dead and not pg.is_detached
-                and pg.state != gcs_pb2.PlacementGroupTableData.REMOVED):
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-            removed += 1
-    return removed
 
 
 def read_pointer(checkpoint: Checkpoint) -> dict[str, Any]:
