@@ -9,8 +9,8 @@ from vitp import storage
 from vitp.config import ConfigError
 from vitp.recipes import resolve
 from vitp.train import checkpoint as ckpt
-from vitp.tune.population import (EVALUATION, continue_from, evaluations, hyperband_plan, mutations, scheduler_for,
-                                  search_slots)
+from vitp.tune.population import (EVALUATION, LAST_EVALUATION, continue_from, evaluations, hyperband_plan,
+                                  mutations, scheduler_for, search_slots)
 from vitp.tune.sweep import build_spec, trial_config, trial_run_name
 
 
@@ -71,8 +71,38 @@ def test_each_scheduler_is_tunes_own_on_the_reported_step():
     # random) or enough to fill the largest bracket (optuna: 4); turns.py holds the ones that train
     assert (search_slots(hb, "grid", 2), search_slots(hb, "random", 2), search_slots(hb, "optuna", 2)) == (0, 0, 4)
     assert search_slots(pbt, "random", 2) == search_slots(None, "optuna", 2) == 2
-    assert isinstance(scheduler_for("asha", {}, 10, 50, seed=0), ASHAScheduler)
+    asha = scheduler_for("asha", {}, 10, 50, seed=0, eval_every=10)
+    assert isinstance(asha, ASHAScheduler) and (asha._time_attr, asha._max_t) == (EVALUATION, 5)
+    assert not asha._stop_last_trials  # a trial with more evaluations than the first is not cut at max_t
     assert scheduler_for("none", {}, 10, 50, seed=0) is None
+
+
+def test_asha_stops_a_trial_at_an_earlier_rung_but_lets_one_at_its_last_evaluation_finish():
+    """200 steps evaluated every 100: rungs at evaluations 1 and 2, the second a trial's last. A stop
+    there would end the trial's driver while its Train run ends its MLflow run (the ASHA + TPE
+    search-efficiency run left such runs RUNNING): Tune's ASHA stops it, the sweep's lets it finish."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    def run(scheduler):
+        scheduler.set_search_properties("val/top1", "max")
+        a, b, c = (Trial("__fake", stub=True) for _ in range(3))
+        for t in (a, b, c):
+            scheduler.on_trial_add(None, t)
+
+        def report(trial, evaluation, top1):
+            return scheduler.on_trial_result(None, trial, {EVALUATION: evaluation, "val/top1": top1,
+                                                          LAST_EVALUATION: evaluation == 2})
+        first = [report(a, 1, 0.5), report(b, 1, 0.4), report(c, 1, 0.7)]
+        assert report(a, 2, 0.6) == TrialScheduler.CONTINUE
+        scheduler.on_trial_complete(None, a, {EVALUATION: 2, "val/top1": 0.6})
+        return first, report(c, 2, 0.55)  # below a's at the last rung
+
+    ours = scheduler_for("asha", {}, 10, 200, seed=0, eval_every=100)
+    C, S = TrialScheduler.CONTINUE, TrialScheduler.STOP
+    assert run(ours) == ([C, S, C], C)  # b stopped at evaluation 1; c finishes
+    tunes = ASHAScheduler(time_attr=EVALUATION, grace_period=1, reduction_factor=2, max_t=2, stop_last_trials=False)
+    assert run(tunes) == ([C, S, C], S)
 
 
 def test_hyperband_counts_evaluations_and_says_when_a_sweep_is_too_small_for_it_to_stop_any(tmp_path):

@@ -189,17 +189,24 @@ def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, 
 
 def test_only_reports_with_the_sweeps_metric_reach_tune():
     """A checkpoint between evaluations reports no val/top1; Tune would end the whole sweep on it
-    (its strict metric check), so the trial's callback passes on only reports that carry it."""
+    (its strict metric check), so the trial's callback passes on only reports that carry it, each
+    with the evaluations made so far and whether it is the run's last (what ASHA counts and spares)."""
+    from vitp.recipes import resolve
+    from vitp.tune.population import EVALUATION, LAST_EVALUATION
     from vitp.tune.progress import EvaluationReports
 
     class Queue(list):
         put = list.append
 
+    cfg = resolve("debug_finetune", ["train.steps=400", "train.eval_every=150"], check_paths=False)
     callback = EvaluationReports.__new__(EvaluationReports)  # its Tune session's queue, without Tune
-    callback.metric, callback._training_actor_item_queue = "val/top1", Queue()
+    callback.metric, callback.cfg, callback._training_actor_item_queue = "val/top1", cfg, Queue()
     callback.after_report(None, [{"step": 100, "train/loss": 1.0}], None)  # a checkpoint's report
     callback.after_report(None, [{"step": 300, "val/top1": 0.5}, {"step": 300}], None)
-    assert callback._training_actor_item_queue == [{"step": 300, "val/top1": 0.5}]
+    callback.after_report(None, [{"step": 400, "val/top1": 0.6}], None)  # the last step evaluates too
+    assert callback._training_actor_item_queue == [
+        {"step": 300, "val/top1": 0.5, EVALUATION: 2, LAST_EVALUATION: False},
+        {"step": 400, "val/top1": 0.6, EVALUATION: 3, LAST_EVALUATION: True}]
 
 
 def test_a_restored_sweep_callback_takes_the_resumed_drivers_functions_and_its_place():

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ray import tune
 from ray.train import Checkpoint, UserCallback
-from ray.tune.schedulers import HyperBandScheduler
+from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, TrialScheduler
 
 from .. import storage
 from ..config import ConfigError, ExperimentConfig, Run, flatten
@@ -29,7 +29,8 @@ MUTABLE = ("optim.lr", "optim.weight_decay", "optim.momentum", "optim.beta1", "o
            "model.dropout", "model.attn_dropout", "model.drop_path", "data.randaug_layers",
            "data.randaug_magnitude", "train.mixup_alpha", "train.cutmix_alpha", "train.label_smoothing")
 CHECKPOINTED = ("pbt", "hyperband")  # schedulers that pause trials and restore them from checkpoints
-EVALUATION = "evaluation"  # HyperBand's time: the evaluations a trial has reported (1, 2, ...)
+EVALUATION = "evaluation"  # HyperBand's and ASHA's time: the evaluations a trial has reported (1, 2, ...)
+LAST_EVALUATION = "last_evaluation"  # True on a run's last evaluation (its last step): ASHA lets it finish
 ETA = 2  # HyperBand's reduction factor (ASHA's too): a rung keeps the best 1/ETA of its trials
 
 
@@ -187,14 +188,16 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
     `interval` steps copies an upper-quartile trial into a lower-quartile one and perturbs the
     numeric keys of `space` (x0.8 or x1.2, or a new draw with probability 0.25), once every trial
     has reached that step."""
-    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import PopulationBasedTraining
 
     if name == "hyperband":
         # a trial at max_t ends by itself (Tune's stop there would end its driver before its MLflow run)
         return HyperBandScheduler(time_attr=EVALUATION, reduction_factor=ETA, stop_last_trials=False,
                                   max_t=max(1, -(-max_steps // eval_every)))
-    if name == "asha":  # (as before: rungs at evaluations, Tune's own time)
-        return ASHAScheduler(grace_period=1, reduction_factor=2)
+    if name == "asha":  # rungs at evaluations 1, 2, 4, ...; a trial past max_t goes on
+        return SparesTheLastEvaluation(time_attr=EVALUATION, grace_period=1, reduction_factor=ETA,
+                                       max_t=max(1, -(-max_steps // eval_every)) if eval_every else 100,
+                                       stop_last_trials=False)
     if name == "pbt":
         import random
 
@@ -205,6 +208,18 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
                                        hyperparam_mutations=dict(space), quantile_fraction=0.25,
                                        resample_probability=0.25, synch=True)
     return None
+
+
+class SparesTheLastEvaluation(ASHAScheduler):
+    """ASHA that lets a trial at its last evaluation (LAST_EVALUATION) finish: its training is done,
+    and a stop there (the rung at max_t, or a rung a shorter trial ends on) would end the trial's
+    driver before its Train run ended its MLflow run, left RUNNING with its final artifacts unsaved.
+    Its result still counts at the rung, when Tune sees the trial complete."""
+
+    def on_trial_result(self, tune_controller, trial, result):
+        if result.get(LAST_EVALUATION):
+            return TrialScheduler.CONTINUE
+        return super().on_trial_result(tune_controller, trial, result)
 
 
 def hyperband_plan(scheduler, trials: int) -> str:

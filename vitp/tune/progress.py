@@ -13,9 +13,11 @@ from typing import Any, Callable, Mapping, Optional
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
+from ..config import ExperimentConfig
 from ..console import duration, get_logger, progress
 from ..tracking import find_runs
 from ..tracking.store import ERROR_TAG, get_client, quote, through_mlflow_outages
+from .population import EVALUATION, LAST_EVALUATION, evaluations
 
 _log = get_logger(__name__)
 
@@ -38,17 +40,21 @@ def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
 
 
 class EvaluationReports(TuneReportCallback):
-    """Ray's TuneReportCallback for the Train reports that carry the sweep's `metric`: a checkpoint
-    saved between evaluations (train.checkpoint_every, kept where train.eval_every is 0) reports
-    none, and Tune ends the whole sweep on a result without the metric it searches on."""
+    """Ray's TuneReportCallback for the Train reports that carry the sweep's `metric` (a checkpoint
+    saved between evaluations, train.checkpoint_every, reports none, and Tune ends the whole sweep on
+    a result without the metric it searches on), each with the evaluations made so far (EVALUATION)
+    and whether it is the run's last (LAST_EVALUATION): what the sweep's ASHA counts and spares."""
 
-    def __init__(self, metric: str):
+    def __init__(self, metric: str, cfg: ExperimentConfig):
         super().__init__()
-        self.metric = metric
+        self.metric, self.cfg = metric, cfg
 
     def after_report(self, run_context, metrics, checkpoint):
         if self.metric in metrics[0]:
-            super().after_report(run_context, metrics, checkpoint)
+            step = int(metrics[0].get("step", 0))
+            marked = {**metrics[0], EVALUATION: evaluations(step, self.cfg),
+                      LAST_EVALUATION: step >= self.cfg.train.steps}
+            super().after_report(run_context, [marked, *metrics[1:]], checkpoint)
 
 
 _ACTIVE: dict[str, "SweepProgress"] = {}  # sweep name -> its callback in this driver

@@ -259,7 +259,7 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
                 summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
         else:
             summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
-                                   callbacks=[EvaluationReports(spec.metric)])
+                                   callbacks=[EvaluationReports(spec.metric, cfg)])
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
         tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
         return
