@@ -25,8 +25,9 @@ def orphans() -> list[tuple[str, str]]:
     """(placement group id, job id) of each placement group not removed and not detached whose job
     ran the vitp CLI and has ended. Ray removes a job's groups when the job ends, yet a Train worker
     group's under a Tune trial whose sweep driver was SIGKILLed can stay, created or still pending
-    (the chaos soak's pre-training then waited forever for CPUs for its data tasks). Other jobs' groups are left alone (a detached actor may keep
-    its job's groups in use), and a job the cluster does not list counts as running."""
+    (the chaos soak's pre-training then waited forever for CPUs for its data tasks). Other jobs'
+    groups are left alone (a detached actor may keep its job's groups in use), and a job the
+    cluster does not list counts as running."""
     from ray.util.state import list_jobs, list_placement_groups
 
     ended = {j.job_id for j in list_jobs(limit=10_000, raise_on_missing_output=False)
