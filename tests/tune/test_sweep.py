@@ -285,7 +285,7 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     afresh with the same seed would propose the first trial's values again). Each
     trial's logged config holds the values drawn for it, within their ranges, the conditional one
     by its optimizer's case; one parent run records the search and its seed."""
-    from vitp.tracking.store import get_client
+    from vitp.tracking.store import ERROR_TAG, get_client
 
     args = ["sweep", "debug_finetune", "--name", "s-tpe", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--search", "optuna", "--set=tune.num_samples=4",
@@ -332,8 +332,13 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     third = _vitp(args + ["--resume"], env)
     log, _ = third.communicate(timeout=900)
     assert third.returncode == 0, log[-4000:]
-    runs = _children(server.uri, "s-tpe")
-    assert len(runs) == 4 and {r["status"] for r in runs} == {"FINISHED"}, runs
+    runs = [r for r in _children(server.uri, "s-tpe") if r["status"] == "FINISHED"]
+    # the SIGKILL may land just after Tune started the next trial, before its saved state named it:
+    # that trial's run ends FAILED, saying so, and the resumed search runs its values again
+    lost = [client.get_run(r["run_id"]) for r in _children(server.uri, "s-tpe") if r["status"] != "FINISHED"]
+    assert len(runs) == 4 and len(lost) <= 1, (runs, lost)
+    assert all(r.info.status == "FAILED" and "ended without ending its run" in r.data.tags[ERROR_TAG]
+               for r in lost), lost
     for run_id, end_time in finished_before.items():
         assert client.get_run(run_id).info.end_time == end_time
     drawn = []
@@ -356,10 +361,17 @@ def test_an_optuna_search_over_distributions_killed_and_resumed_continues_its_st
     for state in [*sweep_dir.glob("experiment_state-*.json"), *sweep_dir.glob("searcher-state-*.pkl")]:
         state.unlink()
     assert (sweep_dir / "tuner.pkl").exists()
-    fourth = _vitp(args + ["--resume"], env)
-    log, _ = fourth.communicate(timeout=900)
-    assert fourth.returncode == 0 and "no trial was recorded" in log and "starts afresh" in log, log[-4000:]
-    for r in _children(server.uri, "s-tpe"):
+    before, fourth_log = {r["run_id"] for r in _children(server.uri, "s-tpe")}, tmp_path / "fourth.log"
+    fourth = _vitp(args + ["--resume"], env, log_path=fourth_log)
+    t0, new = time.time(), []
+    while time.time() - t0 < 600 and fourth.poll() is None and not new:  # its first trial's run is enough
+        new = [r for r in _children(server.uri, "s-tpe") if r["run_id"] not in before]
+        time.sleep(1)
+    fourth.send_signal(signal.SIGINT)
+    assert fourth.wait(timeout=300) == 130, fourth_log.read_text()[-4000:]
+    log = fourth_log.read_text()
+    assert new and "no trial was recorded" in log and "starts afresh" in log, log[-4000:]
+    for r in new:
         params = client.get_run(r["run_id"]).data.params
         assert "-lr" in r["run_name"] and 1e-3 <= float(params["optim.lr"]) <= 0.3, (r["run_name"], params)
 
@@ -381,7 +393,7 @@ def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_
 
     args = ["sweep", "debug_finetune", "--name", "s-pbt", f"--set=work_dir={_work(tmp_path, digits_shards)}",
             "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "pbt",
-            "--set=tune.max_concurrent_trials=2", "--set=train.steps=50", "--set=train.eval_every=10",
+            "--set=tune.max_concurrent_trials=2", "--set=train.steps=20", "--set=train.eval_every=10",
             "--set=train.log_every=10", "--set=parallel.num_workers=1"]
     proc = _vitp(args, _env(ray_session), log_path=tmp_path / "sweep.log")
     proc.wait(timeout=900)
@@ -409,7 +421,7 @@ def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_
         assert float(run.data.params[f"optim.lr.continued_at_{step}"]) == pytest.approx(lrs[step])
     for r in runs.values():
         steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
-        assert len(steps) == len(set(steps)) and max(steps) == 50, (r.info.run_name, sorted(steps))
+        assert len(steps) == len(set(steps)) and max(steps) == 20, (r.info.run_name, sorted(steps))
 
 
 
