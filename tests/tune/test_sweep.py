@@ -253,26 +253,31 @@ def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_sh
 @pytest.mark.e2e
 def test_a_trial_asha_stops_is_killed_with_its_scheduler_and_step_not_failed(tmp_path, server, ray_session,
                                                                               digits_shards):
-    """One trial at a time: the first (lr 0.1) sets the bar at the first evaluation; the second
-    (lr 1e-7: its zero-initialised head barely moves) is below it and ASHA stops it there."""
+    """A random search, one trial at a time: the first (lr 0.1) sets the bar at the first
+    evaluation; the second (lr 1e-7: its zero-initialised head barely moves) is below it and ASHA
+    stops it there. The learning rates are a grid axis (each once, in order); each trial's momentum
+    is drawn, within its range, and logged with its run."""
     from vitp.tracking.store import get_client
     from vitp.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG
 
     args = ["sweep", "debug_finetune", "--name", "s-asha", f"--set=work_dir={_work(tmp_path, digits_shards)}",
-            "--tracking-uri", server.uri, "--space", "optim.lr=0.1,1e-7", "--scheduler", "asha",
-            "--set=tune.max_concurrent_trials=1", "--set=train.steps=200", "--set=train.eval_every=10",
+            "--tracking-uri", server.uri, "--space", "optim.lr=grid([0.1, 1e-7])", "--scheduler", "asha",
+            "--search", "random", "--space", "optim.momentum=uniform(0.8, 0.9)",
+            "--set=tune.max_concurrent_trials=1", "--set=train.steps=100", "--set=train.eval_every=20",
             "--set=train.log_every=10"]
     proc = _vitp(args, _env(ray_session))
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]  # a pruned trial is not a failure
-    assert "stopped early by asha at step 10 of 200" in log, log[-4000:]
+    assert "stopped early by asha at step 20 of 100" in log, log[-4000:]
     runs = {("lr1e-07" in r["run_name"]): r for r in _children(server.uri, "s-asha")}
     assert runs[False]["status"] == "FINISHED" and runs[True]["status"] == "KILLED", runs
     tags = get_client(server.uri).get_run(runs[True]["run_id"]).data.tags
-    assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "10")
-    # the stop ends the trial's process and its Train run with it: it does not train on to step 200
+    assert (tags[STOPPED_BY_TAG], tags[STOPPED_AT_TAG]) == ("asha", "20")
+    # the stop ends the trial's process and its Train run with it: it does not train on to step 100
     steps = [m.step for m in get_client(server.uri).get_metric_history(runs[True]["run_id"], "train/loss")]
-    assert steps and max(steps) < 200, steps
+    assert steps and max(steps) < 100, steps
+    momenta = [float(get_client(server.uri).get_run(r["run_id"]).data.params["optim.momentum"]) for r in runs.values()]
+    assert all(0.8 <= m <= 0.9 for m in momenta) and momenta[0] != momenta[1], momenta
 
 
 @pytest.mark.e2e
