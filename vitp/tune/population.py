@@ -190,13 +190,12 @@ def scheduler_for(name: str, space: Mapping[str, Any], interval: int, max_steps:
     has reached that step."""
     from ray.tune.schedulers import PopulationBasedTraining
 
+    last = max(1, -(-max_steps // eval_every)) if eval_every else 100  # a trial's evaluations (Tune's default)
     if name == "hyperband":
         # a trial at max_t ends by itself (Tune's stop there would end its driver before its MLflow run)
-        return HyperBandScheduler(time_attr=EVALUATION, reduction_factor=ETA, stop_last_trials=False,
-                                  max_t=max(1, -(-max_steps // eval_every)))
+        return HyperBandScheduler(time_attr=EVALUATION, reduction_factor=ETA, stop_last_trials=False, max_t=last)
     if name == "asha":  # rungs at evaluations 1, 2, 4, ...; a trial past max_t goes on
-        return SparesTheLastEvaluation(time_attr=EVALUATION, grace_period=1, reduction_factor=ETA,
-                                       max_t=max(1, -(-max_steps // eval_every)) if eval_every else 100,
+        return SparesTheLastEvaluation(time_attr=EVALUATION, grace_period=1, reduction_factor=ETA, max_t=last,
                                        stop_last_trials=False)
     if name == "pbt":
         import random
