@@ -182,7 +182,8 @@ class TrackingConfig:
 
     uri: str = ""  # "" = sqlite:///<work_dir>/mlflow.db
     experiment: str = "vit-pipeline"  # MLflow experiment the runs go to
-    run_name: str = ""  # "" = <recipe>-<variant>-<dataset>
+    run_name: str = ""  # "" = <run_prefix>-<variant>-<dataset>, or that with a settings hash (train/rerun.py)
+    run_prefix: str = ""  # first part of a derived run name; "" = the recipe (an experiment file: its stem)
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow run tags
     log_timeout_s: float = 5.0  # longest a training step waits on MLflow; the rest is spooled
     spool_max_mb: float = 512.0  # most unsent metrics a run's spool keeps while MLflow is down
@@ -219,12 +220,14 @@ class ExperimentConfig:
     # ---------------------------------------------------------------- derived values
     @property
     def run_name(self) -> str:
-        """THE run-name formula (MLflow run, Ray Train run directory): `<recipe>-<variant>-<source>`,
-        plus `-mpp` for masked patch prediction (so it never resumes a classification run)."""
+        """THE run-name formula (MLflow run, Ray Train run directory): `<recipe>-<variant>-<source>`
+        (`tracking.run_prefix` in place of the recipe when set), plus `-mpp` for masked patch
+        prediction (so it never resumes a classification run)."""
         if self.tracking.run_name:
             return self.tracking.run_name
         mpp = "-mpp" if self.train.objective == "mpp" else ""
-        return f"{self.recipe}-{self.model.variant.replace('/', '')}-{self.data.source}{mpp}"
+        prefix = self.tracking.run_prefix or self.recipe
+        return f"{prefix}-{self.model.variant.replace('/', '')}-{self.data.source}{mpp}"
 
     def replace(self, **sections: Any) -> "ExperimentConfig":
         """A copy with whole sections (or `recipe`, `work_dir`) replaced: `cfg.replace(data=...)`."""

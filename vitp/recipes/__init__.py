@@ -9,7 +9,7 @@ import re
 from typing import Callable, Sequence
 
 from ..config import ConfigError, ExperimentConfig, apply_overrides, derive_grad_accum, set_values, validate
-from ..config.files import is_experiment_file, parse_experiment
+from ..config.files import is_experiment_file, parse_experiment, recipe_label
 from .production import (DOWNSTREAM, IMAGENET21K, b16_i1k_augreg, b16_i21k, finetune_cifar10, finetune_cifar100,
                          finetune_flowers, finetune_imagefolder, finetune_imagenet, finetune_pets, h14_i21k, l16_i21k)
 from .small import debug, debug_finetune, demo, demo_finetune, demo_fractals
@@ -81,6 +81,8 @@ def with_overrides(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Ex
         from .. import storage  # lazy: pyarrow, for a file on object storage
 
         base, changes = parse_experiment(storage.read_bytes(name).decode("utf-8", "replace"), name)
+        # its runs are named after the file, not its base recipe (whose own runs would share names)
+        changes = {"tracking.run_prefix": recipe_label(name), **changes}
         cfg, changed = set_values(get_recipe(base), changes), set(changes)
     else:
         cfg, changed = get_recipe(name), set()

@@ -6,6 +6,7 @@ must not run training steps itself.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -39,6 +40,7 @@ from . import checkpoint as ckpt
 from .export import consolidate
 from .controller import Trainer
 from .failures import final_error
+from .rerun import ignored_settings, run_to_continue
 from .spools import gather_spools
 from .staging import clear_dead_everywhere
 from .streams import EvalDatasetFactory, RankStreams, train_placeholder
@@ -193,12 +195,12 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     """
     if not isinstance(run, Run):
         raise TypeError(f"run_training takes a Run, not {type(run).__name__}: pass Run.resolve(cfg)")
-    cfg = run.cfg
-    if cfg.train.init_from not in ("", "scratch"):
-        check_source(cfg.train.init_from)  # a wrong file fails here, once, not in every worker
+    if run.cfg.train.init_from not in ("", "scratch"):
+        check_source(run.cfg.train.init_from)  # a wrong file fails here, once, not in every worker
     t0 = time.time()
-    existing, meta = through_outages(lambda: _where_it_stands(cfg), f"run {cfg.run_name}'s shards and checkpoints",
-                                     _warn(cfg))
+    run, existing, meta = run_to_continue(run, lambda cfg: through_outages(
+        lambda: _where_it_stands(cfg), f"run {cfg.run_name}'s shards and checkpoints", _warn(cfg)), continuable)
+    cfg = run.cfg
     if existing and cfg.train.resume == "never":
         raise FileExistsError(
             f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
@@ -270,10 +272,12 @@ def _already_finished(cfg: ExperimentConfig, checkpoint: str, meta: dict[str, An
     still marked RUNNING/FAILED/KILLED (the driver died before ending it) is ended FINISHED. A final
     checkpoint copied from another run (a PBT exploit at the last step) ends this run's own.
     """
-    log.info("[%s] already %s: %s is step %d of %d; nothing to train (raise train.pause_at / "
-             "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
-             cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", checkpoint,
-             meta["step"], cfg.train.steps)
+    ignored = ignored_settings(meta, cfg)  # a changed setting that this does not use is worth a warning
+    log.log(logging.WARNING if ignored else logging.INFO,
+            "[%s] already %s: %s is step %d of %d; nothing to train%s (raise train.pause_at / "
+            "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
+            cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", checkpoint,
+            meta["step"], cfg.train.steps, f", so {ignored} change nothing" if ignored else "")
     run_id = through_mlflow_outages(lambda: _finish_mlflow_run(cfg, meta, checkpoint), "its MLflow run",
                                     _warn(cfg)) if tracking else None
     metrics = {"step": meta["step"], **meta.get("metrics", {})}
