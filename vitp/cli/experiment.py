@@ -181,8 +181,9 @@ def _add_plan(sub) -> Handler:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     run = run_from(args)  # a bad recipe or value is refused before ray and pyarrow load
-    from vitp.data.commands import run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
+    from vitp.data.commands import check_synth_output, run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
 
+    check_synth_output(run.cfg, args.out, args.overwrite)  # refused before Ray starts
     on_ray(args, run.cfg, shards_for=[])
     run_synth(run.cfg, out_dir=args.out, overwrite=args.overwrite)
     return 0

@@ -29,6 +29,7 @@ class DataConfig:
 
     source: DataSource = "synthetic"  # corpus format; "synthetic" renders fractals, "digits" is bundled
     path: str = ""  # input corpus (path or s3://, gs:// URI); unused for synthetic / digits
+    allow_outside_root: bool = False  # read files that symlinks or a labels list lead to outside data.path (else quarantined)
     shards: str = ""  # Parquet shard directory; "" = <work_dir>/shards/<source>
     image_size: int = 224  # training resolution fed to the model
     storage_size: int = 256  # shorter side stored in shards (resize + centre crop)

@@ -19,9 +19,24 @@ from .decode import DEFAULT_MAX_PIXELS
 from .ingest import shards_dir
 from .preprocess import preprocess
 from .catalog import plan_source
-from .synth import generate_corpus
+from .synth import foreign_files, generate_corpus
 
 _log = get_logger(__name__)
+
+
+def check_synth_output(cfg, out_dir: Optional[str] = None, overwrite: bool = False) -> str:
+    """The corpus folder `vitp synth` writes (default <work_dir>/synth), once it is known to be
+    empty or, with `overwrite`, to hold only an earlier corpus: FileExistsError otherwise."""
+    out = out_dir or RunPaths.of(cfg.work_dir).synth
+    if storage.listdir(out):
+        foreign = foreign_files(out)
+        if foreign:  # `--out ~ --overwrite` must not delete a home directory
+            raise FileExistsError(f"{out}: holds files vitp synth did not write ({', '.join(foreign[:3])}"
+                                  f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new --out directory")
+        if not overwrite:
+            raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
+                                  "or choose another output directory")
+    return out
 
 
 def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
@@ -29,12 +44,9 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
     """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
     into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.data.synth_seed."""
     d = cfg.data
-    out = out_dir or RunPaths.of(cfg.work_dir).synth
-    if storage.listdir(out) and not overwrite:
-        raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
-                              "or choose another output directory")
-    if overwrite:
-        storage.rmtree(out, out)  # the output the user named
+    out = check_synth_output(cfg, out_dir, overwrite)
+    for name in storage.listdir(out):  # an earlier corpus's class folders, each only rendered images
+        storage.rmtree(storage.join(out, name), out)
     t0 = time.time()
     res = generate_corpus(d.synth_classes, d.synth_images_per_class, d.storage_size,
                           d.synth_seed, out)
@@ -57,7 +69,8 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
     out = out_dir or shards_dir(cfg)
     t0 = time.time()
     plan = plan_source(d.source, d.path, synth_classes=d.synth_classes,
-                       synth_images_per_class=d.synth_images_per_class, seed=d.synth_seed)
+                       synth_images_per_class=d.synth_images_per_class, seed=d.synth_seed,
+                       allow_outside_root=d.allow_outside_root)
     plan.info["source"] = d.source
     labelled = plan.info.get("labelled", True)  # False: one class, recorded in the manifest
     what = f"{len(plan.units)} listing units" if plan.units else f"{len(plan.items)} inputs"

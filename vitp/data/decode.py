@@ -19,15 +19,24 @@ REASONS = (
     "empty",          # zero-byte file
     "unreadable",     # the path could not be opened / read
     "not_an_image",   # Pillow cannot identify the format (e.g. text named .jpg)
-    "too_large",      # width x height above the pixel limit, checked from the header
+    "too_large",      # width x height above the pixel limit (from the header), or the file's bytes above max_file_bytes
     "truncated",      # the file ends before the image data does
     "corrupt",        # decodes with another error
     "bad_mode",       # a pixel mode we cannot convert to RGB
     "bad_label",      # the source gave no usable label
+    "outside_root",   # a symlink or list row that leads outside the corpus root (data/bounds.py)
 )
 
 # 89.5 Mpx is Pillow's own default; ours is explicit so a corpus of huge scans fails loudly.
 DEFAULT_MAX_PIXELS = 89_478_485
+
+
+def max_file_bytes(max_pixels: int) -> int:
+    """The most bytes an image file may hold, checked before it is read: no image within the
+    pixel limit needs more than 8 a pixel (16-bit RGBA stored raw) plus 16 MiB of metadata
+    (ICC profiles, EXIF, XMP, thumbnails)."""
+    return 8 * max_pixels + (16 << 20)
+
 
 # Truncated files must raise, never be silently padded with grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False

@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..storage import filesystem, join, open_input
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, decode_image, encode_jpeg, resize_center_crop
-from .sources import Plan, classes_from_labels, expand_unit, image_column, read_bytes
+from .sources import Plan, classes_from_labels, expand_unit, image_column, read_image
 from .synth import class_system, render
 
 _log = get_logger(__name__)
@@ -72,7 +72,7 @@ def _one(row: dict, size: int, storage_format: str, jpeg_quality: int, max_pixel
         reason, _, detail = row["error"].partition(": ")
         return b"", reason, detail
     if not 0 <= row["label"] < num_classes:
-        return b"", "bad_label", f"label {row['label']} outside 0..{num_classes - 1}"
+        return b"", "bad_label", f"label {row['raw_label'] or row['label']} outside 0..{num_classes - 1}"
     try:
         if row["synth"] >= 0:
             cls = row["label"]
@@ -85,7 +85,7 @@ def _one(row: dict, size: int, storage_format: str, jpeg_quality: int, max_pixel
                 data = row["data"]
             else:
                 try:
-                    data = read_bytes(row["path"], row["offset"], row["length"])
+                    data = read_image(row["path"], row["offset"], row["length"], max_pixels)
                 except OSError as e:
                     return b"", "unreadable", f"cannot read ({e.__class__.__name__}: {e})"
             img = decode_image(data, max_pixels=max_pixels, draft_size=size)
@@ -270,7 +270,7 @@ def preprocess(plan: Plan, out_dir: str, *, size: int, storage_format: str = "ui
         raise InputError(f"{out_dir}: the source listed no inputs; check data.path")
     classes, label_index = plan.classes, None
     if classes is None:
-        classes = classes_from_labels({r for b in blocks for r in json.loads(b["raw"])}, plan.label_order)
+        classes = classes_from_labels({r for b in blocks for r in json.loads(b["raw"])}, plan.label_order, num_classes)
         label_index = {c: i for i, c in enumerate(classes)}
     ncls = num_classes or len(classes)
     target = shard_mb * (1 << 20)

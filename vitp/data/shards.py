@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import InputError
-from ..storage import file_sizes, filesystem, join
+from ..storage import file_sizes, filesystem, join, rmtree
 
 SHARD_SCHEMA = pa.schema([
     ("image", pa.binary()),   # uint8: H*W*3 raw bytes (row-major HWC); jpeg: the JPEG file
@@ -79,11 +79,7 @@ def prepare_output(root: str, overwrite: bool, resume: bool = False) -> tuple[pa
                                   "--resume to finish it or --overwrite to start over")
         if overwrite:
             for e in entries:
-                p = join(base, e)
-                if fs.get_file_info(p).type == pafs.FileType.Directory:
-                    fs.delete_dir(p)
-                else:
-                    fs.delete_file(p)
+                rmtree(join(root, e), root)
     fs.create_dir(base, recursive=True)
     for s in SPLITS + (RECORDS, QUARANTINE_PARTS):
         fs.create_dir(join(base, s), recursive=True)

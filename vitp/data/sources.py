@@ -1,13 +1,10 @@
 """Input layouts -> items (key, label, where the bytes are) plus the class names, read through
-vitp.storage. Scalable sources (ImageFolder, unlabelled, ImageNet, Parquet, WebDataset,
-synthetic) are planned on the driver, which lists only directories or files, into listing units
-that Ray tasks expand into items (`expand_unit`); CSV lists are read on the driver. Must not
-decode images.
+vitp.storage within the limits of bounds.py. Scalable sources (ImageFolder, unlabelled, ImageNet,
+Parquet, WebDataset, synthetic) are planned on the driver, which lists only directories or files,
+into listing units that Ray tasks expand into items (`expand_unit`). Must not decode images.
 """
 from __future__ import annotations
 
-import csv
-import io
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -18,6 +15,9 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..storage import filesystem, is_uri, join, open_input
+from .bounds import (CLS_BYTES, MAX_CLASSES, METADATA_BYTES, BoundedTarInfo, label_text_problem,
+                     local_entries, local_walk, parse_index, read_bounded)
+from .decode import DecodeError, max_file_bytes
 from .synth import class_name
 
 # An item is one input: a dict with exactly these keys (the columns of the preprocess dataset).
@@ -78,35 +78,44 @@ class Plan:
 
 
 def read_bytes(path: str, offset: int = -1, length: int = -1) -> bytes:
-    """The bytes of `path` (or of [offset, offset+length)); OSError if it cannot be read."""
-    with open_input(path) as f:
-        if offset >= 0:
-            f.seek(offset)
-            return f.read(length)
-        return f.read()
+    """The bytes of a metadata file (labels CSV, annotations, a CIFAR batch), or of
+    [offset, offset+length); OSError if it cannot be read, InputError above METADATA_BYTES."""
+    try:
+        return read_bounded(path, offset, length, METADATA_BYTES)
+    except DecodeError as e:
+        raise InputError(f"{path}: {e} for a dataset's metadata file; check that data.path "
+                         "names the dataset's own files") from None
 
 
-def _uri_of(base: str, fs_path: str, base_fs_path: str) -> str:
-    """Turn a path inside `base`'s file system back into something read_bytes accepts."""
-    return join(base, os.path.relpath(fs_path, base_fs_path).replace(os.sep, "/"))
+def read_image(path: str, offset: int, length: int, max_pixels: int) -> bytes:
+    """An image file's bytes, DecodeError("too_large") before reading more than an image within
+    `max_pixels` can hold (decode.max_file_bytes)."""
+    try:
+        return read_bounded(path, offset, length, max_file_bytes(max_pixels))
+    except DecodeError as e:
+        raise DecodeError(e.reason, f"{e} for an image within the pixel limit {max_pixels} "
+                                    "(raise max_pixels if genuine)") from None
 
 
-def list_files(root: str) -> list[tuple[str, str]]:
-    """All non-hidden files under root, sorted: (relative path, readable path/URI)."""
+def list_files(root: str, fence: str = "", allow_outside: bool = False) -> list[tuple[str, str, str]]:
+    """All non-hidden files under root, sorted: (relative path, readable path/URI, error). On a
+    local disk a symlink out of `fence` (default: root) is one entry with its outside_root error
+    and is not followed (bounds.local_walk); object stores have no links."""
     fs, base = filesystem(root)
     info = fs.get_file_info(base)
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{root}: does not exist; set data.path to the corpus directory")
+    if isinstance(fs, pafs.LocalFileSystem):
+        fence_in = filesystem(fence or root)[1]
+        out = [(rel, join(root, rel) if is_uri(root) else path, err)
+               for rel, path, err in local_walk(base, fence_in, allow_outside)]
+        return sorted(out)
     out = []
     for fi in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
-        if fi.type != pafs.FileType.File:
-            continue
         rel = os.path.relpath(fi.path, base).replace(os.sep, "/")
-        if any(part.startswith(".") for part in rel.split("/")):
-            continue
-        out.append((rel, _uri_of(root, fi.path, base) if is_uri(root) else os.path.join(base, rel)))
-    out.sort()
-    return out
+        if fi.type == pafs.FileType.File and not any(part.startswith(".") for part in rel.split("/")):
+            out.append((rel, join(root, rel), ""))
+    return sorted(out)
 
 
 def _info_type(path: str) -> pafs.FileType:
@@ -114,29 +123,38 @@ def _info_type(path: str) -> pafs.FileType:
     return fs.get_file_info(base).type
 
 
-def _child_dirs(root: str) -> list[str]:
+def _entries(root: str, fence: str, allow_outside: bool) -> list[tuple[str, bool, str]]:
+    """(name, is a directory, error) of root's non-hidden entries (bounds.local_entries)."""
     fs, base = filesystem(root)
-    names = [os.path.basename(fi.path) for fi in fs.get_file_info(pafs.FileSelector(base))
-             if fi.type == pafs.FileType.Directory]
-    return sorted(n for n in names if not n.startswith("."))
+    if isinstance(fs, pafs.LocalFileSystem):
+        return local_entries(base, filesystem(fence or root)[1], allow_outside)
+    return sorted((fi.base_name, fi.type == pafs.FileType.Directory, "")
+                  for fi in fs.get_file_info(pafs.FileSelector(base)) if not fi.base_name.startswith(".")
+                  and fi.type in (pafs.FileType.File, pafs.FileType.Directory))
+
+
+def _child_dirs(root: str, fence: str = "", allow_outside: bool = False) -> list[str]:
+    """The class directories: a directory link out of `fence` is none (the top unit lists it)."""
+    return [n for n, is_dir, err in _entries(root, fence, allow_outside) if is_dir and not err]
 
 
 # ----------------------------------------------------------------------------- sources
 
 
-def _folder_units(root: str, split: str, classes: list[str], key_prefix: str,
-                  unlabelled: bool = False) -> list[dict]:
+def _folder_units(root: str, split: str, classes: list[str], key_prefix: str, unlabelled: bool = False,
+                  fence: str = "", allow_outside: bool = False) -> list[dict]:
     """One listing unit per child directory of `root` (its label, or why it has none) and one
-    for the files at the top level (inputs without a class). `unlabelled`: every image file,
-    at any depth, is an input of class 0, and files of other extensions are not inputs."""
+    for the files at the top level (inputs without a class) and the links out of `fence` (the
+    corpus root). `unlabelled`: every image file, at any depth, is an input of class 0, and
+    files of other extensions are not inputs."""
     index = {c: i for i, c in enumerate(classes)}
     top_error = "" if unlabelled else "bad_label: file at the top level, not inside a class directory"
-    units = [{"kind": "top", "root": root, "split": split, "prefix": key_prefix,
-              "label": 0 if unlabelled else -1, "error": top_error, "images_only": unlabelled}]
-    for d in _child_dirs(root):
+    common = {"root": root, "split": split, "prefix": key_prefix, "images_only": unlabelled,
+              "fence": fence or root, "allow_outside": allow_outside}
+    units = [{"kind": "top", "label": 0 if unlabelled else -1, "error": top_error, **common}]
+    for d in _child_dirs(root, fence or root, allow_outside):
         label = 0 if unlabelled else index.get(d, -1)
-        units.append({"kind": "dir", "root": root, "dir": d, "label": label, "split": split,
-                      "prefix": key_prefix, "images_only": unlabelled,
+        units.append({"kind": "dir", "dir": d, "label": label, **common,
                       "error": "" if label >= 0 else f"bad_label: class directory {d!r} is not in the class map"})
     return units
 
@@ -147,88 +165,72 @@ def is_image_name(name: str) -> bool:
 
 def _expand_folder(u: dict) -> list[dict]:
     keep = is_image_name if u["images_only"] else (lambda _: True)
-    if u["kind"] == "top":
-        fs, base = filesystem(u["root"])
-        files = sorted(os.path.basename(fi.path) for fi in fs.get_file_info(pafs.FileSelector(base))
-                       if fi.type == pafs.FileType.File)
-        return [item(u["prefix"] + f, u["label"], u["split"], join(u["root"], f), error=u["error"])
-                for f in files if not f.startswith(".") and keep(f)]
+    fence, allow = u.get("fence", u["root"]), u.get("allow_outside", False)
+    if u["kind"] == "top":  # the files here, and every link out of the root (directories too)
+        return [item(u["prefix"] + f, u["label"], u["split"], join(u["root"], f), error=err or u["error"])
+                for f, is_dir, err in _entries(u["root"], fence, allow)
+                if err or (not is_dir and keep(f))]
     d = join(u["root"], u["dir"])
-    return [item(f"{u['prefix']}{u['dir']}/{rel}", u["label"], u["split"], path, error=u["error"])
-            for rel, path in list_files(d) if keep(rel)]
+    return [item(f"{u['prefix']}{u['dir']}/{rel}", u["label"], u["split"], path, error=err or u["error"])
+            for rel, path, err in list_files(d, fence, allow) if keep(rel) or err]
 
 
 def imagefolder_plan(root: str, split: str = "", classes: Optional[list[str]] = None,
-                     key_prefix: str = "") -> Plan:
+                     key_prefix: str = "", allow_outside_root: bool = False) -> Plan:
     """root/<class>/<file...>: every non-hidden file is an input (non-images get quarantined).
-    The driver lists the class directories; one Ray task lists each of them."""
-    classes = classes if classes is not None else _child_dirs(root)
+    The driver lists the class directories; one Ray task lists each of them. Symlinks that
+    lead out of root are quarantined (outside_root) unless `allow_outside_root`."""
+    classes = classes if classes is not None else _child_dirs(root, root, allow_outside_root)
     if not classes:
         raise FileNotFoundError(f"{root}: no class directories; expected root/<class>/<image>")
-    return Plan(list(classes), _folder_units(root, split, classes, key_prefix),
-                official_split=bool(split))
+    return Plan(list(classes), _folder_units(root, split, classes, key_prefix,
+                                             allow_outside=allow_outside_root), official_split=bool(split))
 
 
 UNLABELLED = "unlabelled"  # the one class name of an unlabelled corpus
 
 
-def unlabelled_plan(root: str) -> Plan:
+def unlabelled_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """Any tree of images without classes (self-supervised pre-training): every image file
     (IMAGE_EXTS) at any depth is an input of class 0, key = its path under root. Listed like an
     ImageFolder: the driver lists the top directory, a Ray task each child directory. The
     manifest records `labelled: false` (see `require_labels`)."""
     if _info_type(root) != pafs.FileType.Directory:
         raise FileNotFoundError(f"{root}: not a directory; set data.path to the folder of images")
-    return Plan([UNLABELLED], _folder_units(root, "", [], "", unlabelled=True),
-                info={"labelled": False})
+    return Plan([UNLABELLED], _folder_units(root, "", [], "", unlabelled=True,
+                                            allow_outside=allow_outside_root), info={"labelled": False})
 
 
 def imagefolder(root: str, split: str = "", classes: Optional[list[str]] = None,
-                key_prefix: str = "") -> Listing:
-    return expand_plan(imagefolder_plan(root, split, classes, key_prefix))
+                key_prefix: str = "", allow_outside_root: bool = False) -> Listing:
+    return expand_plan(imagefolder_plan(root, split, classes, key_prefix, allow_outside_root))
 
 
-def _natural(names: set[str]) -> list[str]:
+def natural_order(names: set[str]) -> list[str]:
+    """Labels as class names: numerically sorted when all are integers, else as text."""
     try:
         return [str(n) for n in sorted(names, key=int)]
     except ValueError:
         return sorted(names)
 
 
-def csv_list(csv_path: str) -> Listing:
-    """A labels CSV with columns path,label; relative paths are relative to the CSV's folder."""
-    text = read_bytes(csv_path).decode("utf-8-sig")
-    rows = list(csv.DictReader(io.StringIO(text)))
-    if rows and not {"path", "label"} <= set(rows[0]):
-        raise InputError(f"{csv_path}: needs columns path,label; found {', '.join(rows[0])}")
-    base = csv_path.rsplit("/", 1)[0] if "/" in csv_path else "."
-    classes = _natural({r["label"].strip() for r in rows if (r["label"] or "").strip()})
-    index = {c: i for i, c in enumerate(classes)}
-    items = []
-    for r in rows:
-        p = (r["path"] or "").strip()
-        full = p if (is_uri(p) or os.path.isabs(p)) else join(base, p)
-        lab = (r["label"] or "").strip()
-        err = "" if lab else f"bad_label: empty label for {p!r} in {csv_path}"
-        items.append(item(p, index.get(lab, -1), "", full, error=err))
-    return Listing(items, classes)
-
-
-def _files_with(root: str, ext: str) -> list[tuple[str, str]]:
+def _files_with(root: str, ext: str, allow_outside: bool = False) -> list[tuple[str, str, str]]:
+    """(rel, path, error) of the `ext` files under root, and of every link out of it."""
     if root.endswith(ext):
-        return [(os.path.basename(root), root)]
-    return [(rel, p) for rel, p in list_files(root) if rel.endswith(ext)]
+        return [(os.path.basename(root), root, "")]
+    return [(rel, p, err) for rel, p, err in list_files(root, root, allow_outside) if rel.endswith(ext) or err]
 
 
 def image_column(names: list[str]) -> Optional[str]:
     return "image" if "image" in names else ("bytes" if "bytes" in names else None)
 
 
-def parquet_plan(root: str) -> Plan:
+def parquet_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """Existing Parquet files (columns: image bytes, label; optional key/path). The driver lists
     the files; a Ray task per file reads its key and label columns (never the images), and the
     images are read by row group where they are decoded."""
-    units = [{"kind": "parquet", "path": p, "rel": rel} for rel, p in _files_with(root, ".parquet")]
+    units = [{"kind": "parquet", "path": p, "rel": rel, "error": err}
+             for rel, p, err in _files_with(root, ".parquet", allow_outside_root)]
     return Plan(None, units, label_order="natural", decode_early=True)
 
 
@@ -249,52 +251,65 @@ def _expand_parquet(u: dict) -> list[dict]:
             keys = t.column(key_col).to_pylist() if key_col else \
                 [f"{rel}/{first + i}" for i in range(t.num_rows)]
             for i, (k, lab) in enumerate(zip(keys, labels)):
-                out.append(item(str(k), -1, path=path, row_group=g, row=i,
-                                raw_label="" if lab is None else str(lab),
-                                error="" if lab is not None else "bad_label: null label"))
+                raw = "" if lab is None else str(lab)
+                err = label_text_problem(raw, f"row {first + i} of {path}") if lab is not None \
+                    else "bad_label: null label"
+                out.append(item(str(k), -1, path=path, row_group=g, row=i, raw_label="" if err else raw, error=err))
             first += t.num_rows
     return out
 
 
-def webdataset_plan(root: str) -> Plan:
+def webdataset_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """WebDataset .tar shards: members key.jpg / key.png (image) + key.cls (class index text).
     A Ray task per tar reads its headers and .cls members; images are read by byte range."""
-    units = [{"kind": "tar", "path": p, "rel": rel} for rel, p in _files_with(root, ".tar")]
+    units = [{"kind": "tar", "path": p, "rel": rel, "error": err}
+             for rel, p, err in _files_with(root, ".tar", allow_outside_root)]
     return Plan(None, units, label_order="range")
 
 
 def _expand_tar(u: dict) -> list[dict]:
+    """A tar's samples: each .cls read only when its header says it fits CLS_BYTES, and parsed
+    by bounds.parse_index; images located by byte range (their size is checked when read). A
+    tar that cannot be read to its end keeps the samples before the damage, plus one entry."""
     path, rel = u["path"], u["rel"]
     samples: dict[str, dict] = {}
+    broken = ""
     fs, inner = filesystem(path)
-    with fs.open_input_file(inner) as f, tarfile.open(fileobj=f, mode="r:") as tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            stem, _, ext = m.name.partition(".")
-            s = samples.setdefault(f"{rel}/{stem}", {})
-            if ext.lower() in ("jpg", "jpeg", "png", "webp", "bmp"):
-                s["image"] = (path, m.offset_data, m.size)
-            elif ext.lower() == "cls":
-                s["cls"] = tf.extractfile(m).read().decode().strip()
-    items = []
+    with fs.open_input_file(inner) as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r:", tarinfo=BoundedTarInfo) as tf:
+                for m in tf:
+                    if not m.isfile():
+                        continue
+                    stem, _, ext = m.name.partition(".")
+                    s = samples.setdefault(f"{rel}/{stem}", {})
+                    if ext.lower() in ("jpg", "jpeg", "png", "webp", "bmp"):
+                        s["image"] = (path, m.offset_data, m.size)
+                    elif ext.lower() == "cls":
+                        raw = tf.extractfile(m).read(CLS_BYTES) if m.size <= CLS_BYTES else b""
+                        s["cls"] = parse_index(raw, f"{m.name} in {path}", m.size)
+        except tarfile.TarError as e:
+            broken = f"corrupt: {path} cannot be read past its first {len(samples)} samples ({e}); re-write the tar"
+    items = [item(rel, -1, "", path, error=broken)] if broken else []
     for key, s in sorted(samples.items()):
-        cls = s.get("cls", "")
-        ok = cls.lstrip("-").isdigit() and int(cls) >= 0
-        path, off, size = s.get("image", ("", -1, -1))
-        err = "" if ok else f"bad_label: no usable {key}.cls"
-        if not path:
+        label, err = s.get("cls", (-1, f"bad_label: no {key}.cls in {path}"))
+        ipath, off, size = s.get("image", ("", -1, -1))
+        if not ipath:
             err = "not_an_image: no image member for this sample"
-        items.append(item(key, -1, "", path, off, size, error=err, raw_label=str(int(cls)) if ok else ""))
+        items.append(item(key, -1, "", ipath, off, size, error=err, raw_label=str(label) if label >= 0 else ""))
     return items
 
 
-def imagenet_plan(root: str) -> Plan:
+def imagenet_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """ImageNet as ImageFolder: train/<wnid>/*.JPEG -> train, val/<wnid>/*.JPEG -> val; the
-    class map comes from train's wnids (sorted)."""
-    classes = _child_dirs(join(root, "train"))
-    units = (_folder_units(join(root, "train"), "train", classes, "train/")
-             + _folder_units(join(root, "val"), "val", classes, "val/"))
+    class map comes from train's wnids (sorted). A split directory that leads out of root is
+    refused (InputError), links below it quarantined (as imagefolder_plan)."""
+    for name, _, err in _entries(root, root, allow_outside_root):
+        if name in ("train", "val") and err:
+            raise InputError(err.partition(": ")[2])
+    classes = _child_dirs(join(root, "train"), root, allow_outside_root)
+    units = [u for split in ("train", "val") for u in _folder_units(
+        join(root, split), split, classes, f"{split}/", fence=root, allow_outside=allow_outside_root)]
     return Plan(classes, units, official_split=True)
 
 
@@ -310,6 +325,8 @@ def synthetic_plan(num_classes: int, images_per_class: int, seed: int) -> Plan:
 def expand_unit(unit: dict) -> list[dict]:
     """One listing unit -> its items (runs in a Ray task; also locally for `list_source`)."""
     kind = unit["kind"]
+    if unit.get("error") and kind in ("parquet", "tar"):  # a link out of the root: not opened
+        return [item(unit["rel"], -1, path=unit["path"], error=unit["error"])]
     if kind in ("top", "dir"):
         return _expand_folder(unit)
     if kind == "parquet":
@@ -322,12 +339,16 @@ def expand_unit(unit: dict) -> list[dict]:
     raise ValueError(f"unknown listing unit kind {kind!r}")
 
 
-def classes_from_labels(raw_labels: set[str], order: str) -> list[str]:
-    """The class names of a source whose labels are data (Plan.label_order)."""
+def classes_from_labels(raw_labels: set[str], order: str, limit: Optional[int] = None) -> list[str]:
+    """The class names of a source whose labels are data (Plan.label_order). "range" stops at
+    `limit` (data.num_classes) when given, and at MAX_CLASSES: a label beyond is quarantined by
+    preprocess (or the listing), never made a class."""
     if order == "range":
-        ints = [int(x) for x in raw_labels]
-        return [str(i) for i in range(max(ints) + 1)] if ints else []
-    return _natural(raw_labels)
+        ints = [v for v in (int(x) for x in raw_labels if x.isascii() and x.isdigit() and len(x) <= CLS_BYTES)
+                if v < MAX_CLASSES]
+        n = max(ints) + 1 if ints else 0
+        return [str(i) for i in range(min(n, limit) if limit else n)]
+    return natural_order(raw_labels)
 
 
 def expand_plan(plan: Plan) -> Listing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from typing import Optional
 
 import numpy as np
@@ -121,6 +122,20 @@ def render(seed: int, cls: int, index: int, size: int,
 
 def class_name(cls: int) -> str:
     return f"fractal_{cls:05d}"
+
+
+# What the renderer writes under its output: fractal_00000/000000.png, and a writer's temporary
+# name beside a file it had not finished (storage.write_bytes: <file>.tmp<pid>)
+_OWN_FILE = re.compile(r"^fractal_\d{5}/\d{6}\.png(\.tmp\d+)?$")
+_OWN_FOLDER = re.compile(r"^fractal_\d{5}$")
+
+
+def foreign_files(out_dir: str) -> list[str]:
+    """The files under `out_dir` (relative) that the renderer does not write: a folder holding any
+    is not a corpus `vitp synth --overwrite` may delete."""
+    others = [name for name in storage.listdir(out_dir) if not _OWN_FOLDER.match(name)]
+    return others + [f for f in storage.file_sizes(out_dir)
+                     if _OWN_FOLDER.match(f.split("/")[0]) and not _OWN_FILE.match(f)]
 
 
 def corpus_fingerprint(num_classes: int, images_per_class: int, image_size: int, seed: int) -> str:

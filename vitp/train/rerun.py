@@ -1,9 +1,7 @@
-"""Which run a command continues when a run of its name is already in storage.
-
-A run is continued (or reported finished) only with the settings it was trained with: the params
-MLflow holds for it, less the keys a continuation may change (CONTINUABLE: steps, workers, ...). A
-derived name (no tracking.run_name) with other settings becomes `<name>-<settings hash>`, so the
-same command always lands on the same run; a name the user chose is refused. Reads storage only.
+"""Which run a command continues when a run of its name is already in storage: only one trained
+with the same settings (its MLflow params less the CONTINUABLE keys: steps, workers, ...). A derived
+name (no tracking.run_name) with other settings becomes `<name>-<settings hash>`, so the same
+command always lands on the same run; a name the user chose is refused. Reads storage only.
 """
 from __future__ import annotations
 
