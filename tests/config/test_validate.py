@@ -29,7 +29,7 @@ def _invalid(**overrides):
                                                               "train.augreg=''"]),
     ({"train.objective": "mpp", "train.cutmix_alpha": 1.0}, ["train.objective=mpp", "CutMix"]),
     ({"model.drop_path": 1.0}, ["model.drop_path=1.0", "[0, 1)"]),
-    ({"optim.layer_decay": 0.0}, ["optim.layer_decay=0.0: must be > 0"]),
+    ({"optim.layer_decay": 0.0}, ["optim.layer_decay=0.0: must be in (0, 1]"]),
     ({"data.randaug_layers": -1}, ["data.randaug_layers=-1", "0..16"]),
     ({"train.label_smoothing": 1.0}, ["train.label_smoothing=1.0"]),
     ({"train.keep_every": -1}, ["train.keep_every=-1: must be >= 0"]),

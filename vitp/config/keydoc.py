@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from . import schema
 from .coerce import hints
+from .rules import RULES, Each, Name, Number
 from .schema import ExperimentConfig
 
 _LONGEST_CHOICE_TYPE = 40  # a Literal longer than this is shown as "choice" and listed in the meaning
@@ -29,6 +30,7 @@ class KeyDoc:
     value: Any  # the recipe's value
     default: Any  # the schema's
     meaning: str  # the schema's comment; "" where it has none
+    allowed: str = ""  # a number's range ("8..4096", "(0, 1]"), "name": its rule in rules.py, shown after the type
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,10 +88,19 @@ def key_docs(cfg: ExperimentConfig) -> list[KeyDoc]:
             if len(kind) > _LONGEST_CHOICE_TYPE:
                 meaning = f"{meaning} (one of: {kind.replace('|', ', ')})".strip()
                 kind = "choice"
-            out.append(KeyDoc(prefix + f.name, kind, v, d, meaning))
+            out.append(KeyDoc(prefix + f.name, kind, v, d, meaning, _allowed(prefix + f.name)))
 
     walk(ExperimentConfig, cfg, ExperimentConfig(), "")
     return out
+
+
+def _allowed(key: str) -> str:
+    rule = RULES.get(key)
+    each = isinstance(rule, Each)
+    rule = rule.rule if isinstance(rule, Each) else rule
+    if isinstance(rule, Number):
+        return f"{'each ' if each else ''}{rule.span}"
+    return "name" if isinstance(rule, Name) else ""
 
 
 def _text(value: Any) -> str:
@@ -99,7 +110,7 @@ def _text(value: Any) -> str:
 def key_table(cfg: ExperimentConfig) -> str:
     """One line per key: key, type, the recipe's value (and the default where it differs), meaning."""
     docs = key_docs(cfg)
-    rows = [(d.key, d.type, _text(d.value) + ("" if d.value == d.default else f" (default {_text(d.default)})"),
+    rows = [(d.key, f"{d.type} {d.allowed}".strip(), _text(d.value) + ("" if d.value == d.default else f" (default {_text(d.default)})"),
              d.meaning) for d in docs]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     head = ("key", "type", f"value in {cfg.recipe}", "meaning")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from ..config import ExperimentConfig, Run
 from ..console import get_logger
 from ..errors import ConfigError
+from ..names import name_error
 from ..tracking.runs import CONTINUABLE
 from ..tracking.values import params_for_mlflow
 
@@ -67,6 +68,9 @@ def run_to_continue(run: Run, where: Where, continuable: tuple[str, ...] = ()
             f"{_describe(changes)}): choose a new --set tracking.run_name=... to train with these, or "
             "leave tracking.run_name unset to have one derived from them; MLflow params cannot change")
     named = f"{cfg.run_name}-{settings_hash(cfg, continuable)}"
+    if name_error("tracking.run_name", named):  # the derived name was near the length limit
+        raise ConfigError(f"{cfg.run_name!r} holds a run with other settings ({_describe(changes)}) and "
+                          f"{name_error('its derived name', named)}: choose a --set tracking.run_name=...")
     renamed = Run.of(dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=named)))
     existing, meta = where(renamed.cfg)
     again = _differences(meta, renamed.cfg, continuable)
