@@ -18,7 +18,10 @@
 # --auth turns on token authentication (RAY_AUTH_MODE=token) with a fresh token in DIR/auth_token;
 # clients then need RAY_AUTH_TOKEN_PATH=DIR/auth_token (printed on start). Without --auth the
 # cluster runs with RAY_AUTH_MODE=disabled explicitly, so a stray ~/.ray/auth_token does not
-# switch it on half-way. Nothing binds 0.0.0.0: node, dashboard and agents use 127.0.0.1.
+# switch it on half-way. The dashboard and Jobs API listen on 127.0.0.1 only; GCS, raylets, agents,
+# metrics, the client server and workers listen on all interfaces or this machine's address: Ray
+# 2.60 takes the machine's address for a node given 127.0.0.1, and for a client's 127.0.0.1:PORT,
+# unless its multi-node support is off (which refuses worker nodes). Use --auth beyond a laptop.
 # --fake-autoscaling CONFIG runs Ray's autoscaler on the head with CONFIG, a launcher config whose
 # provider is Ray's fake multi-node one (`type: fake_multinode`): the worker nodes it launches are
 # raylets on this machine, in the head's process group (so `stop` ends them too).
@@ -32,7 +35,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PYTHON")"
 
 cmd="${1:-}"; shift || true
-case "$cmd" in -h|--help) sed -n '2,24p' "$0"; exit 0 ;; esac
+case "$cmd" in -h|--help) sed -n '2,27p' "$0"; exit 0 ;; esac
 node_index=""
 if [ "$cmd" = kill-node ]; then node_index="${1:-}"; shift || true; fi
 workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90; autoscaling=""
@@ -46,12 +49,31 @@ while [ $# -gt 0 ]; do
     --state-dir) state_dir="$2"; shift 2 ;;
     --timeout) timeout="$2"; shift 2 ;;
     --fake-autoscaling) autoscaling="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "cluster/local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 # Short default path: Ray puts Unix sockets under the temp dir and those are limited to 107 bytes.
 state_dir="${state_dir:-/tmp/vitp-ray-$port}"
+
+# The state dir holds the auth token, the pids `stop` signals and every node's files, so it must be
+# this user's only. The default is a fixed name in the shared /tmp that another user could make
+# first (a link to a directory of theirs, or one holding pids of their choosing): refused, never
+# followed. One of ours that others could write to is made 700.
+if [ "$cmd" = start ] && [ ! -e "$state_dir" ] && [ ! -L "$state_dir" ]; then
+  mkdir -p -m 700 "$state_dir"
+fi
+if [ -L "$state_dir" ] || { [ -e "$state_dir" ] && [ ! -d "$state_dir" ]; }; then
+  echo "cluster/local.sh: $state_dir is a link or not a directory: remove it (another user may have made it) or pass --state-dir DIR" >&2
+  exit 2
+fi
+if [ -e "$state_dir" ]; then
+  if [ ! -O "$state_dir" ]; then
+    echo "cluster/local.sh: $state_dir belongs to another user: have it removed or pass --state-dir DIR (a directory of yours)" >&2
+    exit 2
+  fi
+  chmod 700 "$state_dir"
+fi
 
 free_port() {
   # A free port on 127.0.0.1 that is none of the ports given (a port --port/--dashboard-port names is

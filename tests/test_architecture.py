@@ -525,8 +525,8 @@ def test_no_file_over_400_lines():
 
 
 # The names of the work_dir layout (and the node-local folders beside it) that vitp/paths.py owns
-LAYOUT_NAMES = {"synth", "shards", "runs", "sweeps", "export", "mlflow.db", "vitp-ckpt-staging",
-                "vitp-mlflow-spool"}
+LAYOUT_NAMES = {"synth", "shards", "runs", "sweeps", "export", "mlflow.db", "ckpt-staging",
+                "mlflow-spool"}
 
 
 def test_one_module_owns_the_work_dir_layout():

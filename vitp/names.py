@@ -1,6 +1,6 @@
 """Names that become path components: a run, sweep, experiment, dataset or registered model name
-ends up in <work_dir>/runs/<name>, <tmp>/vitp-ckpt-staging/<name>, an S3 key, ... . Checked where
-they enter (config validation, the CLI), so none can point outside the directory it names a part
+ends up in <work_dir>/runs/<name>, <tmp>/vitp-<uid>/ckpt-staging/<name>, an S3 key, ... . Checked
+where they enter (config validation, the CLI), so none can point outside the directory it names a part
 of, hide what it says, or overflow a filesystem's component limit. Imports nothing from `vitp` but errors.
 """
 from __future__ import annotations

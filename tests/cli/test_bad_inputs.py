@@ -27,6 +27,33 @@ CASES = [
     ("config debug --set tracking.run_name=-x", 2, "tracking.run_name='-x' starts with '-'"),
     ("config debug --set tracking.experiment=a/../../b", 2, "tracking.experiment='a/../../b' contains '/'"),
     ("config debug --set model.dropout=1.5", 2, "model.dropout=1.5: must be in [0, 1)"),
+    # every key has a range (vitp/config/rules.py); NaN and infinity inside tuples too
+    ("config debug --set data.std=0.5,0.5,nan", 2, "data.std[2]=nan: must be a finite number"),
+    ("config debug --set data.mean=0.5,inf,0.5", 2, "data.mean[1]=inf: must be a finite number"),
+    ("config debug --set data.std=0,0.5,0.5", 2, "data.std[0]=0.0: must be in (0, 1]"),
+    ("config debug --set data.std=-0.5,0.5,0.5", 2, "data.std[0]=-0.5: must be in (0, 1]"),
+    ("config debug --set data.storage_size=0", 2, "data.storage_size=0: must be in 8..8192"),
+    ("config debug --set data.num_classes=-1", 2, "data.num_classes=-1: must be >= 0 (0 = as many as the corpus has)"),
+    ("config debug --set model.representation_size=-1", 2, "model.representation_size=-1: must be in 0..65536"),
+    ("config debug --set tune.num_samples=-1", 2, "tune.num_samples=-1: must be >= 1"),
+    ("config debug --set tune.trial_retries=-1", 2, "tune.trial_retries=-1: must be >= 0"),
+    ("config debug --set tune.max_concurrent_trials=-1", 2, "tune.max_concurrent_trials=-1: must be >= 0"),
+    ("config debug --set tune.perturbation_interval=-1", 2, "tune.perturbation_interval=-1: must be >= 0"),
+    ("config debug --set tune.startup_trials=-1", 2, "tune.startup_trials=-1: must be >= 0"),
+    ("config debug --set data.image_size=1000000", 2, "data.image_size=1000000: must be in 8..4096"),
+    ("config debug --set model.num_classes=2000000", 2, "model.num_classes=2000000: must be at most 1000000"),
+    ("config debug --set train.steps=1e9", 2, "train.steps=1000000000: must be at most 10000000"),
+    # names: one component, counted in bytes, no invisible or direction-changing characters
+    ("config debug --set tracking.run_prefix=../x", 2, "tracking.run_prefix='../x' contains '/'"),
+    ("config debug --set tracking.run_name=" + "\u00e9" * 65, 2, "is 130 bytes long in UTF-8 (at most 128"),
+    ("config debug --set tracking.run_name=run\u202ex", 2,
+     "tracking.run_name='run\\u202ex' contains '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("config debug --set tracking.experiment=a\u200bb", 2,
+     "tracking.experiment='a\\u200bb' contains '\\u200b' (U+200B ZERO WIDTH SPACE)"),
+    ("config debug --set tracking.run_name=a\x85b", 2, "tracking.run_name='a\\x85b' contains '\\x85' (U+0085)"),
+    ("sweep debug_finetune --name a\u2066b", 2, "--name='a\\u2066b' contains '\\u2066' (U+2066 LEFT-TO-RIGHT ISOLATE)"),
+    ("export emptydir --register a\ufeffb", 2,
+     "--register='a\\ufeffb' contains '\\ufeff' (U+FEFF ZERO WIDTH NO-BREAK SPACE)"),
     ("config debug --set optim.beta2=1", 2, "optim.beta2=1.0: must be in [0, 1)"),
     ("config debug --set optim.weight_decay=-1", 2, "optim.weight_decay=-1.0: must be in [0, inf)"),
     ("config debug --set tracking.spool_max_mb=0", 2, "tracking.spool_max_mb=0.0: must be > 0"),
@@ -42,6 +69,10 @@ CASES = [
     ("pretrain debug --set train.init_from=missing.safetensors", 2, "train.init_from='missing.safetensors' does not exist"),
     ("model X/99", 2, "model.variant='X/99' is not a ViT variant"),
     ("synth debug --set data.synth_classes=0", 2, "data.synth_classes=0: must be > 0"),
+    # a home directory named as the output of a command that deletes what it replaces
+    ("synth debug --overwrite --out home", 2, "{d}/home: holds files vitp synth did not write (.bashrc, "),
+    ("synth debug --out home/Documents", 2, "{d}/home/Documents: holds files vitp synth did not write (notes.txt)"),
+    ("demo --fresh --work-dir home", 2, "--work-dir home: holds files a demo did not write (.bashrc, "),
     ("preprocess debug --set data.source=imagefolder --set data.path=missing", 2,
      "data.path='missing' does not exist: point it at the imagefolder dataset"),
     ("export missing", 2, "missing: no such checkpoint directory"),
@@ -91,6 +122,10 @@ def inputs(tmp_path_factory):
     (d / "corrupt.npz").write_bytes(b"\x00" * 300)
     (d / "bad.yaml").write_text("entrypoint: [\n")
     (d / "unknown.yaml").write_text("nosuch: 1\n")
+    (d / "home" / "Documents").mkdir(parents=True)  # what a user's home holds, beside vitp's names
+    (d / "home" / ".bashrc").write_text("export PATH\n")
+    (d / "home" / "Documents" / "notes.txt").write_text("mine\n")
+    (d / "home" / "runs").mkdir()
     get_client(f"sqlite:///{d}/store.db").create_experiment("present")  # (with the store's lock file)
     return d
 
@@ -115,14 +150,21 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(inputs, monkeypatch, cap
     assert _files(inputs) == before  # nothing written, nothing removed
 
 
+def _cell(text: str) -> str:
+    """A table cell: the fixture folder left out, pipes escaped, and a character that would not
+    show (a control, a direction override, a zero-width space) written as its Python escape."""
+    text = text.replace("{d}/", "").replace("|", chr(92) + "|")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table() -> str:
-    rows = "\n".join(f"| `vitp {line.replace('{d}/', '').replace('|', chr(92) + '|')}` | {code} | "
-                     f"{says.replace('{d}/', '').replace('|', chr(92) + '|')} |" for line, code, says in CASES)
+    rows = "\n".join(f"| `vitp {_cell(line)}` | {code} | {_cell(says)} |" for line, code, says in CASES)
     return (f"# Bad input: what `vitp` says\n\n"
             f"Generated from `tests/cli/test_bad_inputs.py`, which runs each line below ({len(CASES)} cases) "
             "in a directory holding the files it names (`emptydir/`, `exp/` with a `config.json` and noise for "
             "weights, a corrupt `corrupt.npz`, job specs `bad.yaml` and `unknown.yaml`, an MLflow store "
-            "`store.db`) and checks that the command exits with the code shown, prints one line "
+            "`store.db`, and `home/`: a home directory's `.bashrc` and `Documents/notes.txt` beside a `runs/` "
+            "folder) and checks that the command exits with the code shown, prints one line "
             "(`vitp COMMAND: ...`; an invalid config lists its problems below it) that contains the text "
             "shown, prints no traceback, and leaves the directory as it was. Exit codes: 2 bad input you "
             "can fix, 3 a cluster that cannot be reached (`vitp --help` lists them all).\n\n"

@@ -6,6 +6,8 @@ that a vitp driver joining the cluster removes the placement groups an ended vit
 two nodes added at once each get directories of their own.
 A pre-training job through `vitp submit --follow`, one Train worker per node, its MLflow run
 FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with a worker killed."""
+import os
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -220,7 +222,7 @@ def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_
         time.sleep(0.5)
     server.stop()  # the outage: rank 0 spools what it cannot send
     sent = max(m.step for m in MlflowClient(store).get_metric_history(run_id, "train/loss"))  # the store itself
-    spool_root = two_node_cluster.node_dirs[1] / "tmp" / "vitp-mlflow-spool" / run_id
+    spool_root = two_node_cluster.node_dirs[1] / "tmp" / f"vitp-{os.geteuid()}" / "mlflow-spool" / run_id
     # past the next checkpoint: the restarted worker resumes from it, so steps sent+1..checkpoint
     # are trained once only, and reach MLflow only if the dead rank 0's spool does
     target, deadline = (sent // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY + 10, time.time() + 300

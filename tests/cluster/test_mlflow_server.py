@@ -2,6 +2,7 @@
 requires a login, rejects Host headers outside --allowed-hosts; with its artifact store on S3
 (moto), what clients log lands in the bucket. Real mlflow server processes."""
 import base64
+import shutil
 import urllib.error
 import urllib.request
 
@@ -85,7 +86,7 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
         assert get(api, user="admin", password="wrong-password-123") == 401
         assert get(api, user="admin", password=password) == 200
         assert get(api, host="evil.example.com", user="admin", password=password) in (400, 403)
-        ini = (tmp_path / "server.auth.ini").read_text()
+        ini = handle.auth_config.read_text()  # a private temp file while the server runs
         assert password not in ini and password not in handle.log_tail(200)
         # a verified login is cached (AuthSettings.cache_ttl_s): no other password rides on it,
         # and a password changed through the API is refused at once (one server worker here)
@@ -99,7 +100,7 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
         assert get(api, user="admin", password=changed) == 200
     finally:
         handle.stop()
-    assert not handle.alive()
+    assert not handle.alive() and not handle.auth_config.parent.exists()  # the config went with it
     # the users live beside the tracking store, not in a temp file: a restart (another log file,
     # another bootstrap password, which only seeds an empty user store) keeps the admin's login
     assert (tmp_path / "auth.db").exists()
@@ -107,7 +108,7 @@ def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
                           auth=AuthSettings(admin_password="another-long-password-9q2w", cache_ttl_s=0),
                           log_path=tmp_path / "server2.log")
     try:
-        assert "auth_cache_ttl_seconds = 0" in (tmp_path / "server2.auth.ini").read_text()
+        assert "auth_cache_ttl_seconds = 0" in handle.auth_config.read_text()
         api = f"{handle.uri}/api/2.0/mlflow/experiments/search?max_results=1"
         assert get(api, user="admin", password=changed) == 200
         assert get(api, user="admin", password=password) == 401
@@ -156,8 +157,11 @@ def test_the_user_store_uri_comes_from_the_environment_with_any_characters(tmp_p
     from vitp.tracking.server import _auth_env
 
     uri = "postgresql://mlflow:p%40ss&w|rd%x#1;'\"@postgres.mlflow.svc:5432/mlflow_auth"
-    env = _auth_env(AuthSettings(admin_password="a-long-test-password-7f3k"), "postgresql://x/y",
-                    tmp_path / "server.log", {"MLFLOW_AUTH_DATABASE_URI": uri})
-    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", env["MLFLOW_AUTH_CONFIG_PATH"])
-    assert read_auth_config().database_uri == uri
-    assert "a-long-test-password-7f3k" not in (tmp_path / "server.auth.ini").read_text()
+    env, private = _auth_env(AuthSettings(admin_password="a-long-test-password-7f3k"), "postgresql://x/y",
+                             {"MLFLOW_AUTH_DATABASE_URI": uri})
+    try:
+        monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", env["MLFLOW_AUTH_CONFIG_PATH"])
+        assert read_auth_config().database_uri == uri
+        assert "a-long-test-password-7f3k" not in (private / "auth.ini").read_text()
+    finally:
+        shutil.rmtree(private)

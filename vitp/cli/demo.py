@@ -13,6 +13,8 @@ from typing import Any, Callable
 from vitp import storage
 from vitp.cli.args import Handler, add_address
 from vitp.config import Run, set_values
+from vitp.errors import InputError
+from vitp.paths import RunPaths
 from vitp.recipes import get_recipe
 
 MAIN = ("demo_fractals", 0.2)  # the headline: new fractal classes, 20% of their train split
@@ -81,6 +83,21 @@ class Stages:
             self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
 
 
+def _start_afresh(work: str, log: Callable[[str], None]) -> None:
+    """`--fresh`: remove what an earlier demo wrote in `work`, refusing (InputError, nothing
+    deleted) a folder that holds anything else: `--work-dir ~` must not delete a home."""
+    foreign = RunPaths.of(work).foreign_entries()
+    if foreign:
+        raise InputError(f"--work-dir {work}: holds files a demo did not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); --fresh removes only a demo's own work "
+                         "dir: choose another --work-dir")
+    own = storage.listdir(work)
+    if own:
+        log(f"[demo] --fresh: removing {', '.join(own)} from {work}")
+    for name in own:
+        storage.rmtree(storage.join(work, name), work)
+
+
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
              address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
              objective: str = "classify") -> dict:
@@ -100,9 +117,8 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     t0 = time.time()
     mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
     work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
-    if fresh and storage.exists(work):
-        log(f"[demo] --fresh: removing {work}")
-        storage.rmtree(work, work)  # the directory the user named (or the default)
+    if fresh:
+        _start_afresh(work, log)
     work = storage.abspath(work)
     pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
                                                       "train.objective": objective,

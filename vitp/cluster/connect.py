@@ -1,11 +1,12 @@
-"""Join a Ray cluster or start a local Ray sized for a config, and watch for placement groups left
-holding CPUs (orphans.py): `connect_ray`; how much of Ray's own output a user sees (vitp.console:
-errors and our lines, unless `vitp --verbose`). The one place a command calls `ray.init`; never
-submits jobs or trains.
+"""Join a Ray cluster or start a local Ray sized for a config (listening on loopback only unless
+$VITP_RAY_BIND says otherwise), and watch for placement groups left holding CPUs (orphans.py):
+`connect_ray`; how much of Ray's own output a user sees (vitp.console: errors and our lines, unless
+`vitp --verbose`). The one place a command calls `ray.init`; never submits jobs or trains.
 """
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from typing import Iterator, Optional
 
@@ -13,6 +14,7 @@ import ray
 
 from ..config import ExperimentConfig
 from ..console import library_log_level, log_env, quiet_env, verbose
+from ..errors import ConfigError
 from ..net import free_port
 from . import orphans, output
 
@@ -35,6 +37,56 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+BIND_ENV = "VITP_RAY_BIND"
+_LOOPBACK = ("", "127.0.0.1", "localhost", "loopback")
+
+
+def local_bind() -> Optional[str]:
+    """The address a local Ray's node takes, from $VITP_RAY_BIND: 127.0.0.1 when unset (every
+    server of the node then listens on loopback only); `node` = Ray's own choice (this machine's
+    routable address; several of Ray's servers then listen on all interfaces): None; or an IP
+    address of this machine (::1 counts as loopback). ConfigError naming the choices for anything else."""
+    value = os.environ.get(BIND_ENV, "").strip()
+    if value.lower() in _LOOPBACK:
+        return "127.0.0.1"
+    if value.lower() == "node":
+        return None
+    try:
+        addr = ipaddress.ip_address(value)
+    except ValueError:
+        addr = None
+    if addr is None or addr.is_unspecified:
+        raise ConfigError(f"{BIND_ENV}={value!r} is not an address a local Ray can take: use 127.0.0.1 (the "
+                          "default: loopback only), `node` (Ray's choice, this machine's address) or an IP "
+                          "address of this machine")
+    return "127.0.0.1" if addr.is_loopback else str(addr)
+
+
+@contextlib.contextmanager
+def _node_address(ip: Optional[str]) -> Iterator[dict]:
+    """ray.init's arguments for a local node at `ip` (None: Ray's choice), with Ray set up to keep it.
+
+    Ray 2.60 replaces a loopback node address, given or not, with this machine's routable one
+    (services.resolve_ip_for_localhost, get_node_ip_address), except where its multi-node support
+    is off (ray_constants.ENABLE_RAY_CLUSTER, from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; off by default
+    on Windows and macOS only). With it off the node is 127.0.0.1, and GCS, raylet, agents, metrics
+    and every worker bind 127.0.0.1 (each checks for a loopback node address). It is off for this
+    ray.init (read at import, so set here too) and in the environment its processes inherit; it
+    only stops other nodes joining, which a loopback node cannot serve anyway."""
+    if ip != "127.0.0.1":
+        yield {} if ip is None else {"_node_ip_address": ip}
+        return
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        with _environ(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"):
+            yield {"_node_ip_address": ip}
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def local_cpus(cfg: ExperimentConfig) -> int:
@@ -76,12 +128,13 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         # traceback when another Ray runs beside this one. This process keeps its own environment
         # (a later local start must not join a cluster that is gone); address="local" starts a
         # new Ray whatever RAY_ADDRESS says.
+        ip = local_bind()
         port = free_port()
-        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
+        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"), _node_address(ip) as node:
             # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth
             # on a local cluster, ...) are not for the user to act on
             ray.init(address="local", num_cpus=local_cpus(cfg), include_dashboard=False,
-                     logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config)
+                     logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config, **node)
     orphans.watch_job()  # placement groups of Train runs whose trials Tune stopped or paused
     if not verbose():
         output.install()

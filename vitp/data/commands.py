@@ -31,8 +31,9 @@ def check_synth_output(cfg, out_dir: Optional[str] = None, overwrite: bool = Fal
     if storage.listdir(out):
         foreign = foreign_files(out)
         if foreign:  # `--out ~ --overwrite` must not delete a home directory
-            raise FileExistsError(f"{out}: holds files vitp synth did not write ({', '.join(foreign[:3])}"
-                                  f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new --out directory")
+            listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise FileExistsError(f"{out}: holds files vitp synth did not write ({listed}); "
+                                  "choose an empty or new --out directory")
         if not overwrite:
             raise FileExistsError(f"{out}: not empty; pass --overwrite to re-render the corpus "
                                   "or choose another output directory")

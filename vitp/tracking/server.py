@@ -1,14 +1,17 @@
 """Start and stop a real `mlflow server` subprocess (SQL backend, proxied artifacts) and wait for /health.
 
 Binds 127.0.0.1 unless told otherwise; beyond loopback it needs basic auth (MLflow's `basic-auth`
-app) with a non-default admin password. Used by tests and by `vitp mlflow-server`. No torch, no ray.
+app) with a non-default admin password, whose generated config lives in a private temp directory
+until the server stops. Used by tests and by `vitp mlflow-server`. No torch, no ray.
 """
 from __future__ import annotations
 
 import configparser
+import io
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -93,11 +97,13 @@ def _auth_db(auth: AuthSettings, backend: str, env: dict[str, str]) -> str:
     return f"sqlite:///{Path('mlflow-server').resolve() / 'auth.db'}"
 
 
-def _auth_env(auth: AuthSettings, backend: str, log_file: Path, env: dict[str, str]) -> dict[str, str]:
-    """Environment for the basic-auth app: generated config file, password and CSRF key."""
+def _auth_env(auth: AuthSettings, backend: str, env: dict[str, str]) -> tuple[dict[str, str], Path | None]:
+    """Environment for the basic-auth app (generated config file, password and CSRF key) and the
+    private directory the config file was written to (None: the user's own MLFLOW_AUTH_CONFIG_PATH)."""
     merged = {**os.environ, **env}
     password = check_admin_password(auth.admin_password or merged.get("MLFLOW_AUTH_ADMIN_PASSWORD"))
     out = {"MLFLOW_AUTH_ADMIN_PASSWORD": password}
+    private = None
     if merged.get("MLFLOW_AUTH_CONFIG_PATH"):
         _check_external_auth_config(merged["MLFLOW_AUTH_CONFIG_PATH"])
     else:
@@ -114,13 +120,31 @@ def _auth_env(auth: AuthSettings, backend: str, log_file: Path, env: dict[str, s
             "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
             "auth_cache_ttl_seconds": str(auth.cache_ttl_s),
         }
-        ini = log_file.with_suffix(".auth.ini")
-        with open(os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            cp.write(f)
+        text = io.StringIO()
+        cp.write(text)
+        private = Path(tempfile.mkdtemp(prefix="vitp-mlflow-auth-"))  # 0700, a fresh name
+        try:
+            ini = _write_private(private / "auth.ini", text.getvalue())
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
         out["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
     # The CSRF key must be the same in every worker of this server: one random key per start.
     out["MLFLOW_FLASK_SERVER_SECRET_KEY"] = merged.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(32)
-    return out
+    return out, private
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """`text` in a new file at `path` that only this user can read: created here (a file or link
+    already at `path` fails the call, nothing is written through it)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as e:  # only this user (or root) can write into the fresh 0700 directory
+        raise TrackingError(f"{path}: the basic-auth config could not be created afresh ({e.strerror}): "
+                            "another process wrote there first; start the server again") from None
+    with open(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _artifact_store_env(artifact_root: str, env: dict[str, str]) -> dict[str, str]:
@@ -157,6 +181,18 @@ class ServerHandle:
     process: subprocess.Popen
     log_path: Path
     command: list[str] = field(default_factory=list)
+    # The generated basic-auth config (it names the user store, a password in its URI perhaps), in
+    # a directory of its own that only this user can read. MLflow reads it in the `mlflow server`
+    # process and again in each uvicorn worker it starts, and restarts a worker that dies, so it
+    # stays while the server runs: it goes when stop() is called or this process exits.
+    auth_config: Path | None = None
+    _remove: weakref.finalize | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _own(self, private: Path | None) -> None:
+        """Remove `private` (the auth config's directory) when the server stops or this process exits."""
+        if private is not None:
+            self.auth_config = private / "auth.ini"
+            self._remove = weakref.finalize(self, shutil.rmtree, str(private), ignore_errors=True)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -168,7 +204,15 @@ class ServerHandle:
             return ""
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Terminate the server and the worker processes it spawned (its own process group)."""
+        """Terminate the server and the worker processes it spawned (its own process group); its
+        generated auth config goes too (also when the server had already exited)."""
+        try:
+            self._terminate(timeout)
+        finally:
+            if self._remove is not None:
+                self._remove()
+
+    def _terminate(self, timeout: float) -> None:
         if self.process.poll() is not None:
             return
         try:
@@ -248,7 +292,20 @@ def start_server(
             "(the names clients use) when exposing it beyond this machine", host
         )
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="mlflow-server-", suffix=".log")[1])
-    auth_env = _auth_env(auth, backend, log_file, env or {}) if auth is not None else {}
+    auth_env, private = _auth_env(auth, backend, env or {}) if auth is not None else ({}, None)
+    try:
+        return _launch(backend, artifact_root, host, port, allowed_hosts, workers, jobs, timeout, log_file,
+                       extra_args, {**store_env, **(env or {}), **auth_env}, auth is not None, private)
+    except BaseException:  # not started (or interrupted): nothing will read the auth config
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+        raise
+
+
+def _launch(backend: str, artifact_root: str, host: str, port: int, allowed_hosts, workers: int, jobs: bool,
+            timeout: float, log_file: Path, extra_args: Sequence[str], env: dict[str, str], basic_auth: bool,
+            private: Path | None) -> ServerHandle:
+    """start_server's launch: up to 3 tries where a port we picked was taken before the server bound it."""
     last_error = ""
     for _ in range(3):  # a picked port can be taken before the server binds it
         p = port or free_port(host)  # another process can take it first: retried below
@@ -260,7 +317,7 @@ def start_server(
         ]
         if allowed_hosts:
             cmd += ["--allowed-hosts", ",".join(allowed_hosts)]
-        if auth is not None:
+        if basic_auth:
             cmd += ["--app-name", "basic-auth"]
         cmd += list(extra_args)
         out = open(log_file, "ab")
@@ -271,9 +328,7 @@ def start_server(
                 **os.environ,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
                 "MLFLOW_BACKEND_STORE_URI": backend,  # `mlflow server --backend-store-uri`'s envvar
-                **store_env,
-                **(env or {}),
-                **auth_env,
+                **env,
             },
         )
         out.close()
@@ -282,6 +337,7 @@ def start_server(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and handle.alive():
             if _healthy(handle.uri):
+                handle._own(private)
                 return handle
             time.sleep(0.25)
         timed_out = handle.alive()

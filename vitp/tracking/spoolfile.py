@@ -38,7 +38,8 @@ _PART = ".part"  # a spool file under its temp name, before it is locked (never 
 
 
 def spool_dir_for(run_id: str, spool_dir: str | os.PathLike | None = None) -> Path:
-    """Where a run's spool files live: <spool_dir or $TMPDIR/vitp-mlflow-spool>/<run_id>/."""
+    """Where a run's spool files live: <spool_dir>/<run_id>/, by default under this user's private
+    <tmp>/vitp-<uid>/mlflow-spool (vitp.paths.spool_root; a spool_dir the user names is taken as it is)."""
     root = Path(spool_dir or spool_root())
     return root / run_id
 

@@ -23,7 +23,8 @@ log = get_logger(__name__)
 Where = Callable[[ExperimentConfig], "tuple[Optional[str], Optional[dict[str, Any]]]"]
 
 
-def changed_settings(stored: dict[str, Any], cfg: ExperimentConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+def changed_settings(stored: dict[str, Any], cfg: ExperimentConfig,
+                     ignore: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
     """(key, stored value, value now) for each param of `cfg` that differs from the config a
     checkpoint recorded (`stored`, redacted as it was written), keys in `ignore` left out. A key
     the stored config lacks (written before the key existed) is no difference."""

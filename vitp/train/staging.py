@@ -22,8 +22,8 @@ TIMEOUT_S = 30.0
 
 def new_stage(run_name: str, step: int, rank: int) -> str:
     """An empty directory for this process's snapshot of `run_name`'s checkpoint at `step`."""
-    run = os.path.join(staging_root(), run_name)
-    os.makedirs(run, exist_ok=True)
+    run = os.path.join(staging_root(), run_name)  # the root: this user's only (vitp.paths.private_dir)
+    os.makedirs(run, 0o700, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"ckpt-{step}-r{rank}-p{os.getpid()}-", dir=run)
 
 
