@@ -28,7 +28,8 @@ LAYER_OF_PREFIX = {"vitp.config": "config", "vitp.recipes": "config", "vitp.data
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
 SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.paths", "vitp.safe_load",
          "vitp.storage", "vitp.tracking", "vitp.versions")
-SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors",), "vitp.errors": (),
+# console masks every log line through the redaction of messages (standard library only)
+SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors", "vitp.tracking.redact"), "vitp.errors": (),
                    "vitp.names": ("vitp.errors",), "vitp.net": ("vitp.errors",),
                    "vitp.safe_load": ("vitp.errors",), "vitp.storage": ("vitp.errors",),
                    "vitp.versions": ("vitp.errors",), "vitp.paths": ("vitp.errors", "vitp.storage"),

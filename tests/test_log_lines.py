@@ -94,3 +94,22 @@ def test_the_command_line_flag_sets_the_format_for_the_process_and_its_ray_jobs(
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.splitlines()[-1])
     assert last["message"] == "from the library" and last["rank"] is None
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_secret_in_a_log_line_is_masked_whoever_logs_it(monkeypatch, capsys, rank_reset, fmt):
+    """A secret this process holds (an environment variable named as one) never reaches a log line,
+    in the message or in a traceback, whichever logger writes it through vitp's formatter."""
+    import secrets
+
+    secret = f"lg{secrets.token_hex(6)}/p+w"
+    monkeypatch.setenv("DB_PASS", secret)
+    monkeypatch.setenv(console.LOG_FORMAT_ENV, fmt)
+    log = console.get_logger("vitp.test.secret")
+    log.warning("connecting with %s", secret)
+    try:
+        raise RuntimeError(f"login refused for {secret}")
+    except RuntimeError:
+        log.exception("failed")
+    err = capsys.readouterr().err
+    assert secret not in err and "***" in err and "login refused for" in err, err

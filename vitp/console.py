@@ -1,7 +1,8 @@
 """How much third-party output a user sees: `vitp --verbose` (env VITP_VERBOSE=1) shows it all;
 by default our lines, warnings and errors only; progress is a bar redrawn in place on a terminal,
 a line per report elsewhere. Our library lines are `logging` records with time, level and rank,
-as text or JSON (`vitp --log-format json`, env VITP_LOG_FORMAT). No pipeline imports.
+as text or JSON (`vitp --log-format json`, env VITP_LOG_FORMAT), each masked by vitp.tracking.redact
+(standard library only); no other pipeline imports.
 """
 from __future__ import annotations
 
@@ -197,17 +198,21 @@ class LogFormatter(logging.Formatter):
     and message, plus the traceback of an exception."""
 
     def format(self, record: logging.LogRecord) -> str:
+        # every line leaves through the one redaction of messages: a known secret value, a URI's
+        # password, a signed URL's signature or a token is masked in whatever a library logs too
+        from vitp.tracking.redact import redact_message  # lazy: vitp.tracking imports config
+
         when = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
-        trace = self.formatException(record.exc_info) if record.exc_info else ""
+        trace = redact_message(self.formatException(record.exc_info)) if record.exc_info else ""
+        message = redact_message(record.getMessage())
         if log_format() == "json":
             entry = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-                     "level": record.levelname, "rank": _rank, "logger": record.name,
-                     "message": record.getMessage()}
+                     "level": record.levelname, "rank": _rank, "logger": record.name, "message": message}
             if trace:
                 entry["exception"] = trace
             return json.dumps(entry)
         who = "driver" if _rank is None else f"rank {_rank}"
-        line = f"{when:%Y-%m-%d %H:%M:%S}Z {record.levelname} [{who}] {record.getMessage()}"
+        line = f"{when:%Y-%m-%d %H:%M:%S}Z {record.levelname} [{who}] {message}"
         return line + ("\n" + trace if trace else "")
 
 

@@ -26,8 +26,9 @@ def is_uri(path: str) -> bool:
 _FS_CACHE: dict[tuple, pafs.FileSystem] = {}
 
 
-# scheme://user@... or scheme://user:password@...: the password runs to the next "@" (cloud secret
-# keys hold "/", often not percent-encoded), as vitp/tracking/redact.py reads URIs too
+# scheme://user@... or scheme://user:password@...: the password runs at least to the next "@" (cloud
+# secret keys hold "/", often not percent-encoded); any userinfo at all is refused, so where a
+# password holding "@" ends does not matter here (redaction masks it up to the last "@")
 _USERINFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*@|[^/@\s:]*:[^@\s]*@)")
 
 

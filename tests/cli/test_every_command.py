@@ -382,17 +382,19 @@ def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
 
 # Fake secrets where a user keeps them, with the '/', '+' and '%' that cloud keys and generated
 # passwords hold: the chain runs with them and none may appear in anything it prints or writes
-# (test_no_secret_leaves_the_chain). The S3 server (moto) and the MLflow server accept them.
+# (test_no_secret_leaves_the_chain). The S3 server (moto) and the MLflow server accept them. PGPASSWORD
+# is a name outside the patterns vitp first knew (*_PASSWORD, *_KEY, ...): PostgreSQL's own variable,
+# which the MLflow server's user database really logs in with (libpq reads it).
 SECRETS = {"S3 secret key": "fake/S3+secret%2Fkey9z", "MLflow password": "ml/Pass%41+w0rd",
-           "database password": "db/pw%2Fq+y"}
+           "database password": "db/pw%2Fq+y", "PGPASSWORD": "pg/Auth+pw%3Dz7"}
 
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory, s3):
     """The chain's work dir, and what a user on a shared tracking server has: an MLflow server with
-    basic auth (its password in MLFLOW_TRACKING_PASSWORD), its runs in PostgreSQL (the database
-    password inside MLFLOW_BACKEND_STORE_URI) and its artifacts on S3 (the secret key in
-    AWS_SECRET_ACCESS_KEY)."""
+    basic auth (its password in MLFLOW_TRACKING_PASSWORD, its users in PostgreSQL logged in to with
+    PGPASSWORD, in the whole chain's environment), its runs in PostgreSQL (the database password
+    inside MLFLOW_BACKEND_STORE_URI) and its artifacts on S3 (the secret key in AWS_SECRET_ACCESS_KEY)."""
     import tempfile
     from urllib.parse import quote
 
@@ -405,11 +407,15 @@ def scenario(tmp_path_factory, s3):
     tmp = Path(tempfile.mkdtemp(prefix="vitp-e", dir="/tmp"))
     db = PostgresServer(Path(tempfile.mkdtemp(prefix="vitp-pg", dir="/tmp")))  # pytest's tmp is root-only
     db.create("vitp", SECRETS["database password"], "mlflow")
+    db.create("vitpauth", SECRETS["PGPASSWORD"], "mlflowauth")
     env = {**vitp_env(), "TMPDIR": str(tmp), "AWS_SECRET_ACCESS_KEY": SECRETS["S3 secret key"],
-           "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": SECRETS["MLflow password"]}
+           "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": SECRETS["MLflow password"],
+           "PGPASSWORD": SECRETS["PGPASSWORD"]}
     server_env = {**env, "MLFLOW_AUTH_ADMIN_PASSWORD": SECRETS["MLflow password"],
                   "MLFLOW_BACKEND_STORE_URI": f"postgresql://vitp:{quote(SECRETS['database password'], safe='')}"
-                                              f"@127.0.0.1:{db.port}/mlflow"}
+                                              f"@127.0.0.1:{db.port}/mlflow",
+                  # no password in this URI: the users' database is logged in to with $PGPASSWORD
+                  "MLFLOW_AUTH_DATABASE_URI": f"postgresql://vitpauth@127.0.0.1:{db.port}/mlflowauth"}
     port, bucket = free_port(), s3.bucket("mlflow")
     server = subprocess.Popen([str(VITP), "mlflow-server", "--auth", "--port", str(port), "--workers", "1",
                                "--artifacts-destination", f"{bucket}/artifacts",
@@ -798,10 +804,18 @@ def test_submit_and_jobs_against_a_local_cluster(scenario, local_cluster, tmp_pa
 
 
 def _forms(secret: str) -> set[bytes]:
-    """A secret as it could be written: as is, URL-encoded (a URI), JSON-escaped."""
+    """A secret as it could be written: as is, URL-encoded (a URI), JSON-escaped, base64-encoded
+    (standard or URL-safe alphabet), alone or inside a longer base64 text such as a Basic auth
+    header's "user:password" (the characters fixed by the secret alone, at each of 3 alignments)."""
+    import base64
     from urllib.parse import quote, quote_plus
 
-    return {f.encode() for f in (secret, quote(secret, safe=""), quote_plus(secret), json.dumps(secret)[1:-1])}
+    forms = {secret, quote(secret, safe=""), quote_plus(secret), json.dumps(secret)[1:-1]}
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        for shift in range(3):
+            text = encode(b"\0" * shift + secret.encode()).decode()
+            forms.add(text[-(-shift * 8 // 6):(shift + len(secret)) * 8 // 6])
+    return {f.encode() for f in forms}
 
 
 def _files(*roots: Path):
@@ -817,7 +831,7 @@ def _files(*roots: Path):
 def test_no_secret_leaves_the_chain(scenario, local_cluster, s3, tmp_path):
     """The whole chain above, then doctor, submit and jobs on a cluster started in the same shell,
     with the secrets of SECRETS in the environment and the database URI: none of them, in any
-    form, is in a printed line, an MLflow run (params, tags, metrics, inputs, artifacts), a
+    form (base64 too), is in a printed line, an MLflow run (params, tags, metrics, inputs, artifacts), a
     registered or logged model, a job record, the tracking database's files, the S3 bucket, or
     any file the chain, the MLflow server or the cluster wrote (Ray's logs included)."""
     from urllib.parse import quote, urlparse

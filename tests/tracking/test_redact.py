@@ -1,5 +1,7 @@
 """Credential redaction: what is masked, and what must stay readable."""
-from vitp.tracking.redact import REDACTED, is_secret_key, redact, redact_text
+import pytest
+
+from vitp.tracking.redact import REDACTED, is_secret_key, redact, redact_message, redact_text
 
 
 def test_secret_keys_are_whole_words():
@@ -57,3 +59,77 @@ def test_uri_passwords_with_slashes_and_pluses_are_masked_whole():
     out = redact_text(f"postgresql://mlflow:{secret}@db.internal:5432/mlflow and s3://bucket/a/b.db")
     assert out == "postgresql://mlflow:***@db.internal:5432/mlflow and s3://bucket/a/b.db"
     assert not any(part in out for part in secret.split("/"))
+
+
+# --- issue 62: secret names outside the old patterns, and one planted secret per text pattern
+
+def test_more_credential_names_are_secret_and_innocent_words_are_not():
+    for key in ("PGPASSWORD", "DB_PASS", "AZURE_STORAGE_CONNECTION_STRING", "GITHUB_PAT", "KEY_PASSPHRASE",
+                "MYSQL_PWD", "MYSQL_ROOT_PASSWORD", "ssh_passphrase", "db.connectionString", "SERVICEBUS_CONN_STR",
+                "storage.account_key"):
+        assert is_secret_key(key), key
+    for key in ("tokenizer", "author", "monkey", "passes", "pattern", "path", "compass", "PATH", "bypass",
+                "passenger", "patience", "spatial", "pass_through", "PGPASSFILE", "data.pattern", "num_passes"):
+        assert not is_secret_key(key), key
+    out = redact({"PGPASSWORD": "s3cr3t-pg", "DB_PASS": "s3cr3t-db", "GITHUB_PAT": "s3cr3t-gh",
+                  "tokenizer": "bert-base", "pattern": "*.tar", "passes": "3"})
+    assert out == {"PGPASSWORD": REDACTED, "DB_PASS": REDACTED, "GITHUB_PAT": REDACTED,
+                   "tokenizer": "bert-base", "pattern": "*.tar", "passes": "3"}
+
+
+PLANTED = "Pl4nted+Secret/9"  # the secret in every case below; each case's other words must stay
+
+
+@pytest.mark.parametrize("text, kept", [
+    (f"https://b.s3.amazonaws.com/k?X-Amz-Date=20240101T000000Z&X-Amz-Signature={PLANTED}&x-id=GetObject",
+     ["https://b.s3.amazonaws.com/k?X-Amz-Date=20240101T000000Z&X-Amz-Signature=***&x-id=GetObject"]),
+    (f"https://a.blob.core.windows.net/c/b?sv=2021-08-06&sp=r&sig={PLANTED}&spr=https",
+     ["https://a.blob.core.windows.net/c/b?sv=2021-08-06&sp=r&sig=***&spr=https"]),
+    (f"DefaultEndpointsProtocol=https;AccountName=a;AccountKey={PLANTED}==;EndpointSuffix=core.windows.net",
+     ["DefaultEndpointsProtocol=https;AccountName=a;AccountKey=***;EndpointSuffix=core.windows.net"]),
+    (f'connect password="{PLANTED} with spaces" user="bob"', ['connect password="***" user="bob"']),
+    (f"password='{PLANTED} x' user=bob", ["password='***' user=bob"]),
+    (f'{{"password": "{PLANTED}", "user": "bob"}}', ['{"password": "***", "user": "bob"}']),
+    (f"{{'db_password': '{PLANTED}', 'host': 'db'}}", ["{'db_password': '***', 'host': 'db'}"]),
+    (f'tags={{\\"api_token\\": \\"{PLANTED}\\"}}', ['tags={\\"api_token\\": \\"***\\"}']),
+    (f"psql --password {PLANTED} --host db.internal", ["psql --password *** --host db.internal"]),
+    (f"tool --token {PLANTED} --verbose", ["tool --token *** --verbose"]),
+    (f"tool --db-password '{PLANTED} x' --token={PLANTED} -v", ["tool --db-password '***' --token=*** -v"]),
+    (f"postgresql://mlflow:p@ss{PLANTED}@db.internal:5432/mlflow ok", ["postgresql://mlflow:***@db.internal:5432/mlflow ok"]),
+    (f"token=ab;{PLANTED} next=1", ["token=*** next=1"]),
+    (f"DB_PASS={PLANTED} GITHUB_PAT={PLANTED} KEY_PASSPHRASE={PLANTED} PGPASSWORD={PLANTED} rest",
+     ["DB_PASS=*** GITHUB_PAT=*** KEY_PASSPHRASE=*** PGPASSWORD=*** rest"]),
+    (f"AZURE_STORAGE_CONNECTION_STRING='AccountName=a;AccountKey={PLANTED}' x", ["AZURE_STORAGE_CONNECTION_STRING='***' x"]),
+])
+def test_each_secret_pattern_masks_a_planted_secret(text, kept):
+    out = redact_text(text)
+    assert PLANTED not in out and PLANTED.split("/")[0] not in out, out
+    for part in kept:
+        assert part in out, out
+
+
+@pytest.mark.parametrize("text", [
+    "mlflow-server --auth --port 5000 --tokenizer bert --token-file /run/token",
+    "design=3 monkey=3 passes=2 pattern=*.tar path=/data compass=north author=me tokenizer=bpe",
+    "postgresql://db.internal:5432/mlflow user@example.com s3://bucket/a@b",
+    "https://host/a?x-id=GetObject&sv=2021&design=1",
+])
+def test_innocent_text_is_left_alone(text):
+    assert redact_text(text) == text
+
+
+def test_error_lines_mask_unambiguous_secrets_but_not_prose():
+    """redact_message (vitp's error lines) masks signatures, flags and URI passwords, not `key: value`."""
+    out = redact_message(f"cannot read https://a/b?sig={PLANTED} (psql --password {PLANTED}); "
+                         "password: export MLFLOW_TRACKING_PASSWORD")
+    assert PLANTED not in out and "password: export MLFLOW_TRACKING_PASSWORD" in out
+
+
+def test_long_words_are_redacted_in_linear_time():
+    """A URI scheme was tried at every letter of a long word: 20,000 letters took a second."""
+    import time
+
+    text = "a" * 200_000 + " " + "b/" * 50_000
+    t0 = time.perf_counter()
+    assert redact_text(text) == text
+    assert time.perf_counter() - t0 < 2.0

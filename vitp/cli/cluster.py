@@ -165,8 +165,10 @@ def _interrupt(signum, frame):
 
 def cmd_mlflow_server(args: argparse.Namespace) -> int:
     from vitp.tracking.redact import redact_text
+    from vitp.tracking.secret_values import add_uri_passwords
     from vitp.tracking.server import AuthSettings, start_server  # lazy: keeps vitp --help fast (mlflow)
 
+    add_uri_passwords(args.backend_store_uri)  # the database password: masked in whatever this prints
     allowed = [h for h in (args.allowed_hosts or "").split(",") if h]
     handle = start_server(  # TrackingError (e.g. the old default admin password) -> exit 2
         args.backend_store_uri, args.artifacts_destination, host=args.host, port=args.port,

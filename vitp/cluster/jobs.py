@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from vitp.errors import ClusterError
 from vitp.storage import is_uri
-from vitp.tracking.redact import redact_text
+from vitp.tracking.redact import redact_text, remember_secret
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -38,6 +38,7 @@ def auth_headers() -> dict[str, str]:
         except OSError as e:
             raise ClusterError(f"RAY_AUTH_TOKEN_PATH={path}: cannot read the token ({e.strerror}): "
                                "point it at the cluster's token file") from None
+    remember_secret(token)  # read from a file, not the environment: masked from now on all the same
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from vitp import recipes
 from vitp.config.files import like_recipe
 from vitp.errors import ConfigError, InputError
-from vitp.tracking.redact import REDACTED, is_secret_key, redact_text
+from vitp.tracking.redact import REDACTED, is_secret_key, redact_text, remember_secret
 
 # Credentials a cloud hands out to a person, not to a machine: forwarded from a laptop they are
 # stored with the job and go stale (JobSpec.warnings); the nodes' own identity is the better source.
@@ -355,6 +355,8 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
     bad = [k for k, v in meta.items() if not isinstance(v, str)]
     if bad:
         raise ConfigError(f"{path}: metadata values must be strings (quote them): {', '.join(map(str, bad))}")
+    for value in secrets:  # masked in everything this process prints or records from now on
+        remember_secret(value)
     spec = JobSpec(path, kwargs, parse_entrypoint(kwargs["entrypoint"]), secrets)
     if check_recipe:
         resolve_recipes(spec)

@@ -1,58 +1,74 @@
-"""Credential redaction for everything that leaves the process through MLflow (params, tags, config.json).
-
-Owns the patterns that decide what looks like a secret; must not import torch or ray.
+"""Credential redaction for everything that leaves the process through MLflow (params, tags, config.json)
+and for what vitp prints: the patterns that decide what text looks like a secret, and, through
+secret_values.py, every known secret value in any of its forms. Must not import torch, ray or mlflow.
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
-REDACTED = "***"
+from vitp.tracking.secret_values import (REDACTED, URI_PASSWORD, is_secret_key, known_secrets,
+                                         mask_known_secrets, remember_secret)
 
-# A key whose last component names a credential, as a whole word ("hf_token", "db_password",
-# "aws_secret_access_key", "apiKey"), or ends in "_key" ("AZURE_STORAGE_KEY", "ssh_key"), but not
-# inside another word ("tokenizer", "author", "monkey"). docs/cluster.md promises *_SECRET_*, *_TOKEN,
-# *_PASSWORD and *_KEY. Only *string* values under such keys are redacted: numbers stay visible.
-_SECRET_WORD = re.compile(
-    r"(^|_)(passw(or)?d|pwd|secrets?|tokens?|credentials?|auth|api_?key|access_?key|private_?key"
-    r"|secret_?key|session_?key)(_|$)|_key$"
-)
+__all__ = ["REDACTED", "is_secret_key", "known_secrets", "redact", "redact_message", "redact_text",
+           "redact_value", "remember_secret"]
+
 # Values that are credentials whatever their key is called.
 _SECRET_VALUES = [
     re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),  # AWS access key id
     re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}\b"),  # GitHub tokens
+    re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}\b"),  # GitHub fine-grained tokens
     re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"),  # Hugging Face tokens
     re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b"),  # Slack tokens
     re.compile(r"\bsk-[A-Za-z0-9_-]{20,}\b"),  # OpenAI-style API keys
     re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),  # Authorization header values
 ]
-# scheme://user:password@host -> scheme://user:***@host (keeps the host, which is useful). The
-# password runs to the next "@": cloud secret keys hold "/" and "+", often not percent-encoded.
-_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^@\s]+)@")
-# key=value pairs inside a string, e.g. a command line or query string: "...&token=abc".
+# Query and connection-string parameters that are never prose: a presigned S3/GCS URL's signature,
+# an Azure SAS `sig=`, an Azure connection string's AccountKey. The value stops at "&" or ";".
+_SIGNED_PARAM = re.compile(
+    r"(?<![A-Za-z0-9_.-])(?P<k>X-(?:Amz|Goog)-(?:Signature|Credential|Security-Token)|sig|AccountKey"
+    r"|SharedAccessKey)=(?P<v>[^\s&;\"'<>]+)", re.IGNORECASE)
+# A command-line flag naming a credential, and its value: `--password x`, `--token=x`, `--db-password "a b"`
+# (not `--token-file x`, `--tokenizer x`, nor the next flag: `--auth --port 5000`).
+_FLAG = re.compile(
+    r"(?<![\w-])(?P<k>--?[A-Za-z0-9_-]*(?:passw(?:or)?d|passphrase|token|secret|api[_-]key|access[_-]key"
+    r"|secret[_-]key))(?P<sep>=|\s+)(?P<v>\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|(?!-)\S+)", re.IGNORECASE)
+# key=value / key: value pairs inside text (a command line, a query string, an env dump, a config
+# printed as JSON or a Python dict), the key a whole word of the text. A quoted value is masked whole
+# (`password="a b"`, `"password": "x"`); an unquoted one runs to a blank, "&", ",", a quote, or a ";"
+# that starts another pair (`token=ab;cd` is one value, `AccountKey=x;EndpointSuffix=y` two pairs).
+_PAIR_WORDS = (r"passw(?:or)?d|passphrase|secret|token|api[_-]?key|access[_-]?key|account[_-]?key|_key"
+               r"|signature|connection[_-]?string|_pass|_pat")
+_QUOTED = r"\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|\\\"(?:(?!\\\").)*\\\""
 _INLINE_PAIR = re.compile(
-    r"(?P<k>[A-Za-z0-9_.-]*(?:passw(?:or)?d|secret|token|api[_-]?key|access[_-]?key|_key))"
-    r"(?P<sep>\s*[=:]\s*)(?P<v>[^\s&,;\"']+)",
+    rf"(?<![A-Za-z0-9_.-])(?P<k>[A-Za-z0-9_.-]*(?:{_PAIR_WORDS}))(?P<kq>\\?[\"']?)(?P<sep>\s*[=:]\s*)"
+    rf"(?P<v>{_QUOTED}|[\"']?(?:[^\s&,;\"']|;(?![A-Za-z_][\w.-]*\s*=))+)",
     re.IGNORECASE,
 )
 
 
-def is_secret_key(key: str) -> bool:
-    """True when the last dotted component of `key` names a credential ("s3.secret_key")."""
-    last = str(key).rsplit(".", 1)[-1]
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", last).lower().replace("-", "_")  # apiKey -> api_key
-    return bool(_SECRET_WORD.search(words))
+def _masked(value: str) -> str:
+    """A matched value as *** inside the quotes it was written with."""
+    for q in ('\\"', '"', "'"):
+        if value.startswith(q):
+            return f"{q}{REDACTED}{q}" if len(value) >= 2 * len(q) and value.endswith(q) else f"{q}{REDACTED}"
+    return REDACTED
 
 
 def redact_text(text: str) -> str:
     """Mask credentials embedded in a string; everything else is returned unchanged."""
-    return redact_message(_INLINE_PAIR.sub(lambda m: f"{m.group('k')}{m.group('sep')}{REDACTED}", text))
+    text = redact_message(text)
+    return _INLINE_PAIR.sub(lambda m: f"{m.group('k')}{m.group('kq')}{m.group('sep')}{_masked(m.group('v'))}", text)
 
 
 def redact_message(text: str) -> str:
-    """Mask the credentials a message can carry from its input (URI passwords, token shapes), not
-    `key: value` pairs: a message's own prose says "password: export MLFLOW_..."."""
-    out = _URI_PASSWORD.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
+    """Mask the credentials a message can carry from its input (every known secret value, URI
+    passwords, token shapes, signatures, `--password x` flags), not `key: value` pairs: a message's
+    own prose says "password: export MLFLOW_..."."""
+    out = mask_known_secrets(text)
+    out = URI_PASSWORD.sub(lambda m: f"{m.group('head')}:{REDACTED}@", out)
+    out = _SIGNED_PARAM.sub(lambda m: f"{m.group('k')}={REDACTED}", out)
+    out = _FLAG.sub(lambda m: f"{m.group('k')}{m.group('sep')}{_masked(m.group('v'))}", out)
     for pat in _SECRET_VALUES:
         out = pat.sub(REDACTED, out)
     return out

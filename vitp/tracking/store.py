@@ -1,7 +1,7 @@
 """The MLflow store: its URI, a race-safe client, experiments, and quoting values into search filters.
 
 Owns the rules every tracking module shares (TrackingError, normalise_uri, get_client, quote,
-tag_filters). A sink: imports mlflow, vitp.errors and vitp.storage only; never torch or ray.
+tag_filters). A sink: imports mlflow, vitp.errors, vitp.paths and the redaction only; never torch or ray.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from mlflow.tracking import MlflowClient
 
 from vitp.errors import UserError
 from vitp.paths import RunPaths
+from vitp.tracking.redact import redact_message
+from vitp.tracking.secret_values import add_uri_passwords
 
 if TYPE_CHECKING:
     from vitp.config import ExperimentConfig
@@ -88,6 +90,7 @@ def get_client(tracking_uri: str) -> MlflowClient:
     that at once fail with "table already exists" / "duplicate column". An exclusive file lock beside
     the DB serialises the first open; later opens in this process skip the lock.
     """
+    add_uri_passwords(tracking_uri)  # a password in the store's URI is masked wherever it shows up
     uri = normalise_uri(tracking_uri)
     db = _sqlite_path(uri)
     if db is None:
@@ -139,7 +142,7 @@ def through_mlflow_outages(fn, what: str, warn, limit_s: float = MLFLOW_OUTAGE_S
         except MlflowException as e:
             if not unreachable(e) or time.monotonic() + pause > deadline:
                 raise
-            warn(f"{what}: MLflow does not answer ({str(e.message).splitlines()[0][:160]}); "
+            warn(f"{what}: MLflow does not answer ({redact_message(str(e.message).splitlines()[0])[:160]}); "
                  f"trying again in {pause:.0f} s")
             time.sleep(pause)
             pause = min(pause * 2, 60.0)

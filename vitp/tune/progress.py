@@ -16,7 +16,9 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ..config import ExperimentConfig
 from ..console import duration, get_logger, progress
 from ..tracking import find_runs
+from ..tracking.redact import redact_message
 from ..tracking.store import ERROR_TAG, get_client, quote, through_mlflow_outages
+from ..tracking.values import tags_for_mlflow
 from .population import EVALUATION, LAST_EVALUATION, evaluations
 
 _log = get_logger(__name__)
@@ -33,10 +35,11 @@ USER_ERROR = "vitp/user_error"
 
 def trial_error(error: Any, result: Optional[Mapping[str, Any]]) -> str:
     """The one line a failed trial ended on: the user's mistake it returned with, or the last
-    line of the error Tune recorded ("" for a trial that did not fail)."""
+    line of the error Tune recorded ("" for a trial that did not fail); redacted (redact_message):
+    it is printed, tagged `vitp.error` and kept in the sweep's summary."""
     if (result or {}).get(USER_ERROR):
-        return str(result[USER_ERROR]).splitlines()[0][:300]
-    return (str(error).strip().splitlines() or ["?"])[-1][:300] if error else ""
+        return redact_message((str(result[USER_ERROR]).splitlines() or [""])[0])[:300]
+    return redact_message((str(error).strip().splitlines() or ["?"])[-1])[:300] if error else ""
 
 
 class EvaluationReports(TuneReportCallback):
@@ -186,12 +189,15 @@ class SweepProgress(Callback):
         try:
             return through_mlflow_outages(mark, f"[sweep {self.name}] its trial runs", self.log) if patient else mark()
         except Exception as e:  # noqa: BLE001 - an MLflow hiccup must not end the sweep
-            self.log(f"[sweep {self.name}] could not mark trial runs {status} ({filter_string}): {e}")
+            self.log(f"[sweep {self.name}] could not mark trial runs {status} ({filter_string}): "
+                     f"{redact_message(str(e))}")
             return []
 
     def _tag(self, run_id: str, tags: dict[str, str]) -> None:
+        """Set `tags` on a trial's run, redacted and cut to MLflow's limits as RunLogger.set_tags does
+        (an error line may hold a password a trial's URI or command carried)."""
         client = get_client(self.tracking_uri)
-        for key, value in tags.items():
+        for key, value in tags_for_mlflow(tags).items():
             client.set_tag(run_id, key, value)
 
 
