@@ -619,6 +619,40 @@ class TestChain:
                         "Creating initial MLflow database tables", "Failed to query Ray Train Controller"):
             assert chatter not in r.out + r.err, chatter
 
+    def test_a_rerun_with_other_settings_is_a_run_of_its_own(self, scenario):
+        """`vitp pretrain` of the same experiment again: the same settings report the finished run;
+        under the name the user set, other settings are refused in one line; with the derived name
+        they train a run named with their settings hash, the finished one left as it was."""
+        scenario.need("pretrain")
+        exp, client = str(scenario.base / "pretrain.yaml"), scenario.tracking_client()
+        first = client.get_run(scenario.facts["pretrain_run"])
+        name, lr = first.info.run_name, first.data.params["optim.lr"]
+        runs = sorted(p.name for p in (scenario.work / "runs").iterdir())
+        assert name == "pretrain-pico8-imagefolder" and name in runs  # the file's name, not its recipe's
+
+        same = ok(scenario.vitp("pretrain", exp, "--set", "train.steps=4"))
+        assert f"[{name}] already finished" in same.out and "change nothing" not in same.out + same.err
+        assert f"[{name}] nothing trained, already step 4" in same.out, str(same)
+        assert f"MLflow run: {first.info.run_id}" in same.out, str(same)
+
+        named = scenario.vitp("pretrain", exp, "--set", "train.steps=4", "--set", "optim.lr=0.05",
+                              "--set", f"tracking.run_name={name}")
+        assert named.rc == 2 and "Traceback" not in named.err, str(named)
+        refusal = [line for line in named.err.splitlines() if line.startswith("vitp pretrain: ")]
+        assert len(refusal) == 1 and f"tracking.run_name='{name}' already holds a run with other settings" in \
+            refusal[0] and f"optim.lr=0.05 (was {lr})" in refusal[0], str(named)
+
+        other = ok(scenario.vitp("pretrain", exp, "--set", "train.steps=2", "--set", "optim.lr=0.05"))
+        renamed = re.search(rf"this one is ({re.escape(name)}-[0-9a-f]{{8}}) \(new\)", other.err)
+        assert renamed and f"optim.lr=0.05 (was {lr})" in other.err, str(other)
+        run_id = re.search(r"^\s*MLflow run:\s+(\S+)", other.out, re.M).group(1)
+        run = client.get_run(run_id)
+        assert run_id != first.info.run_id and run.info.run_name == renamed.group(1)
+        assert run.info.status == "FINISHED" and run.data.params["optim.lr"] == "0.05"
+        assert sorted(p.name for p in (scenario.work / "runs").iterdir()) == sorted(runs + [renamed.group(1)])
+        after = client.get_run(first.info.run_id)
+        assert (after.info.end_time, after.data.params) == (first.info.end_time, first.data.params)
+
     def test_export_writes_weights_and_config(self, scenario):
         r = scenario.need("export")
         assert f"wrote {scenario.export}/model.safetensors and {scenario.export}/config.json" in r.out, str(r)

@@ -238,7 +238,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def _print_summary(summary, keys: tuple[str, ...]) -> None:
     """A finished training run: its step, the given metrics, checkpoint and MLflow run."""
     values = ", ".join(f"{k} {summary.metrics.get(k, float('nan')):.4f}" for k in keys)
-    print(f"[{summary.run_name}] done in {summary.seconds:.0f}s: step {summary.metrics.get('step')}, {values}")
+    what = "nothing trained, already" if summary.already_finished else f"done in {summary.seconds:.0f}s:"
+    print(f"[{summary.run_name}] {what} step {summary.metrics.get('step')}, {values}")
     print(f"  checkpoint: {summary.checkpoint}")
     if summary.mlflow_run_id:
         print(f"  MLflow run: {summary.mlflow_run_id}")
