@@ -137,6 +137,25 @@ def test_parquet_and_csv_labels_are_bounded(tmp_path):
 # ------------------------------------------------------------------------------ reads
 
 
+def test_a_parquet_row_group_too_large_to_read_at_once_is_quarantined_from_its_footer(tmp_path, monkeypatch):
+    """Row groups are decompressed whole by the task that decodes them: one whose image column is
+    larger than the bound (lowered here, the file is real) has its rows quarantined at listing,
+    and the images are never read; a struct column's leaves ({bytes, path}) all count."""
+    small, big = png(size=(4, 4)), png(size=(64, 64))
+    structs = [{"bytes": b, "path": "x.png"} for b in (small, small, big, big)]
+    pq.write_table(pa.table({"image": structs, "label": ["a", "a", "b", "b"]}), tmp_path / "in.parquet",
+                   row_group_size=2)
+    groups = [pq.ParquetFile(tmp_path / "in.parquet").metadata.row_group(g) for g in range(2)]
+    sizes = [sum(g.column(i).total_uncompressed_size for i in range(g.num_columns)
+                 if g.column(i).path_in_schema.startswith("image")) for g in groups]
+    monkeypatch.setattr(bounds, "PARQUET_GROUP_BYTES", (sizes[0] + sizes[1]) // 2)
+    items = catalog.list_source("parquet", str(tmp_path / "in.parquet")).items
+    assert [bool(it["error"]) for it in items] == [False, False, True, True]
+    assert items[2]["error"].startswith("too_large: row group 1 of ") and f"{sizes[1]} bytes" in items[2]["error"]
+    out = processed(items)
+    assert [out[it["key"]][0] for it in items] == ["", "", "too_large", "too_large"]
+
+
 def sparse_tar(path, big_name, size, then=()):
     """A tar whose first member claims `size` bytes held in a hole (no disk used), then `then`."""
     with open(path, "wb") as f:

@@ -21,6 +21,9 @@ CLS_BYTES = 64  # a WebDataset .cls member: a class index and some whitespace, n
 LABEL_CHARS = 256  # a label written as text (CSV, Parquet): a class name, not a document
 METADATA_BYTES = 256 << 20  # labels CSV, annotation files, .mat, a CIFAR batch (CIFAR-100's is 155 MB)
 TAR_HEADER_BYTES = 64 << 10  # a tar's long-name or pax header, read whole by tarfile
+# A Parquet row group's image column, decompressed whole by the task that decodes its rows: a
+# Hugging Face image dataset writes some tens of MB a group
+PARQUET_GROUP_BYTES = 2 << 30
 
 _INDEX = re.compile(rb"\s*([0-9]+)\s*")  # [0-9] is ASCII only, where str.isdigit() takes "²"
 
@@ -78,6 +81,18 @@ def read_bounded(path: str, offset: int, length: int, limit: int) -> bytes:
         if offset >= 0:
             f.seek(offset)
         return f.read(size)  # never more than was checked, even if the file grew since
+
+
+def parquet_group_problem(group, column: str, where: str) -> str:
+    """"" when the row group `group` (pyarrow RowGroupMetaData) holds at most PARQUET_GROUP_BYTES of
+    `column` once decompressed (every leaf of a struct column such as {bytes, path} counted), from
+    the file's footer alone; else the too_large reason its rows are quarantined with."""
+    size = sum(group.column(i).total_uncompressed_size for i in range(group.num_columns)
+               if group.column(i).path_in_schema.split(".")[0] == column)
+    if size <= PARQUET_GROUP_BYTES:
+        return ""
+    return (f"too_large: {where}: its row group's {column} column is {size} bytes decompressed, more than "
+            f"the {PARQUET_GROUP_BYTES} a task reads at once; rewrite it with smaller row groups")
 
 
 # ------------------------------------------------------------------------------- roots

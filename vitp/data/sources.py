@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from ..errors import InputError
 from ..storage import filesystem, is_uri, join, open_input
 from .bounds import (CLS_BYTES, MAX_CLASSES, METADATA_BYTES, BoundedTarInfo, label_text_problem,
-                     local_entries, local_walk, parse_index, read_bounded)
+                     local_entries, local_walk, parquet_group_problem, parse_index, read_bounded)
 from .decode import DecodeError, max_file_bytes
 from .synth import class_name
 
@@ -250,10 +250,11 @@ def _expand_parquet(u: dict) -> list[dict]:
             labels = t.column("label").to_pylist()
             keys = t.column(key_col).to_pylist() if key_col else \
                 [f"{rel}/{first + i}" for i in range(t.num_rows)]
+            too_large = parquet_group_problem(pf.metadata.row_group(g), img_col, f"row group {g} of {path}")
             for i, (k, lab) in enumerate(zip(keys, labels)):
                 raw = "" if lab is None else str(lab)
-                err = label_text_problem(raw, f"row {first + i} of {path}") if lab is not None \
-                    else "bad_label: null label"
+                err = too_large or (label_text_problem(raw, f"row {first + i} of {path}") if lab is not None
+                                    else "bad_label: null label")
                 out.append(item(str(k), -1, path=path, row_group=g, row=i, raw_label="" if err else raw, error=err))
             first += t.num_rows
     return out
