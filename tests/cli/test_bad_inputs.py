@@ -95,6 +95,7 @@ CASES = [
     ("finetune debug_finetune --from emptydir", 2, "emptydir: neither an export (model.safetensors) nor a training checkpoint"),
     ("finetune debug_finetune --from missing", 2, "missing: no such file or directory"),
     ("sweep debug_finetune --name ../x", 2, "--name='../x' contains '/'"),
+    ("sweep debug_finetune --set tune.num_samples=0", 2, "tune.num_samples=0: must be >= 1"),
     ("compare", 2, "no MLflow store at sqlite:///{d}/work/debug/mlflow.db: nothing was logged there yet"),
     ("compare --tracking-uri sqlite:///{d}/store.db --filter 'params.x =='", 2,
      "--filter 'params.x ==': Invalid clause(s) in filter string"),

@@ -137,7 +137,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
                      startup_trials=t.startup_trials, scheduler=t.scheduler,
                      perturbation_interval=t.perturbation_interval, metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
                      max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
-                     tracking_uri=resolve_tracking_uri(base), experiment=base.tracking.experiment)
+                     experiment=base.tracking.experiment)
     for trial in _probes(spec):
         try:
             validate(trial_config(spec, trial)[0])
@@ -145,6 +145,7 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
             raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
     check_scheduler(spec.scheduler, spec.search, space, spec.perturbation_interval,
                     trial_config(spec, _probes(spec)[0])[0].train.eval_every)
+    spec.tracking_uri = resolve_tracking_uri(base)  # once valid: the default store makes its folder
     return spec
 
 
