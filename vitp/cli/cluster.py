@@ -170,20 +170,22 @@ def cmd_mlflow_server(args: argparse.Namespace) -> int:
 
     add_uri_passwords(args.backend_store_uri)  # the database password: masked in whatever this prints
     allowed = [h for h in (args.allowed_hosts or "").split(",") if h]
+    # a process manager's stop (SIGTERM) also stops the server's own process group, which would
+    # otherwise outlive this command; Ctrl-C is ignored only where the shell said so (nohup, `&`).
+    # Set before the server starts: a stop at any moment after is a Ctrl-C (a start cut short
+    # stops what it started)
+    signal.signal(signal.SIGTERM, _interrupt)
     handle = start_server(  # TrackingError (e.g. the old default admin password) -> exit 2
         args.backend_store_uri, args.artifacts_destination, host=args.host, port=args.port,
         allowed_hosts=allowed or None, workers=args.workers,
         auth=AuthSettings(cache_ttl_s=args.auth_cache_s) if args.auth else None, log_path=args.log,
     )
-    print(f"mlflow server at {handle.uri} (backend {redact_text(args.backend_store_uri)}, artifacts "
-          f"{args.artifacts_destination}, auth {'basic' if args.auth else 'off'}); log {handle.log_path}")
-    print(f"  clients: export MLFLOW_TRACKING_URI={handle.uri}"
-          + ("  MLFLOW_TRACKING_USERNAME=... MLFLOW_TRACKING_PASSWORD=..." if args.auth else ""))
-    print("  Ctrl-C stops it", flush=True)
-    # a process manager's stop (SIGTERM) also stops the server's own process group, which would
-    # otherwise outlive this command; Ctrl-C is ignored only where the shell said so (nohup, `&`)
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
+        print(f"mlflow server at {handle.uri} (backend {redact_text(args.backend_store_uri)}, artifacts "
+              f"{args.artifacts_destination}, auth {'basic' if args.auth else 'off'}); log {handle.log_path}")
+        print(f"  clients: export MLFLOW_TRACKING_URI={handle.uri}"
+              + ("  MLFLOW_TRACKING_USERNAME=... MLFLOW_TRACKING_PASSWORD=..." if args.auth else ""))
+        print("  Ctrl-C stops it", flush=True)
         while handle.alive():
             time.sleep(1)
     except KeyboardInterrupt:

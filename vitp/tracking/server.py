@@ -11,7 +11,6 @@ import io
 import logging
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from vitp.net import free_port
-from vitp.storage import is_uri
+from vitp.storage import is_uri, rmtree
 from vitp.tracking.redact import redact_text
 from vitp.tracking.store import TrackingError, get_client, normalise_uri
 
@@ -126,7 +125,7 @@ def _auth_env(auth: AuthSettings, backend: str, env: dict[str, str]) -> tuple[di
         try:
             ini = _write_private(private / "auth.ini", text.getvalue())
         except BaseException:
-            shutil.rmtree(private, ignore_errors=True)
+            rmtree(str(private), str(private))
             raise
         out["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
     # The CSRF key must be the same in every worker of this server: one random key per start.
@@ -192,7 +191,7 @@ class ServerHandle:
         """Remove `private` (the auth config's directory) when the server stops or this process exits."""
         if private is not None:
             self.auth_config = private / "auth.ini"
-            self._remove = weakref.finalize(self, shutil.rmtree, str(private), ignore_errors=True)
+            self._remove = weakref.finalize(self, rmtree, str(private), str(private))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -298,7 +297,7 @@ def start_server(
                        extra_args, {**store_env, **(env or {}), **auth_env}, auth is not None, private)
     except BaseException:  # not started (or interrupted): nothing will read the auth config
         if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
+            rmtree(str(private), str(private))
         raise
 
 
@@ -335,11 +334,15 @@ def _launch(backend: str, artifact_root: str, host: str, port: int, allowed_host
         url_host = f"[{host}]" if ":" in host else host
         handle = ServerHandle(f"http://{url_host}:{p}", host, p, proc, log_file, cmd)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and handle.alive():
-            if _healthy(handle.uri):
-                handle._own(private)
-                return handle
-            time.sleep(0.25)
+        try:
+            while time.monotonic() < deadline and handle.alive():
+                if _healthy(handle.uri):
+                    handle._own(private)
+                    return handle
+                time.sleep(0.25)
+        except BaseException:  # interrupted (Ctrl-C, a SIGTERM made one): stop what was started
+            handle.stop()
+            raise
         timed_out = handle.alive()
         last_error = handle.log_tail()
         handle.stop()
