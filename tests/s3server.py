@@ -2,6 +2,7 @@
 benchmarks: pyarrow, boto3, Ray and MLflow talk to it as to S3, at the endpoint AWS_ENDPOINT_URL
 names (set before anything starts, so every process inherits it)."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,22 +31,39 @@ class S3Server:
 
     def __init__(self, log_dir):
         self.endpoint = os.environ["AWS_ENDPOINT_URL"]
-        port = free_port()
         moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
         self.log = open(os.path.join(log_dir, "moto.log"), "w")
-        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=self.log,
+        # port 0: moto binds a port of its own and prints it, so no other process can take the port
+        # between its choice and moto's bind (a port chosen here first was once answered by
+        # something else for a whole minute)
+        self.proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", "0"], stdout=self.log,
                                      stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        port = self._wait(deadline, self._bound_port)
         self.proxy = PortForward(port, listen_port=int(self.endpoint.rsplit(":", 1)[1]))
-        deadline = time.time() + 60
+        self._wait(deadline, lambda: urllib.request.urlopen(self.endpoint, timeout=10).read())
+        self._n = 0
+
+    def _bound_port(self) -> int:
+        with open(self.log.name, errors="replace") as f:
+            found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", f.read())
+        if not found:
+            raise LookupError("moto_server has not printed its port yet")
+        return int(found.group(1))
+
+    def _wait(self, deadline: float, attempt):
+        """attempt()'s value once it returns; fails, with moto's log, if moto exits or time runs out."""
         while True:
             try:
-                urllib.request.urlopen(self.endpoint, timeout=2).read()
-                break
-            except Exception:
+                return attempt()
+            except Exception as e:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"moto_server did not start; see {self.log.name}")
+                    self.log.flush()
+                    with open(self.log.name, errors="replace") as f:
+                        tail = f.read()[-2000:]
+                    raise RuntimeError(f"moto_server did not start ({e!r}; exit {self.proc.poll()}); "
+                                       f"its log {self.log.name}:\n{tail}") from e
                 time.sleep(0.2)
-        self._n = 0
 
     @property
     def env(self) -> dict[str, str]:
