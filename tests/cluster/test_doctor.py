@@ -1,6 +1,7 @@
 """`vitp doctor` against real components: a two-node local Ray cluster with token auth, the moto S3
 server, an MLflow server with basic auth. It passes on the healthy setup and names the fix for a
 missing token, an unreachable address, an unwritable bucket and a wrong MLflow password."""
+import re
 import threading
 import uuid
 
@@ -164,12 +165,17 @@ def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, m
     forward = PortForward(mlflow_server.port)
     try:
         out = run([forward.uri if a == mlflow_server.uri else a for a in args]
-                  + ["--job-tracking-uri", mlflow_server.uri], env)
+                  + ["--job-tracking-uri", mlflow_server.uri, "--allreduce"], env)
     finally:
         forward.close()
     assert out.returncode == 0, out.stdout + out.stderr
     found = lines_of(out)
-    assert set(found) == {"cluster", "storage here", "storage on cluster", "mlflow", "mlflow from cluster", "data"}
+    assert set(found) == {"cluster", "storage here", "storage on cluster", "all-reduce", "mlflow",
+                          "mlflow from cluster", "data"}
+    # the recipe's gang (2 workers, 1 CPU each) on the two 1-CPU nodes: gloo across them, a bandwidth measured
+    bandwidth = re.search(r"2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, bus bandwidth ([\d.]+) GB/s",
+                          found["all-reduce"])
+    assert bandwidth and float(bandwidth.group(1)) > 0, found["all-reduce"]
     assert forward.connections > 0
     assert f"the jobs' address: {mlflow_server.uri} answers (HTTP 200)" in found["mlflow from cluster"]
     assert all(line.startswith("ok   ") for line in found.values()), out.stdout
@@ -181,7 +187,7 @@ def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, m
     # Nothing left behind: no probe object in the bucket, the doctor's run deleted.
     bucket = work_dir.split("/")[2]
     keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
-    assert not [k for k in keys if "probe-" in k or "shared-" in k], keys
+    assert not [k for k in keys if "probe-" in k or "shared-" in k or "allreduce-" in k], keys
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
@@ -256,3 +262,15 @@ def test_unreachable_address_fails_fast_with_the_fix(tmp_path):
     gcs = lines_of(vitp("doctor", "debug", "--address", f"127.0.0.1:{port}", "--set", f"work_dir={tmp_path}",
                         timeout=120))
     assert gcs["cluster"].startswith(f"FAIL cluster: nothing answers at 127.0.0.1:{port}")
+
+
+def test_an_allreduce_below_the_asked_bandwidth_is_a_fail_line_with_the_fix():
+    from vitp.cluster.allreduce import bus_bandwidth, line
+
+    algbw, busbw = bus_bandwidth(256 * 2**20, 0.004, 16)
+    assert busbw == pytest.approx(algbw * 2 * 15 / 16)  # what each ring link carries
+    result = {"workers": 16, "nodes": 2, "backend": "nccl", "mib": 256, "seconds": 0.004,
+              "algbw_gbps": algbw, "busbw_gbps": busbw}
+    assert line(result).ok and line(result, min_busbw=busbw * 0.9).ok
+    bad = line(result, min_busbw=busbw * 1.1)
+    assert not bad.ok and "EFA" in bad.fix and "TCPX" in bad.fix, bad.line()

@@ -82,3 +82,17 @@ def test_a_train_run_that_ended_with_its_trial_gives_its_cpus_back(ray_session, 
     finally:
         other.stdin.close()
         other.wait(timeout=60)
+
+
+def test_the_cleaner_says_when_it_cannot_ask_the_cluster(ray_session, caplog):
+    """Ray's state API lives in the dashboard, which this session's local Ray lacks (as a driver on a
+    worker node cannot reach the head's): the cleaner of ended jobs' groups stops with a warning
+    naming the consequence and the fix, instead of going quiet."""
+    orphans._threads.pop("vitp-orphan-placement-groups", None)
+    with caplog.at_level("WARNING", logger="vitp.cluster.orphans"):
+        orphans.watch()
+        orphans._threads["vitp-orphan-placement-groups"].join(timeout=120)
+    assert not orphans._threads["vitp-orphan-placement-groups"].is_alive()
+    said = [r.getMessage() for r in caplog.records if r.name == "vitp.cluster.orphans"]
+    assert len(said) == 1 and said[0].startswith(orphans.CLEANER_STOPPED), said
+    assert "vitp_driver" in said[0] and "ray list placement-groups" in said[0]

@@ -38,6 +38,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"vitp submit: warning: {line}", file=sys.stderr)
     notes = check_upload_size(spec)
     address = jobs.jobs_address(args.address)
+    if not args.job_tracking_uri:  # the user's own --job-tracking-uri is taken as it is
+        env = (spec.kwargs.get("runtime_env") or {}).get("env_vars") or {}
+        jobs.check_job_tracking(env, address, lambda: jobs.node_ips(jobs.client(address)))
     print(f"job spec {args.spec}: recipe(s) "
           f"{', '.join(dict.fromkeys(r for c in spec.calls for r in c.recipes)) or '(none)'} resolve")
     for line in spec.describe() + notes:
@@ -126,7 +129,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from vitp.cluster import doctor  # lazy: keeps vitp --help fast (ray, mlflow)
 
     cfg = run_from(args, check_paths=False).cfg  # data.path may live on the cluster only
-    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri)
+    if args.min_busbw < 0 or args.min_busbw != args.min_busbw:
+        raise ConfigError(f"--min-busbw {args.min_busbw}: give a bandwidth in GB/s, 0 or more (e.g. 100)")
+    allreduce = args.min_busbw if (args.allreduce or args.min_busbw) else None
+    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri,
+                               allreduce)
     return doctor.exit_code(checks)
 
 
@@ -135,7 +142,8 @@ def _add_doctor(sub) -> Handler:
                        description="Before a long job: check that the cluster answers at --address and "
                                    "accepts the token, that work_dir can be written, listed, read and "
                                    "deleted from this machine and from the cluster's other nodes, that "
-                                   "MLflow accepts a run, and that the recipe's shards exist. One line "
+                                   "MLflow accepts a run, and that the recipe's shards exist (--allreduce: "
+                                   "and the bandwidth between the Train workers). One line "
                                    "per check ('ok' or 'FAIL ... -> fix'). Exit 0 when all pass, 3 when "
                                    "any fails, 2 bad recipe or --set.")
     add_recipe(p)
@@ -146,6 +154,11 @@ def _add_doctor(sub) -> Handler:
     add_tracking(p, can_disable=False, help="MLflow tracking URI to check from this machine (default: the "
                                             "config's, sqlite in work_dir)")
     add_job_tracking(p)
+    p.add_argument("--allreduce", action="store_true",
+                   help="also all-reduce across the recipe's Train workers (the GPUs a run takes, for a few "
+                        "seconds) and report the bus bandwidth in GB/s (docs/cluster.md, 'Bandwidth between nodes')")
+    p.add_argument("--min-busbw", type=float, default=0.0, metavar="GBPS",
+                   help="with --allreduce (implied): FAIL below this bus bandwidth, e.g. 300 on p5.48xlarge")
     return cmd_doctor
 
 

@@ -31,7 +31,7 @@ TOKEN_FIX = "export RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_
 UNREACHABLE_FIX = ("start the cluster (cluster/local.sh start, ray up), port-forward the head's dashboard "
                    "port 8265, or pass --address http://<head>:8265")
 TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0,
-            "mlflow from cluster": 5.0, "data": 30.0}
+            "mlflow from cluster": 5.0, "data": 30.0, "all-reduce": 900.0}
 
 
 # ------------------------------------------------------------------------------ 1. cluster
@@ -218,41 +218,14 @@ def _probe_job(cluster: Cluster, root: str, shared: str, expected: str, timeout:
     the head, with the nodes' own credentials: none are forwarded from this shell (a runtime_env is
     stored by the Jobs API and written into Ray's runtime-env agent log on every node it reaches)."""
     from vitp.cluster import jobs  # lazy: ray, mlflow
-    client = jobs.client(cluster.address)
     entrypoint = shlex.join(["python", "-m", "vitp.cluster.doctor", root, shared, expected]
                             + ([tracking_uri] if tracking_uri else []))
-    with jobs.cluster_errors(cluster.address):
-        job_id = jobs.submit_when_agent_ready(client, {
-            "entrypoint": entrypoint,
-            "submission_id": f"vitp-doctor-{uuid.uuid4().hex[:8]}", "metadata": {"vitp": "doctor"}},
-            log=lambda m: None)
-        try:
-            deadline = time.monotonic() + timeout
-            while jobs.status_of(info := client.get_job_info(job_id)) not in jobs.TERMINAL:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"the probe job {job_id} did not finish within {timeout:.0f}s")
-                time.sleep(1)
-            logs = client.get_job_logs(job_id)
-        finally:
-            _remove_job(client, job_id)
+    logs = jobs.run_probe_job(cluster.address, entrypoint, timeout)
     lines = [ln for ln in logs.splitlines() if ln.startswith(RESULT_TAG)]
-    if jobs.status_of(info) != "SUCCEEDED" or not lines:
-        tail = [ln for ln in logs.splitlines() if ln.strip()][-1:] or [info.message or ""]
-        raise ClusterError(f"the probe job {job_id} {jobs.status_of(info)}: {first_line(tail[0])}")
+    if not lines:
+        raise ClusterError(f"the probe job printed no result: {first_line((logs.strip().splitlines() or [''])[-1])}")
     tracking = [json.loads(ln[len(TRACKING_TAG):]) for ln in logs.splitlines() if ln.startswith(TRACKING_TAG)]
     return json.loads(lines[-1][len(RESULT_TAG):]), (tracking[-1] if tracking else None)
-
-
-def _remove_job(client, job_id: str, wait_s: float = 15.0) -> None:
-    """Stop the probe job if it still runs and delete it from the cluster's job list (best effort:
-    its outcome is already in the check's line)."""
-    from vitp.cluster import jobs  # lazy: ray, mlflow
-    with contextlib.suppress(Exception):
-        deadline = time.monotonic() + wait_s
-        while jobs.status_of(client.get_job_info(job_id)) not in jobs.TERMINAL and time.monotonic() < deadline:
-            client.stop_job(job_id)
-            time.sleep(1)
-        client.delete_job(job_id)
 
 
 def _cleanup(root: str, shared: str = "") -> None:
@@ -322,8 +295,10 @@ def check_data(cfg) -> Check:
                  "cluster: vitp submit jobs/preprocess_*.yaml), or set data.shards to existing shards")
 
 
-def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri: str | None = None) -> list[Check]:
-    """Every check in order, each line passed to `emit` as soon as it is known."""
+def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri: str | None = None,
+               allreduce: float | None = None) -> list[Check]:
+    """Every check in order, each line passed to `emit` as soon as it is known; with `allreduce` (the
+    least bus bandwidth in GB/s to accept, 0: any) also the Train gang's all-reduce (allreduce.py)."""
     from vitp.cluster.jobs import jobs_address  # lazy: mlflow, via redaction
     # MLflow retries a dead server for minutes (here: once, 20 s a request) and prints "View run" lines.
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20", **os.environ,
@@ -338,6 +313,9 @@ def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri:
     job_uri = job_tracking_uri(cfg, job_uri)
     tracking: dict = {}
     checks += check_storage(cfg.work_dir, found[0] if checks[0].ok and found else None, emit, job_uri, tracking)
+    if allreduce is not None:
+        checks.append(_allreduce_line(cfg, found[0] if checks[0].ok and found else None, allreduce))
+        emit(checks[-1])
     later = [("mlflow", lambda: check_mlflow(cfg), "check --tracking-uri and the server's log")]
     if job_uri:
         later.append(("mlflow from cluster", lambda: _tracking_line(job_uri, tracking), JOB_URI_FIX))
@@ -346,6 +324,18 @@ def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri:
         checks.append(timed(name, fn, TIMEOUTS[name], fix))
         emit(checks[-1])
     return checks
+
+
+def _allreduce_line(cfg, cluster: Cluster | None, min_busbw: float) -> Check:
+    from vitp.cluster import allreduce  # lazy: ray
+
+    if cluster is None:
+        return Check("all-reduce", False, "not checked: no cluster", "fix the cluster line above")
+    limit = TIMEOUTS["all-reduce"]
+    return timed("all-reduce", lambda: allreduce.check(cluster.address, cluster.jobs_api, allreduce.Gang.of(cfg),
+                                                       cfg.work_dir, min_busbw, limit - 30), limit,
+                 f"the recipe's {cfg.parallel.num_workers} Train workers must fit the cluster (vitp jobs list: "
+                 "is a job holding them?); then " + allreduce.FIX)
 
 
 JOB_URI_FIX = ("pass --job-tracking-uri (or export VITP_JOB_TRACKING_URI) with the address the cluster's "

@@ -7,13 +7,17 @@ Ray is imported only when a client is made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import os
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator
+from urllib.parse import urlsplit
 
-from vitp.errors import ClusterError
+from vitp.errors import ClusterError, ConfigError
 from vitp.storage import is_uri
 from vitp.tracking.redact import redact_text, remember_secret
 
@@ -141,3 +145,107 @@ def wait_for_job(client, job_id: str, poll: float = 1.0):
         if status_of(info) in TERMINAL:
             return info
         time.sleep(poll)
+
+
+def run_probe_job(address: str, entrypoint: str, timeout: float) -> str:
+    """The logs of a short `vitp doctor` probe job running `entrypoint` on the cluster at `address`,
+    once it SUCCEEDED; the job is then removed from the cluster's list. No runtime_env: the probe
+    uses the nodes' own credentials. ClusterError if it fails, or is not done within `timeout` s."""
+    client_ = client(address)
+    with cluster_errors(address):
+        job_id = submit_when_agent_ready(client_, {"entrypoint": entrypoint, "metadata": {"vitp": "doctor"},
+                                                   "submission_id": f"vitp-doctor-{uuid.uuid4().hex[:8]}"},
+                                         log=lambda m: None)
+        try:
+            deadline = time.monotonic() + timeout
+            while status_of(info := client_.get_job_info(job_id)) not in TERMINAL:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the probe job {job_id} did not finish within {timeout:.0f}s")
+                time.sleep(1)
+            logs = client_.get_job_logs(job_id)
+        finally:
+            _remove_job(client_, job_id)
+    if status_of(info) != "SUCCEEDED":
+        tail = [ln for ln in logs.splitlines() if ln.strip()][-1:] or [info.message or ""]
+        raise ClusterError(f"the probe job {job_id} {status_of(info)}: {redact_text(tail[0].strip())[:300]}")
+    return logs
+
+
+def _remove_job(client_, job_id: str, wait_s: float = 15.0) -> None:
+    """Stop the job if it still runs and delete it from the cluster's job list (best effort: the
+    caller has said its outcome)."""
+    with contextlib.suppress(Exception):
+        deadline = time.monotonic() + wait_s
+        while status_of(client_.get_job_info(job_id)) not in TERMINAL and time.monotonic() < deadline:
+            client_.stop_job(job_id)
+            time.sleep(1)
+        client_.delete_job(job_id)
+
+
+# ----------------------------------------------------------------- the jobs' MLflow address
+
+
+def loopback_host(uri: str) -> str | None:
+    """The host of an http(s) `uri` when it names this machine's loopback (localhost, 127.0.0.0/8,
+    ::1, 0.0.0.0), else None."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    host = parts.hostname
+    if host.lower() == "localhost":
+        return host
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host if (ip.is_loopback or ip.is_unspecified) else None
+
+
+def this_machines_addresses() -> set[str]:
+    """Every IP address of this machine's interfaces (loopback included)."""
+    import socket
+
+    import psutil  # Ray's dependency
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def node_ips(jobs_client) -> list[str]:
+    """The IP address of each live node of the cluster behind `jobs_client`, from its dashboard's
+    state API (Ray's own `ray list nodes` reads the same)."""
+    response = jobs_client._do_request("GET", "/api/v0/nodes?limit=10000&detail=0")
+    response.raise_for_status()
+    nodes = response.json()["data"]["result"]["result"]
+    return [n["node_ip"] for n in nodes if n.get("state") == "ALIVE"]
+
+
+def check_job_tracking(spec_env: dict, address: str, nodes: Callable[[], list[str]]) -> None:
+    """ConfigError, before anything is submitted, where the job would be sent this machine's
+    loopback as its MLflow address (MLFLOW_TRACKING_URI in `spec_env`) and the cluster at `address`
+    is not this machine: its drivers would log to themselves. A cluster is this machine when every
+    node's address is one of this machine's (cluster/local.sh); `nodes()` (their addresses, e.g.
+    node_ips of a client) is asked only where `address` itself is this machine."""
+    uri = str(spec_env.get("MLFLOW_TRACKING_URI") or "")
+    if not loopback_host(uri):
+        return
+    mine = this_machines_addresses()
+    host = urlsplit(address if is_uri(address) else f"http://{address}").hostname or ""
+    elsewhere: list[str] = []
+    if loopback_host(f"http://{host}") or host in mine:
+        try:
+            elsewhere = [ip for ip in nodes() if ip not in mine]
+        except ClusterError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an older dashboard, a proxy: cannot tell, so refuse
+            if "connect" in str(e).lower():
+                raise ClusterError(explain(address, e)) from None
+            elsewhere = [f"(cannot list its nodes: {type(e).__name__})"]
+    else:
+        elsewhere = [host]
+    if elsewhere:
+        raise ConfigError(
+            f"the job would log to MLFLOW_TRACKING_URI={redact_text(uri)}, this machine's loopback, which the "
+            f"cluster at {address} (nodes {', '.join(elsewhere[:3])}) cannot reach: pass --job-tracking-uri "
+            "<MLflow as the cluster reaches it, e.g. http://mlflow.mlflow.svc.cluster.local:5000> or export "
+            "VITP_JOB_TRACKING_URI")

@@ -93,18 +93,20 @@ def release_dead_creators() -> list[str]:
     return gone
 
 
-def _every(name: str, interval_s: float, fn: Callable[[], object], stop_on_error: bool) -> None:
+def _every(name: str, interval_s: float, fn: Callable[[], object], stopped: str = "") -> None:
     """fn() now and every interval_s, in a daemon thread named `name` (one per process), while this
-    process is connected to Ray."""
+    process is connected to Ray. With `stopped` (what is lost), the first failure while still
+    connected ends the thread with a warning saying so; without it failures are only logged at debug."""
     def loop() -> None:
         while ray.is_initialized():
             try:
                 fn()
             except Exception as e:  # noqa: BLE001 - housekeeping: never a reason to stop the driver
-                # no dashboard (Ray's state API), or the driver disconnecting: `vitp --verbose` says which
-                log.debug("%s: %s", name, e)
-                if stop_on_error:
+                if stopped and ray.is_initialized():
+                    log.warning("%s: %s (%s)", stopped, " ".join(str(e).split())[:200] or type(e).__name__,
+                                type(e).__name__)
                     return
+                log.debug("%s: %s", name, e)  # the driver disconnecting
             time.sleep(interval_s)
 
     if name not in _threads or not _threads[name].is_alive():
@@ -112,11 +114,19 @@ def _every(name: str, interval_s: float, fn: Callable[[], object], stop_on_error
         _threads[name].start()
 
 
+# Said once where the cleaner cannot ask the cluster (Ray's state API lives in the dashboard): a
+# driver on a worker node, or a dashboard that is down.
+CLEANER_STOPPED = ("placement groups that ended vitp jobs leave holding CPUs will not be removed by this "
+                   "driver: it cannot reach the dashboard's state API (a driver on a worker node? the job "
+                   "specs ask for the head's vitp_driver resource: docs/cluster.md, 'Where drivers run'; "
+                   "meanwhile `ray list placement-groups` shows them)")
+
+
 def watch() -> None:
     """remove_orphans now and every INTERVAL_S while this process is connected to a cluster."""
-    _every("vitp-orphan-placement-groups", INTERVAL_S, remove_orphans, stop_on_error=True)
+    _every("vitp-orphan-placement-groups", INTERVAL_S, remove_orphans, stopped=CLEANER_STOPPED)
 
 
 def watch_job() -> None:
     """release_dead_creators now and every RELEASE_EVERY_S while this process is connected."""
-    _every("vitp-ended-train-runs-placement-groups", RELEASE_EVERY_S, release_dead_creators, stop_on_error=False)
+    _every("vitp-ended-train-runs-placement-groups", RELEASE_EVERY_S, release_dead_creators)
