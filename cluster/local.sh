@@ -231,6 +231,8 @@ start_cluster() {
   client_port="$(free_port "$port" "$dash_port" "$agent_port")"
   local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
                 --dashboard-agent-listen-port "$agent_port" --min-worker-port 0 --max-worker-port 0 --block)
+  # The head alone offers vitp_driver, which the job specs' drivers ask for (entrypoint_resources),
+  # as on the cloud launchers and KubeRay: a driver never lands on a worker node that may go away.
   local head_pid worker_pids=() head_extra=()
   if [ -n "$autoscaling" ]; then
     head_extra=(--autoscaling-config "$autoscaling")
@@ -240,7 +242,7 @@ start_cluster() {
   (cd "$state_dir/node-0/work" && TMPDIR="$state_dir/node-0/tmp" exec setsid "$BIN/ray" start --head \
     --port "$port" --dashboard-host 127.0.0.1 --dashboard-port "$dash_port" --include-dashboard true \
     --ray-client-server-port "$client_port" --temp-dir "$state_dir/node-0/ray" "${common[@]}" \
-    ${head_extra[@]+"${head_extra[@]}"} > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
+    --resources '{"vitp_driver": 16}' ${head_extra[@]+"${head_extra[@]}"} > "$state_dir/logs/head.log" 2>&1 < /dev/null) &
   head_pid=$!
   write_pids
   if ! wait_nodes 1 "" "$head_pid"; then

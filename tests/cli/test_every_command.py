@@ -820,7 +820,9 @@ def test_submit_and_jobs_against_a_local_cluster(scenario, local_cluster, tmp_pa
     spec = tmp_path / "job.yaml"
     spec.write_text("# the smallest job: resolve a recipe on the cluster and print it\n"
                     "entrypoint: vitp config debug --set train.steps=7\n"
-                    "metadata:\n  stage: test\n")
+                    "metadata:\n  stage: test\n"
+                    # this machine's loopback goes to a cluster only when every node is this machine
+                    "runtime_env:\n  env_vars:\n    MLFLOW_TRACKING_URI: ${MLFLOW_TRACKING_URI:-http://127.0.0.1:9}\n")
     address = ["--address", local_cluster.address]
     r = ok(scenario.vitp("submit", str(spec), *address, "--follow", timeout=600))
     assert "job spec" in r.out and "debug" in r.out.splitlines()[0], str(r)

@@ -5,6 +5,7 @@ KubeRay release, the core objects (Deployment, Service, NetworkPolicy, ...) agai
 API's definitions, and each cloud overlay (cluster/overlays/) as kustomize renders it. A misspelt or
 misplaced field fails here instead of being dropped by the API server."""
 import copy
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 from .k8s_schema import KUBERAY_RELEASES, PLURAL, core_validator, crd_validator, errors
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = sorted((ROOT / "cluster" / "kuberay").glob("*.yaml")) + [ROOT / "cluster" / "mlflow" / "mlflow.yaml"]
+MANIFESTS = (sorted((ROOT / "cluster" / "kuberay").glob("*.yaml")) + sorted((ROOT / "cluster" / "accounts").glob("*.yaml"))
+             + [ROOT / "cluster" / "mlflow" / "mlflow.yaml"])
 
 
 OVERLAYS = sorted(p.parent for p in (ROOT / "cluster" / "overlays").glob("*/kustomization.yaml"))
@@ -38,48 +40,87 @@ def _render(overlay: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-# overlay -> (the GPU group's node selector key, the shared volume's class, the identity annotation)
-CLOUD = {"gke": ("cloud.google.com/gke-accelerator", "standard-rwx", "iam.gke.io/gcp-service-account"),
-         "eks": ("node.kubernetes.io/instance-type", "efs-sc", "eks.amazonaws.com/role-arn"),
-         "gfd": ("nvidia.com/gpu.product", "nfs-client", None)}
+# overlay -> (the GPU group's node selector key, the identity annotation, extra GPU pod resources)
+CLOUD = {"gke": ("cloud.google.com/gke-accelerator", "iam.gke.io/gcp-service-account", {}),
+         "eks": ("node.kubernetes.io/instance-type", "eks.amazonaws.com/role-arn", {"vpc.amazonaws.com/efa": "32"}),
+         "gfd": ("nvidia.com/gpu.product", None, {})}
+# where each service account lives: the Ray pods' and the tracking server's
+ACCOUNTS = {("vit", "vit-ray"), ("mlflow", "mlflow")}
+
+
+def _accounts(docs: list[dict], identity) -> None:
+    """Both service accounts, each in its namespace, each with the cloud's identity (or none)."""
+    sas = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "ServiceAccount"}
+    assert set(sas) == ACCOUNTS, set(sas)
+    for key, sa in sas.items():
+        assert list(sa["metadata"].get("annotations", {})) == ([identity] if identity else []), key
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
 def test_every_overlay_renders_to_valid_objects_with_its_clouds_names(overlay):
     """Each cloud overlay over cluster/kuberay/, rendered by kustomize, validates strictly (CRDs of
-    both KubeRay releases, the Kubernetes API) and names its cloud's GPU label, RWX class and
-    identity; the base names none of them (GPU pods go to any node with 8 free GPUs)."""
+    both KubeRay releases, the Kubernetes API) and names its cloud's GPU label and identity, on both
+    service accounts; the base names none of them (GPU pods go to any node with 8 free GPUs). Its
+    accounts/ path alone (what a RayJob and the MLflow server need) renders the same two accounts."""
     docs = _render(overlay)
     by_kind = {d["kind"]: d for d in docs}
-    assert set(by_kind) == {"ServiceAccount", "PersistentVolumeClaim", "NetworkPolicy", "RayCluster"}, set(by_kind)
+    assert set(by_kind) == {"ServiceAccount", "NetworkPolicy", "RayCluster"}, set(by_kind)
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "ServiceAccount"} == {"vit"}
     found = [f"{overlay.name} {d['kind']}: {line}" for d in docs for line in errors(
         crd_validator(KUBERAY_RELEASES[0], d["kind"]) if d["kind"] in PLURAL
         else core_validator(d["apiVersion"], d["kind"]), d)]
     found += [f"{overlay.name} RayCluster ({r}): {line}" for r in KUBERAY_RELEASES[1:]
               for line in errors(crd_validator(r, "RayCluster"), by_kind["RayCluster"])]
     assert not found, "\n".join(found)
-    label, storage_class, identity = CLOUD[overlay.name]
+    label, identity, extra = CLOUD[overlay.name]
     groups = {g["groupName"]: g["template"]["spec"] for g in by_kind["RayCluster"]["spec"]["workerGroupSpecs"]}
     assert list(groups["gpu"]["nodeSelector"]) == [label]
     assert "nodeSelector" not in groups["cpu-data"]
-    assert by_kind["PersistentVolumeClaim"]["spec"]["storageClassName"] == storage_class
-    annotations = by_kind["ServiceAccount"]["metadata"].get("annotations", {})
-    assert list(annotations) == ([identity] if identity else [])
+    (gpu,) = groups["gpu"]["containers"]
+    for key, value in extra.items():
+        assert gpu["resources"]["requests"][key] == gpu["resources"]["limits"][key] == value, key
+    _accounts(docs, identity)
+    alone = _render(overlay / "accounts")
+    assert {d["kind"] for d in alone} == {"ServiceAccount"}
+    _accounts(alone, identity)
+
+
+def test_every_rayjob_header_names_an_accounts_path_that_exists():
+    for path in sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml")):
+        paths = re.findall(r"kubectl apply -k (cluster/overlays/\w+/accounts)", path.read_text())
+        assert paths and all((ROOT / p / "kustomization.yaml").exists() for p in paths), path.name
+
+
+def test_a_rayjob_that_never_starts_fails_within_the_hour():
+    """preRunningDeadlineSeconds (KubeRay >= 1.7): a cluster that cannot start (no GPU nodes, an
+    image that cannot be pulled) ends the RayJob instead of waiting out activeDeadlineSeconds."""
+    for path in sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml")):
+        spec = yaml.safe_load(path.read_text())["spec"]
+        assert 0 < spec["preRunningDeadlineSeconds"] <= 3600 < spec["activeDeadlineSeconds"], path.name
 
 
 @pytest.mark.parametrize("release", KUBERAY_RELEASES)
 def test_every_kuberay_manifest_validates_against_the_crd(release):
+    """The RayCluster against both releases; the RayJobs against the newest (they use
+    preRunningDeadlineSeconds, which KubeRay 1.7 added): to the oldest, that field is all that is
+    unknown, which is why their header says KubeRay >= 1.7."""
     docs = [(p, d) for p, d in _docs() if d["kind"] in PLURAL]
     assert {d["kind"] for _, d in docs} == {"RayCluster", "RayJob"}, [p.name for p, _ in docs]
-    found = [f"{path.name}: {line}" for path, doc in docs
-             for line in errors(crd_validator(release, doc["kind"]), doc)]
+    found = []
+    for path, doc in docs:
+        lines = errors(crd_validator(release, doc["kind"]), doc)
+        if doc["kind"] == "RayJob" and release < "v1.7":
+            assert lines and all("preRunningDeadlineSeconds" in line for line in lines), (path.name, lines)
+            assert "KubeRay >= 1.7" in path.read_text(), path.name
+            continue
+        found += [f"{path.name}: {line}" for line in lines]
     assert not found, "\n".join(found)
 
 
 def test_every_core_object_validates_against_the_kubernetes_api():
     docs = [(p, d) for p, d in _docs() if d["kind"] not in PLURAL]
     kinds = {d["kind"] for _, d in docs}
-    assert {"Deployment", "Service", "NetworkPolicy", "PersistentVolumeClaim", "ServiceAccount"} <= kinds, kinds
+    assert {"Deployment", "Service", "NetworkPolicy", "ServiceAccount"} <= kinds, kinds
     found = [f"{path.name} {doc['kind']}: {line}" for path, doc in docs
              for line in errors(core_validator(doc["apiVersion"], doc["kind"]), doc)]
     assert not found, "\n".join(found)

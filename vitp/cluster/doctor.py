@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from vitp import storage
 from vitp.cluster.checks import EXIT_FAILED, Check, exit_code, first_line, timed  # noqa: F401 - exit_code: cli
 from vitp.cluster.doctor_mlflow import check_mlflow
+from vitp.cluster.jobspec import DRIVER_RESOURCE
 from vitp.errors import ClusterError
 
 PROBE_DIR = ".vitp-doctor"
@@ -30,6 +31,9 @@ TRACKING_TAG = "VITP_DOCTOR_TRACKING "  # ... and its MLflow reachability line
 TOKEN_FIX = "export RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN=<the token>) and retry"
 UNREACHABLE_FIX = ("start the cluster (cluster/local.sh start, ray up), port-forward the head's dashboard "
                    "port 8265, or pass --address http://<head>:8265")
+DRIVER_FIX = (f"start the head with --resources '{{\"{DRIVER_RESOURCE}\": 16}}' (cluster/*.yaml, "
+              "cluster/kuberay/raycluster.yaml and cluster/local.sh do), or drop entrypoint_resources from your "
+              "spec (docs/cluster.md, 'Where drivers run')")
 TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0,
             "mlflow from cluster": 5.0, "data": 30.0, "all-reduce": 900.0}
 
@@ -78,17 +82,26 @@ def _dashboard(address: str, found: list[Cluster]) -> Check:
         return Check("cluster", False, f"{address} answered HTTP {status} to the Ray dashboard API",
                      "pass the Ray dashboard / Jobs API address (http://<head>:8265) as --address")
     nodes = [{"id": n["node_id"], "ip": n.get("node_ip", "?"), "cpus": n.get("resources_total", {}).get("CPU", 0),
-              "gpus": n.get("resources_total", {}).get("GPU", 0)}
+              "gpus": n.get("resources_total", {}).get("GPU", 0),
+              "drivers": n.get("resources_total", {}).get(DRIVER_RESOURCE, 0)}
              for n in json.loads(body)["data"]["result"]["result"] if n.get("state") == "ALIVE"]
     found.append(Cluster(address, True, nodes))
+    if not any(n["drivers"] for n in nodes):
+        return _no_driver_slot(address, version)
     auth = "token accepted" if mode.get("authentication_mode") == "token" else "token auth off"
     return Check("cluster", True, f"{address} answers (Ray {version}, {auth}): {_summary(nodes)}")
+
+
+def _no_driver_slot(address: str, version: str) -> Check:
+    return Check("cluster", False, f"{address} answers (Ray {version}) but no node offers {DRIVER_RESOURCE}, which "
+                 "the shipped job specs' drivers ask for (they would wait until Ray gives up)", DRIVER_FIX)
 
 
 def _ray_nodes() -> list[dict]:
     import ray
     return [{"id": n["NodeID"], "ip": n.get("NodeManagerAddress", "?"), "cpus": n["Resources"].get("CPU", 0),
-             "gpus": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
+             "gpus": n["Resources"].get("GPU", 0), "drivers": n["Resources"].get(DRIVER_RESOURCE, 0)}
+            for n in ray.nodes() if n.get("Alive")]
 
 
 def _join(address: str, cfg, found: list[Cluster]) -> Check:
@@ -112,6 +125,8 @@ def _join(address: str, cfg, found: list[Cluster]) -> Check:
                      if "auth" in text.lower() or "token" in text.lower() else
                      "check --address and that this machine's Ray and Python match the cluster's")
     found.append(Cluster(address, False, _ray_nodes()))
+    if not any(n["drivers"] for n in found[0].nodes):
+        return _no_driver_slot(address, ray.__version__)
     return Check("cluster", True, f"{address} answers (Ray {ray.__version__}): {_summary(found[0].nodes)}")
 
 

@@ -27,6 +27,10 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SPEC_KEYS = {"entrypoint": str, "submission_id": str, "runtime_env": dict, "metadata": dict,
              "entrypoint_num_cpus": (int, float), "entrypoint_num_gpus": (int, float),
              "entrypoint_memory": int, "entrypoint_resources": dict, "entrypoint_label_selector": dict}
+# The custom resource only a cluster's head offers (cluster/*.yaml, cluster/kuberay/raycluster.yaml,
+# cluster/local.sh): the shipped specs' drivers ask for one unit, so they run on the head, which
+# outlives the workers and reaches the dashboard (docs/cluster.md, "Where drivers run").
+DRIVER_RESOURCE = "vitp_driver"
 # vitp subcommands whose first positional argument is a recipe name.
 RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot"}
 # Options of those subcommands that take a value (so the value is not mistaken for the recipe).
@@ -331,6 +335,11 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (),
         if key in raw and raw[key] is not None and not isinstance(raw[key], tp):
             want = " or ".join(t.__name__ for t in (tp if isinstance(tp, tuple) else (tp,)))
             raise ConfigError(f"{path}: {key} must be {want}, got {type(raw[key]).__name__}")
+    for name, amount in (raw.get("entrypoint_resources") or {}).items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                or not 0 < amount < float("inf"):
+            raise ConfigError(f"{path}: entrypoint_resources {redact_text(str(name))}: {redact_text(str(amount))} "
+                              f"must be a resource name and a positive amount, e.g. {{{DRIVER_RESOURCE}: 1}}")
     kwargs = {k: v for k, v in raw.items() if v is not None}
     kwargs["entrypoint"] = add_overrides(str(raw["entrypoint"]).strip(), list(overrides))
     secrets: list[str] = []
