@@ -27,13 +27,18 @@ def _launcher_offers(path) -> tuple[dict[str, dict], str]:
 
 
 def _kuberay_offers(spec: dict) -> dict[str, dict]:
-    """group -> the custom resources its rayStartParams give (head: 'head'). KubeRay writes
-    `ray start --resources=VALUE` into the pod's shell command, so VALUE is read as the shell would."""
+    """group -> the custom resources its rayStartParams give (head: 'head'), read twice: as the pod's
+    shell reads `ray start --resources=VALUE` (KubeRay writes that line), and as Ray's KubeRay
+    autoscaler reads the group (its own parser), which must agree."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
     groups = {"head": spec["headGroupSpec"], **{g["groupName"]: g for g in spec["workerGroupSpecs"]}}
     out = {}
     for name, g in groups.items():
-        raw = g.get("rayStartParams", {}).get("resources")
+        params = g.get("rayStartParams", {})
+        raw = params.get("resources")
         out[name] = json.loads(" ".join(shlex.split(raw))) if raw else {}
+        assert _get_custom_resources({}, params, name) == out[name], (name, raw)
     return out
 
 

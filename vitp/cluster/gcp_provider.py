@@ -1,14 +1,7 @@
 """The GCP node provider cluster/gcp.yaml names: Ray's own, minus its change to project IAM.
 
-`ray up` with Ray's GCP provider (2.60: autoscaler/_private/gcp/config.py, bootstrap_gcp) always
-runs `_configure_iam_role`: it creates the service account `ray-autoscaler-sa-v1` when missing and
-binds it project-wide to compute.admin, storage.objectAdmin, iam.serviceAccountUser and
-iam.roleViewer (setIamPolicy on the project), even when every node type names its own account, as
-ours do (cluster/gcp/setup.sh makes it, with narrower roles). There is no setting to skip that
-step, so gcp.yaml names this class (`provider: {type: external, module: ...}`): the same bootstrap
-without the IAM step, and a one-line refusal of a node type that names no account (it would get
-the project's default compute account). Everything else (instances, SSH keys, subnets, TPUs) is
-Ray's GCPNodeProvider, unchanged. The head's autoscaler imports it from the image, which has vitp.
+Owns only the bootstrap: instances, SSH keys, subnets and TPUs stay Ray's GCPNodeProvider. Must not
+create accounts or bind roles (docs/cluster.md, "Cluster launcher", says why and what Ray does).
 """
 from __future__ import annotations
 
@@ -32,7 +25,17 @@ def _accountless(config: dict) -> list[str]:
 
 
 class NodeProvider(GCPNodeProvider):
-    """Ray's GCP provider whose bootstrap leaves IAM alone (see the module's docstring)."""
+    """Ray's GCP provider whose bootstrap leaves IAM alone.
+
+    `ray up` with Ray's provider (2.60: gcp/config.py, bootstrap_gcp) always runs
+    `_configure_iam_role`: it creates `ray-autoscaler-sa-v1` when missing and binds it project-wide
+    to compute.admin, storage.objectAdmin, iam.serviceAccountUser and iam.roleViewer, even when every
+    node type names its own account, as ours do (cluster/gcp/setup.sh makes it, with narrower roles).
+    No setting skips that step, so gcp.yaml names this class (`provider: {type: external, module:
+    ...}`): the same bootstrap without it, and a one-line refusal of a node type that names no
+    account (it would run as the project's default compute account). The head's autoscaler imports
+    this class from the image, which has vitp.
+    """
 
     @staticmethod
     def bootstrap_config(cluster_config: dict) -> dict:
