@@ -10,7 +10,8 @@
 # 3. starts the receive-datapath manager (RxDM), its socket in /run/tcpx.
 # Plugin and RxDM are released in pairs (GoogleCloudPlatform/container-engine-accelerators,
 # gpudirect-tcpx/README.md): change both together. TCPX_ENV_ONLY=1 stops after step 1;
-# TCPX_SYSFS, TCPX_PROCFS and TCPX_DIR stand in for /sys, /proc and /run/tcpx.
+# TCPX_SYSFS, TCPX_PROCFS and TCPX_DIR stand in for /sys, /proc and /run/tcpx (TCPX_SETTLE_S: how
+# long the manager must stay up, 10 s).
 set -euo pipefail
 PLUGIN=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/nccl-plugin-gpudirecttcpx-dev:v3.1.12
 RXDM=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.15
@@ -57,9 +58,24 @@ EOF
 echo "tcpx.sh: nic0 $ctrl, GPU NICs $n1 $n2 $n3 $n4 -> $dir/nccl.env"
 [[ -z "${TCPX_ENV_ONLY:-}" ]] || exit 0
 
+# Ray runs this again whenever the cluster's config changes, maybe under a running job: a manager
+# already running the pinned image is left alone. (A changed nccl.env reaches Ray's container only
+# when Ray starts it anew: it restarts a container for a new image or mounts, not for new options.)
+if [[ "$(docker inspect -f '{{.Config.Image}} {{.State.Running}}' receive-datapath-manager 2>/dev/null)" == "$RXDM true" ]]; then
+  echo "tcpx.sh: receive-datapath-manager already running $RXDM"
+  exit 0
+fi
 gcloud auth configure-docker us-docker.pkg.dev --quiet
 docker run --rm --volume /var/lib:/var/lib "$PLUGIN" install --install-nccl
 docker rm -f receive-datapath-manager >/dev/null 2>&1 || true
-docker run --detach --name receive-datapath-manager --privileged --cap-add=NET_ADMIN --network=host \
-  --gpus all --volume "$dir:/run/tcpx" --entrypoint /tcpgpudmarxd/build/app/tcpgpudmarxd "$RXDM" \
-  --gpu_nic_preset a3vm --gpu_shmem_type fd --uds_path /run/tcpx --setup_param "--verbose 128 2 0"
+docker run --detach --restart unless-stopped --name receive-datapath-manager --privileged --cap-add=NET_ADMIN \
+  --network=host --gpus all --volume "$dir:/run/tcpx" --entrypoint /tcpgpudmarxd/build/app/tcpgpudmarxd "$RXDM" \
+  --gpu_nic_preset a3vm --gpu_shmem_type fd --uds_path /run/tcpx --setup_param "--verbose 128 2 0" >/dev/null
+# `docker run --detach` succeeds even when the daemon dies at once: look again after it settled
+sleep "${TCPX_SETTLE_S:-10}"
+if [[ "$(docker inspect -f '{{.State.Running}} {{.RestartCount}}' receive-datapath-manager)" != "true 0" ]]; then
+  echo "tcpx.sh: receive-datapath-manager did not stay up; its log:" >&2
+  docker logs --tail 20 receive-datapath-manager >&2 || true
+  exit 1
+fi
+echo "tcpx.sh: receive-datapath-manager running $RXDM"

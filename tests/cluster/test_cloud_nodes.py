@@ -51,14 +51,29 @@ def test_the_machine_table_keeps_pd_standard_off_a3():
 # ------------------------------------------------------------------------- GPUs in the container
 
 
+def _docker_config(config: dict, node_type: str) -> dict:
+    """The docker settings Ray gives a node of this type: `ray up` starts the head with the global
+    ones (commands.get_or_create_head_node), the head's autoscaler starts a worker with its type's
+    over them (StandardAutoscaler._get_node_specific_docker_config, called here on a bare instance)."""
+    from ray.autoscaler._private.autoscaler import StandardAutoscaler
+    from ray.autoscaler.tags import TAG_RAY_USER_NODE_TYPE
+
+    if node_type == config["head_node_type"]:
+        return config["docker"]
+    autoscaler = object.__new__(StandardAutoscaler)
+    autoscaler.config = config
+    autoscaler.available_node_types = config["available_node_types"]
+    autoscaler.provider = type("Tags", (), {"node_tags": lambda self, _id: {TAG_RAY_USER_NODE_TYPE: node_type}})()
+    return autoscaler._get_node_specific_docker_config("node-1")
+
+
 def _docker_run(config: dict, node_type: str) -> list[str]:
-    """The `docker run` Ray's updater sends to a node of this type, as the node's shell splits it:
-    the node type's docker settings over the global ones (StandardAutoscaler's merge), then the
-    global run_options and the head's or workers' (DockerCommandRunner.run_init), through Ray's
-    own docker_start_cmds."""
+    """The `docker run` Ray sends to a node of this type, as the node's shell splits it: the global
+    run_options and the head's or workers' (DockerCommandRunner.run_init), through Ray's own
+    docker_start_cmds."""
     from ray.autoscaler._private.docker import docker_start_cmds
 
-    docker = {**config["docker"], **config["available_node_types"][node_type].get("docker", {})}
+    docker = _docker_config(config, node_type)
     role = "head" if node_type == config["head_node_type"] else "worker"
     options = docker.get("run_options", []) + docker.get(f"{role}_run_options", [])
     cmd = docker_start_cmds("ubuntu", docker["image"], config["file_mounts"], docker["container_name"], options,
@@ -101,8 +116,9 @@ def test_a3_containers_get_the_tcpx_plugin_socket_and_settings_the_host_prepares
     assert argv[argv.index("--env-file") + 1] == "/run/tcpx/nccl.env"
     init = GCP["available_node_types"]["gpu"]["initialization_commands"]
     assert init[:-1] == GCP["initialization_commands"]  # the type's list replaces the global one
-    mount = next(t for t, src in GCP["file_mounts"].items() if src == "cluster/gcp/tcpx.sh")
-    assert init[-1] == f"bash /tmp/ray_tmp_mount/{GCP['cluster_name']}{mount}"
+    mount = next(t for t, src in GCP["file_mounts"].items() if src == "cluster/gcp")  # a folder: updated in place
+    assert init[-1] == f"bash /tmp/ray_tmp_mount/{GCP['cluster_name']}{mount}/tcpx.sh"
+    assert (ROOT / "cluster" / "gcp" / "tcpx.sh").exists()
 
 
 # --------------------------------------------------------------------------- pulling the image
@@ -215,8 +231,11 @@ def test_ray_up_on_gcp_changes_no_project_iam(monkeypatch, tmp_path):
     read or made, the project's IAM policy is neither read nor set, every node keeps the account
     setup.sh makes. Ray's own provider, on the same file, makes ray-autoscaler-sa-v1 and sets it."""
     resolved, log = _ray_up_bootstrap(GCP, monkeypatch, tmp_path)
-    assert not [c for c in log if "iam.googleapis.com" in c or "IamPolicy" in c], log
-    assert any("/subnetworks" in c for c in log), log  # the rest of the bootstrap did run
+    project = GCP["provider"]["project_id"]
+    # the project is read (the rest of the bootstrap ran); no subnet list: every type names its NICs
+    assert log == [f"GET https://cloudresourcemanager.googleapis.com/v1/projects/{project}"], log
+    for name, t in resolved["available_node_types"].items():  # never a GPU network by accident
+        assert t["node_config"]["networkInterfaces"][0]["subnetwork"].endswith("/subnetworks/default"), name
     accounts = {a["email"] for t in resolved["available_node_types"].values() for a in t["node_config"]["serviceAccounts"]}
     assert accounts == {f"vit-pipeline-ray@{GCP['provider']['project_id']}.iam.gserviceaccount.com"}
     assert resolved["provider"]["module"] == "vitp.cluster.gcp_provider.NodeProvider"
@@ -233,6 +252,39 @@ def test_a_gcp_node_type_without_an_account_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^node type\(s\) cpu-data name no serviceAccounts: .*setup\.sh") as err:
         NodeProvider.bootstrap_config(config)
     assert "\n" not in str(err.value)
+
+
+def test_ray_up_on_aws_takes_the_subnets_and_security_group_setup_makes(s3, tmp_path):
+    """Ray's own `ray up` bootstrap of aws.yaml against EC2's API (moto's server): a VPC as
+    setup.sh and the docs leave it (a public subnet for the head, a NAT subnet without public
+    addresses for the workers, the shared security group) passes, every type keeps its subnet and
+    group; with `use_internal_ips: false` Ray refuses the workers' subnet, as it would on AWS."""
+    import boto3
+    import click
+    from ray.autoscaler._private import commands
+
+    ec2 = boto3.client("ec2", region_name=AWS["provider"]["region"])  # AWS_ENDPOINT_URL: moto
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    zone = AWS["provider"]["region"] + "a"
+    public = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone=zone)["Subnet"]["SubnetId"]
+    ec2.modify_subnet_attribute(SubnetId=public, MapPublicIpOnLaunch={"Value": True})
+    private = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.2.0/24", AvailabilityZone=zone)["Subnet"]["SubnetId"]
+    group = ec2.create_security_group(GroupName=f"vit-pipeline-nodes-{vpc}", Description="test", VpcId=vpc)["GroupId"]
+    text = ((ROOT / "cluster" / "aws.yaml").read_text().replace("subnet-PUBLIC_REPLACE_ME", public)
+            .replace("subnet-PRIVATE_REPLACE_ME", private).replace("sg-REPLACE_ME", group))
+    config = yaml.safe_load(text)
+    key = tmp_path / "key.pem"  # the user's own key pair: Ray then creates none
+    key.write_text("-")
+    config["auth"]["ssh_private_key"] = str(key)
+    for node_type in config["available_node_types"].values():
+        node_type["node_config"]["KeyName"] = "vit"
+    resolved = commands._bootstrap_config(json.loads(json.dumps(config)), no_config_cache=True)
+    subnets = {n: set(t["node_config"]["SubnetIds"]) for n, t in resolved["available_node_types"].items()}
+    assert subnets == {"head": {public}, "gpu": {private}, "cpu-data": {private}}, subnets
+    assert all(set(t["node_config"]["SecurityGroupIds"]) == {group} for t in resolved["available_node_types"].values())
+    config["provider"]["use_internal_ips"] = False
+    with pytest.raises(click.ClickException, match="No usable subnets found for node type"):
+        commands._bootstrap_config(config, no_config_cache=True)
 
 
 # ---------------------------------------------------------------------------- multi-node fabric
@@ -287,26 +339,72 @@ def _host(tmp_path: Path, nics: list[str], default: str) -> dict:
             "TCPX_PROCFS": str(tmp_path / "proc"), "TCPX_DIR": str(tmp_path / "run")}
 
 
+# A gVNIC VM's names follow the PCI slot (nic0 on bus 0; the GPU NICs on buses 6 and 12, near the
+# first CPU socket, and 134 and 140, near the second): in name order, the bindings' CPU ranges fit.
+A3_NICS = ["enp0s12", "enp6s0", "enp12s0", "enp134s0", "enp140s0"]
+
+
 def test_tcpx_settings_name_this_vms_own_nics(tmp_path):
-    env = _host(tmp_path, ["ens4", "ens5", "ens6", "ens7", "ens10"], default="ens4")
+    env = _host(tmp_path, A3_NICS, default="enp0s12")
     out = subprocess.run(["bash", str(ROOT / "cluster" / "gcp" / "tcpx.sh")], capture_output=True, text=True,
                          env=env, timeout=30)
     assert out.returncode == 0, out.stderr
     settings = dict(line.split("=", 1) for line in (tmp_path / "run" / "nccl.env").read_text().splitlines())
-    assert settings["NCCL_GPUDIRECTTCPX_CTRL_DEV"] == settings["NCCL_SOCKET_IFNAME"] == "ens4"
-    assert settings["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == "ens5,ens6,ens7,ens10"  # name order, not text
-    assert [b.split(":")[0] for b in settings["NCCL_GPUDIRECTTCPX_TX_BINDINGS"].split(";")] == \
-        ["ens5", "ens6", "ens7", "ens10"]
+    assert settings["NCCL_GPUDIRECTTCPX_CTRL_DEV"] == settings["NCCL_SOCKET_IFNAME"] == "enp0s12"
+    gpu_nics = ["enp6s0", "enp12s0", "enp134s0", "enp140s0"]  # bus order, not text order
+    assert settings["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == ",".join(gpu_nics)
+    tx = dict(b.split(":") for b in settings["NCCL_GPUDIRECTTCPX_TX_BINDINGS"].split(";"))
+    assert list(tx) == gpu_nics and tx["enp12s0"] == "8-21,112-125" and tx["enp134s0"] == "60-73,164-177"
     assert settings["NCCL_NET_PLUGIN"] == "/usr/local/tcpx/lib64/libnccl-net.so"
     assert settings["NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX"] == "/run/tcpx"
 
 
 def test_tcpx_refuses_a_vm_without_its_four_gpu_nics(tmp_path):
-    env = _host(tmp_path, ["ens4", "ens5"], default="ens4")
+    env = _host(tmp_path, A3_NICS[:2], default="enp0s12")
     out = subprocess.run(["bash", str(ROOT / "cluster" / "gcp" / "tcpx.sh")], capture_output=True, text=True,
                          env=env, timeout=30)
-    assert out.returncode == 1 and "found 1 (ens5)" in out.stderr and "networkInterfaces" in out.stderr
+    assert out.returncode == 1 and "found 1 (enp6s0)" in out.stderr and "networkInterfaces" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def _docker_answering(tmp_path: Path, inspect: str) -> dict:
+    """PATH with a `docker` whose `inspect` prints `inspect` and which writes down every call, and
+    a silent `gcloud`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f'#!/bin/sh\necho "docker $*" >> "{tmp_path}/calls"\n'
+                                    f'[ "$1" = inspect ] && echo "{inspect}"\nexit 0\n')
+    (bin_dir / "gcloud").write_text("#!/bin/sh\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "TCPX_SETTLE_S": "0"}
+
+
+def _rxdm() -> str:
+    return re.search(r"^RXDM=(\S+)$", (ROOT / "cluster" / "gcp" / "tcpx.sh").read_text(), re.M).group(1)
+
+
+def test_tcpx_leaves_a_running_manager_alone_when_ray_runs_it_again(tmp_path):
+    """Ray reruns a type's initialization_commands when the config changes, maybe under a job: the
+    manager already running the pinned image is neither replaced nor stopped."""
+    env = {**_host(tmp_path, A3_NICS, default="enp0s12"), "TCPX_ENV_ONLY": ""}
+    env.update(_docker_answering(tmp_path, f"{_rxdm()} true"))
+    out = subprocess.run(["bash", str(ROOT / "cluster" / "gcp" / "tcpx.sh")], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert out.returncode == 0 and "already running" in out.stdout, out.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert all(c.startswith("docker inspect") for c in calls), calls
+
+
+def test_tcpx_fails_when_the_manager_does_not_stay_up(tmp_path):
+    env = {**_host(tmp_path, A3_NICS, default="enp0s12"), "TCPX_ENV_ONLY": ""}
+    env.update(_docker_answering(tmp_path, "false 3"))  # neither running before nor after its start
+    out = subprocess.run(["bash", str(ROOT / "cluster" / "gcp" / "tcpx.sh")], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert out.returncode == 1 and "did not stay up" in out.stderr, (out.stdout, out.stderr)
+    calls = (tmp_path / "calls").read_text()
+    assert "--restart unless-stopped --name receive-datapath-manager" in calls and _rxdm() in calls
+    assert "docker logs" in calls
 
 
 @pytest.mark.parametrize("args,word", [
