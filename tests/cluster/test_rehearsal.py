@@ -251,11 +251,15 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     vit_prefix = store.split("/", 3)[3] + "/"  # "vit/"
 
     # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server from
-    # this machine (its port-forward address) and from the cluster (the jobs' address)
+    # this machine (its port-forward address) and from the cluster (the jobs' address), and the
+    # recipe's Train gang all-reducing across the two nodes
     r = vitp("doctor", "debug", "--address", address, "--set", f"work_dir={storage.join(store, 'doctor')}",
-             "--tracking-uri", rehearsal.forward.uri, env=env)
+             "--tracking-uri", rehearsal.forward.uri, "--allreduce", env=env)
     assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 node(s) alive" in r.stdout and "storage on cluster" in r.stdout, r.stdout
+    assert re.search(r"ok +all-reduce: 2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, "
+                     r"bus bandwidth [\d.]+ GB/s", r.stdout), r.stdout
+    print(next(line for line in r.stdout.splitlines() if "all-reduce:" in line))
     assert f"the jobs' address: {rehearsal.mlflow.uri} answers" in r.stdout and rehearsal.forward.connections
     forwarded = rehearsal.forward.connections
 
