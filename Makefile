@@ -70,8 +70,8 @@ browser:
 		{ apt-get update -q && apt-get install -y -q chromium; } || \
 		{ sudo apt-get update -q && sudo apt-get install -y -q chromium; }
 
-# The default suite; the multi-minute end-to-end scenarios run in test-e2e, and what tests/long.txt
-# lists (left out of both to fit CI's budgets) in test-long.
+# The default suite; the multi-minute end-to-end scenarios run in test-e2e, and the tests marked
+# long (left out of both to fit CI's budgets: tests/tiers.py) in test-long.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not long" $(XDIST) $(PYTEST_ARGS)
 
@@ -84,7 +84,7 @@ test-fast: $(STAMP)
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m "e2e and not gpu and not long" $(PYTEST_ARGS)
 
-# tests/long.txt's tests (about 80 minutes on 2 cores): the unit-level ones on the xdist workers,
+# The tests marked long (about 80 minutes on 2 cores): the unit-level ones on the xdist workers,
 # then the end-to-end ones one at a time. Run before resolving work that touches what they test.
 test-long: $(STAMP) browser
 	$(BIN)/python -m pytest -m "long and not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from s3server import S3Server, s3_environment
-from tiers import is_long, long_entries, stale_entries
+from tiers import mark_long
 from vitp.net import free_port
 
 # A test that uses one of these (directly or through another fixture) starts or joins Ray: it is
@@ -23,13 +23,8 @@ SERVER_FIXTURES = {"mlflow_server"}
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection, which reads the marker
 def pytest_collection_modifyitems(config, items):
-    entries = long_entries()
-    stale = stale_entries(entries, [item.nodeid for item in items], config.args, config.rootpath)
-    if stale:
-        raise pytest.UsageError(f"tests/long.txt names no collected test: {', '.join(stale)} (renamed? fix the line)")
+    mark_long(items, config.args)  # the long tier: tests/tiers.py
     for item in items:
-        if is_long(item.nodeid, entries):
-            item.add_marker(pytest.mark.long)
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
         params = getattr(getattr(item, "callspec", None), "params", {})

@@ -1,6 +1,7 @@
 """The suite's own selection: a test that uses a Ray fixture (tests/conftest.py's RAY_FIXTURES) is
 marked `ray`, and one on the session's real MLflow server `slow`, before `-m` deselects, so
 `make test-fast` (-m "... and not slow and not ray") leaves them out (a SQLite twin stays)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,16 +59,48 @@ def test_durations_replace_the_entries_of_every_file_the_logs_ran(tmp_path, monk
         "tests/test_b.py::test_not_run_this_time": 7}  # a file the log did not run keeps its entries
 
 
-def test_the_long_tier_is_what_tests_long_txt_lists():
-    """tests/long.txt's entries of a file are exactly the tests of it marked `long` (the whole
-    list's entries are checked against what each run collects, in tests/conftest.py)."""
-    from tiers import is_long, long_entries, stale_entries
-
+def test_the_long_tier_is_what_the_test_files_mark():
+    """A whole test marked `long` and the cases `long_cases` names are left out by `not long`; the
+    grid's other cases stay in CI."""
+    probe = "tests/train/test_resize.py"
+    long = {t for t in _collected("long", probe) if t.startswith("test_resume_at_another_world_size[")}
+    assert long == {f"test_resume_at_another_world_size[{c}]"
+                    for c in ("0-fp32", "1-fp32", "2-fp32", "3-bf16", "1-bf16", "2-bf16")}
+    assert "test_resume_at_another_world_size[3-fp32]" in _collected("not long", probe)
     probe = "tests/tune/test_sweep.py"
-    entries = [e for e in long_entries() if e.startswith(probe + "::")]
-    assert entries and {e.split("::")[1] for e in entries} == _collected("long", probe)
-    named = [f"{probe}::{name}" for name in _collected("", probe)]
-    assert stale_entries(entries, named, [probe], ROOT) == []
-    assert stale_entries([f"{probe}::test_renamed_since"], named, [probe], ROOT) == [f"{probe}::test_renamed_since"]
-    assert stale_entries([f"{probe}::test_renamed_since"], named[:1], [named[0]], ROOT) == []  # one test asked for
-    assert is_long(f"{probe}::test_x[a-b]", [f"{probe}::test_x"]) and not is_long(f"{probe}::test_xy", [f"{probe}::test_x"])
+    marked = re.findall(r"@pytest\.mark\.long\(.*\n(?:.*\n)*?def (test_\w+)", (ROOT / probe).read_text())
+    assert marked and _collected("long", probe) == set(marked)
+
+
+class _Item:
+    """What tiers.mark_long reads of a pytest item."""
+
+    def __init__(self, nodeid, marks, case=None):
+        self.nodeid, self.marks, self.added = nodeid, marks, []
+        self.callspec = type("Spec", (), {"id": case})() if case else None
+
+    def iter_markers(self, name):
+        return [m for m in self.marks if m.name == name]
+
+    def get_closest_marker(self, name):
+        return next(iter(self.iter_markers(name)), None)
+
+    def add_marker(self, mark):
+        self.added.append(mark)
+
+
+def test_a_long_marker_needs_its_reason_and_a_case_that_exists():
+    import pytest
+
+    from tiers import mark_long
+
+    cases = pytest.mark.long_cases("a", reason="CI keeps b").mark
+    items = [_Item(f"t.py::f[{c}]", [cases], c) for c in ("a", "b")]
+    mark_long(items, [])
+    assert [len(i.added) for i in items] == [1, 0] and items[0].added[0].kwargs["reason"] == "CI keeps b"
+    with pytest.raises(pytest.UsageError, match="reason="):
+        mark_long([_Item("t.py::g", [pytest.mark.long.mark])], [])
+    renamed = [_Item("t.py::f[b]", [pytest.mark.long_cases("gone", reason="r").mark], "b")]
+    with pytest.raises(pytest.UsageError, match=r"t\.py::f\[gone\]"):
+        mark_long(renamed, [])
+    mark_long(renamed, ["t.py::f[b]"])  # one case asked for: its siblings were not collected

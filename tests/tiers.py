@@ -1,30 +1,38 @@
-"""The long tier (tests/long.txt): what CI's two suites leave out to fit their budgets. tests/conftest.py
-marks its tests `long`, so `make test` and `make test-e2e` (-m "... and not long") skip them and
-`make test-long` runs them."""
-import os
-from pathlib import Path
+"""The long tier: what CI's two suites leave out to fit their budgets, marked in the test files.
 
-LONG = Path(__file__).with_name("long.txt")
-
-
-def long_entries() -> list[str]:
-    """tests/long.txt's entries: test ids, or a test function's id for all of its parameters."""
-    lines = (line.strip() for line in LONG.read_text().splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
+`@pytest.mark.long(reason=...)` puts a test there; `@pytest.mark.long_cases(ID, ..., reason=...)`
+only the parameter cases with those ids (CI keeps the others). The reason says what CI runs of the
+same feature instead. tests/conftest.py calls `mark_long` before `-m` deselects, so `make test` and
+`make test-e2e` (-m "... and not long") skip these and `make test-long` runs them."""
+import pytest
 
 
-def is_long(nodeid: str, entries: list[str]) -> bool:
-    return any(nodeid == e or nodeid.startswith(e + "[") for e in entries)
+def _reason(item, marker) -> str:
+    reason = marker.kwargs.get("reason", "")
+    if not isinstance(reason, str) or not reason.strip():
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{marker.name} needs reason=\"what CI runs instead\"")
+    return reason
 
 
-def stale_entries(entries: list[str], nodeids: list[str], args: list[str], root: Path) -> list[str]:
-    """The entries that name no test of a file collected whole (one of `args` is the file or a
-    directory above it; with no args, the rootdir's tests): renamed or removed tests."""
-    whole = [os.path.abspath(a) for a in args if "::" not in a] if args else [str(root)]
-    files = {n.split("::")[0] for n in nodeids}
-
-    def collected_whole(path: str) -> bool:
-        full = str(root / path)
-        return path in files and any(full == w or full.startswith(w.rstrip(os.sep) + os.sep) for w in whole)
-
-    return [e for e in entries if collected_whole(e.split("::")[0]) and not any(is_long(n, [e]) for n in nodeids)]
+def mark_long(items, args) -> None:
+    """Mark `long` the cases `long_cases` names; refuse a long marker without a reason and, when
+    whole files are collected, a case id that names no case (a renamed or removed parameter)."""
+    named: dict[str, tuple[set, set]] = {}  # function id -> (ids asked for, ids collected)
+    for item in items:
+        for marker in item.iter_markers("long"):
+            _reason(item, marker)
+        cases = item.get_closest_marker("long_cases")
+        if cases is None:
+            continue
+        reason = _reason(item, cases)
+        function = item.nodeid.split("[")[0]
+        case = getattr(getattr(item, "callspec", None), "id", None)
+        asked, seen = named.setdefault(function, (set(cases.args), set()))
+        seen.add(case)
+        if case in asked:
+            item.add_marker(pytest.mark.long(reason=reason))
+    if any("::" in a for a in args):  # single tests asked for: their siblings were not collected
+        return
+    stale = [f"{f}[{c}]" for f, (asked, seen) in named.items() for c in sorted(asked - seen)]
+    if stale:
+        raise pytest.UsageError(f"long_cases names no collected case: {', '.join(stale)} (renamed? fix the marker)")

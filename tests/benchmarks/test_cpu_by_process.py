@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "cpu_by_process.py")
 # A parent that waits while its child spins for about a second of CPU (0.4 s on a machine 2.5x as fast).
@@ -23,6 +25,8 @@ def test_a_childs_cpu_is_counted_under_its_kind():
     assert total >= kinds["python -m timeit"]
 
 
+@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                         "benchmark")
 def test_exit_status_is_the_commands_and_no_command_is_a_usage_error():
     failed = subprocess.run([sys.executable, SCRIPT, "--", sys.executable, "-c", "raise SystemExit(3)"],
                             capture_output=True, text=True, timeout=60)

@@ -12,6 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                         "benchmark")
 def test_data_throughput_and_ablation_smoke(tmp_path):
     env = dict(os.environ, RAY_ADDRESS="")  # their own local Ray, not the test session's
     work = str(tmp_path / "w")
@@ -46,6 +48,8 @@ def test_data_throughput_and_ablation_smoke(tmp_path):
     assert "ingest_ablation.py --workdir" in recorded
 
 
+@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                         "benchmark")
 def test_randaug_cost_smoke(tmp_path):
     """benchmarks/randaug_cost.py runs end to end on a tiny corpus: a row per setting with a positive
     rate, 'off' at 1.00x, the table appended with its command line."""

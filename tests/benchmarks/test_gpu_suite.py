@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.e2e)],
                          ids=["eager", "compiled"])  # 3 inductor compiles: ~2 min here
+@pytest.mark.long_cases("eager", "compiled",
+                        reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                               "benchmark")
 def test_gpu_suite_runs_every_case_tiny_on_cpu(tmp_path, compiled):
     out, results = tmp_path / "suite.json", tmp_path / "RESULTS.md"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--tiny", "--steps", "2",

@@ -11,6 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                         "benchmark")
 @pytest.mark.e2e
 def test_postgresql_backed_mlflow_stores_every_point_of_many_streams_once(tmp_path):
     results, out = tmp_path / "RESULTS.md", tmp_path / "load.json"

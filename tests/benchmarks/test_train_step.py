@@ -12,6 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
+                         "benchmark")
 @pytest.mark.slow  # a benchmark process that builds a DeepSpeed engine
 def test_train_step_benchmark_engine_mode_cpu(tmp_path):
     out = tmp_path / "r.json"

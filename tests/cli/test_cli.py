@@ -60,6 +60,8 @@ def test_config_list_names_every_recipe():
         assert name in r.stdout
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 @pytest.mark.slow  # three vitp processes that count a model's FLOPs
 def test_model_prints_params_and_flops():
     r = run("model", "B/16", "--json")
@@ -90,6 +92,8 @@ def test_every_commands_help_names_its_defaults():
     assert shown >= 15, shown
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 @pytest.mark.slow  # the whole command in a subprocess (MLflow, torch): make test, not test-fast
 def test_a_run_in_mlflow_is_a_recipe_for_a_new_run_like_it(tmp_path, monkeypatch):
     """`vitp CMD runs:/RUN_ID`: the run's logged config.json, under a run name of its own (the same

@@ -27,6 +27,8 @@ def demo(tmp_path_factory):
     return work, r
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -75,6 +77,8 @@ def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -139,6 +143,8 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
         server.stop()
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from .conftest import vitp
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_submission_without_the_token_is_refused_and_with_it_succeeds(auth_cluster, tmp_path):
     spec = tmp_path / "synth.yaml"
     corpus = tmp_path / "w"

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
 
 PROBE = """
@@ -25,6 +27,7 @@ print(json.dumps({"mine": mine, "found": ray.get(found.remote()), "driver_env": 
 """
 
 
+@pytest.mark.long(reason="checks the synthetic data or import costs, whose subjects change rarely")
 def test_a_local_ray_beside_another_is_the_one_its_processes_find(ray_session):
     other = ray_session.get_runtime_context().gcs_address  # a second Ray on this machine, running
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}

@@ -156,6 +156,8 @@ def run(args, env, **changes):
     return out
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 @pytest.mark.e2e
 def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, monkeypatch):
     """... with this machine and the jobs reaching MLflow at different addresses, as through a

@@ -59,6 +59,7 @@ GANG = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long_cases("gcp.yaml", reason="the rest of the grid; CI keeps aws.yaml")
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", ["aws.yaml", "gcp.yaml"])

@@ -16,6 +16,8 @@ from .conftest import vitp
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_failing_job_makes_submit_exit_nonzero_with_the_jobs_error(two_node_cluster, tmp_path):
     spec = tmp_path / "bad.yaml"
     # Resolves at submission (paths are not checked there) but fails on the cluster: no such corpus.
@@ -64,6 +66,8 @@ def _job_result(cluster, script, text: str, tag: str, *args: str) -> dict:
     return json.loads(next(line for line in logs.splitlines() if line.startswith(tag))[len(tag):])
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
     """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
     drivers run); the environment cluster/local.sh started in reaches every task on every node, and
@@ -119,6 +123,8 @@ print("SPOOL " + json.dumps({"run_id": logger.run_id, "dir": spool_dir, "gathere
 '''
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_node_cluster, tmp_path):
     """Rank 0 on the worker node spooled steps 1-5 and died before sending them (its spool is in
     that node's TMPDIR, which the driver on the head cannot see): the driver gathers it through a
@@ -176,6 +182,8 @@ def _spooled_steps(spool_root) -> int:
     return top
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.e2e
 def test_rank0_on_the_worker_node_killed_before_its_last_send_loses_and_repeats_no_step(two_node_cluster, debug_shards,
                                                                                        tmp_path):

@@ -71,6 +71,8 @@ def test_refuses_the_default_admin_password(tmp_path, monkeypatch):
         start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "a"), host="0.0.0.0")
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_basic_auth_server_requires_login_and_rejects_foreign_hosts(tmp_path):
     password = "a-long-test-password-7f3k"
     handle = start_server(f"sqlite:///{tmp_path}/m.db", str(tmp_path / "art"), host="127.0.0.1",

@@ -406,6 +406,8 @@ def _story(log: str) -> str:
     return "\n".join(line for line in log.splitlines() if not re.search(r"\] step \d+/", line))
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.timeout(1800)
 def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehearsal, tmp_path):
     import ray
@@ -495,6 +497,8 @@ def _node_of_a_rank_off_the_head(cluster) -> int:
     raise AssertionError("no Train worker runs on a worker node")
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.timeout(1200)
 def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoint(rehearsal, s3, tmp_path):
     """A node joins (the drill before took one). An elastic two-worker run (2 CPUs each, 3 per node)
@@ -561,6 +565,8 @@ TRIAL_SETTINGS = [
 ]
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.timeout(1500)
 def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_sweep_completes(rehearsal, tmp_path):
     """A node joins; a sweep of two trials (one 2-CPU Train worker each, so one trains on each

@@ -70,6 +70,8 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
         ctx.execution_options.resource_limits = limits
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_backpressured_training_stream_spins_unless_paced(ray_session, debug_shards):
     from ray.data._internal.execution.streaming_executor import StreamingExecutor
 

@@ -45,6 +45,8 @@ def split_keys(ds, world=WORLD, batch=BATCH):
     return seen
 
 
+@pytest.mark.long(reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                         "doctor, rehearsal")
 def test_streaming_split_equal_no_duplicates_left_out_changes(shards):
     cfg, res = shards
     n = res["train"]

@@ -10,6 +10,7 @@ from vitp.data.ingest import normalize
 from vitp.data.synth import class_system, render
 
 
+@pytest.mark.long(reason="checks the synthetic data or import costs, whose subjects change rarely")
 @pytest.mark.slow
 def test_fractal_corpus_is_learnable_by_pico_vit():
     from vitp.model.vit import build_vit

@@ -31,6 +31,7 @@ def test_subset_cuts_only_the_train_split():
     assert subset_train(table, 0.5, 1.0) is table
 
 
+@pytest.mark.long(reason="checks the synthetic data or import costs, whose subjects change rarely")
 @pytest.mark.slow  # renders and fits a corpus
 def test_posed_fractals_defeat_a_linear_classifier_on_raw_pixels():
     """Unposed, every image of a class sits at the same place and a logistic regression on the

@@ -76,6 +76,7 @@ SLOW = pytest.mark.slow  # full-width ResNets: seconds each
                                                 ("R+Ti/16", "vit_tiny_r_s16_p8_224"),
                                                 pytest.param("R26+S/32", "vit_small_r26_s32_224", marks=SLOW),
                                                 ("R8+pico/8", None), ("R+pico/8", None)])
+@pytest.mark.long_cases("R50+B/16-vit_base_r50_s16_224", reason="the rest of the grid; CI keeps R26+S/32")
 def test_timm_state_dict_imports_with_the_same_logits(tmp_path, variant, timm_name):
     timm = import_timm()
     torch.manual_seed(0)

@@ -46,6 +46,8 @@ def test_colour_targets_are_the_3_bit_mean_colour_of_each_token():
     assert got.tolist() == [want] and got.max() < NUM_COLOURS
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.slow  # trains a hybrid for a few seconds
 @pytest.mark.parametrize("variant", ["R+pico/8"])  # plain pico/8: tests/train/test_mpp_ray.py
 def test_a_model_learns_the_colours_of_masked_patches(variant):

@@ -86,6 +86,9 @@ def store(request):
     return uri, exp, _populate(uri, exp)
 
 
+@pytest.mark.long_cases("server",
+                        reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and "
+                               "PBT ones)")
 def test_sweep_table_lists_trials_and_the_best_trial_per_dataset(store):
     uri, exp, ids = store
     rows = compare_rows(uri, exp, sweep="s1")

@@ -35,6 +35,9 @@ def python(*args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.long_cases("server",
+                        reason="a server or cluster started for one check; CI starts them for the CLI chain, "
+                               "doctor, rehearsal (CI: the SQLite twin)")
 def test_sigkilled_run_stays_running_and_is_resumed_by_name(tracking_uri, experiment):
     proc = python("-c", CHILD, tracking_uri, experiment, "killed-pretrain")
     try:

@@ -12,6 +12,8 @@ from .fewshot_probes import check_probes, probe_settings
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 def test_a_run_with_every_augreg_setting_trains_checkpoints_and_exports_its_ema(tmp_path, corpora):
     """... and its few-shot probes score the EMA (train.fewshot_weights=ema): the last one is the EMA
     export's few-shot evaluation."""

@@ -82,6 +82,7 @@ def test_zero_stages_match_stage0_and_learn():
 
 # Every ZeRO stage; world 1 with two micro-batches a step too. The Ray contract of a resume (a
 # killed Train worker restarted at the data position) is test_pretrain_ray's, once, at ZeRO-3.
+@pytest.mark.long_cases("2-0", reason="the rest of the grid; CI keeps [2-3], [2-1], [1-2]")
 @pytest.mark.slow
 @pytest.mark.parametrize("world,stage", [(2, 0), (2, 1), (1, 2), (2, 3)])
 def test_checkpoint_resume_continues_exactly(tmp_path, world, stage):

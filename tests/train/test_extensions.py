@@ -35,6 +35,7 @@ print(ds.__name__, before, autotuner.has_mlflow, mlflow.MlflowClient.__name__)
 """
 
 
+@pytest.mark.long(reason="checks the synthetic data or import costs, whose subjects change rarely")
 @pytest.mark.slow  # two interpreters importing DeepSpeed and MLflow: ~10 s
 def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
     """A Train rank imports DeepSpeed without the MLflow its autotuner would import (seconds per

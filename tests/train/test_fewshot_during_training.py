@@ -36,6 +36,8 @@ def test_dataset_names_and_paths():
 # pico/8 has none that large, nano/16's MLP and qkv weights are partitioned (Ti's width, 2 blocks),
 # so its snapshot is gathered. ZeRO-3 (the gathered snapshot) here; ZeRO-2 with pico/8 (the debug
 # recipe's) is the e2e outage run's (tests/train/test_mlflow_outage.py), through an MLflow outage.
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 def test_pretraining_logs_fewshot_at_every_multiple(tmp_path, corpora):
     from vitp.train.trainer import run_training
 

@@ -10,6 +10,8 @@ from vitp.recipes import resolve, with_overrides
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards, digits_shards):
     from vitp.model.attention import mean_attention_distance
     from vitp.model.weights import read_config

@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 STEPS = 100  # the loss must be below half of ln 512 by then (measured 2.42, docs/hybrid_and_mpp.md)
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits_shards):
     import torch
 

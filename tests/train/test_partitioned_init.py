@@ -50,6 +50,7 @@ def test_partitioned_build_is_the_full_build_in_fp32():
     assert results[0]["decay"] == decay, "weight decay must fall on the same matrices when partitioned"
 
 
+@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 def test_partitioned_build_in_bf16_is_the_full_build_rounded():
     cfg = workers.cfg_for(VARIANT, "bf16")
     results = launch(workers.partitioned_build, 2, VARIANT, "bf16")
@@ -71,6 +72,7 @@ def test_partitioned_build_in_bf16_is_the_full_build_rounded():
         assert abs(a.std() - b.std()) <= 0.01 * b.std() + 1e-12, (group, a.std(), b.std())
 
 
+@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 def test_init_from_weights_load_into_a_partitioned_model(tmp_path):
     from safetensors.torch import save_file
 
@@ -97,6 +99,7 @@ def test_init_from_weights_load_into_a_partitioned_model(tmp_path):
 HYBRID = ["data.image_size=64", "data.storage_size=64"]  # R26+S/32: a 2x2 grid of 32-px tokens
 
 
+@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 def test_partitioned_hybrid_is_the_full_build():
     """A hybrid's ResNet goes into the embedding group: partitioned, initialised and gathered like
     the Transformer (its convolutions are big enough to be split between the ranks)."""
@@ -110,6 +113,7 @@ def test_partitioned_hybrid_is_the_full_build():
         assert np.array_equal(got[name], want[name]), f"{name} differs"
 
 
+@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 def test_masked_patch_prediction_trains_a_partitioned_model():
     """The [mask] embedding and the colour head take part under ZeRO-3: the loss starts at ln 512
     (zero head) and falls on a fixed batch, and the [mask] embedding moves."""

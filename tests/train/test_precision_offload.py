@@ -26,6 +26,7 @@ def _learned(out, what):
     assert out["history"][-1]["train/skipped_steps"] == 0, f"{what}: steps were skipped"
 
 
+@pytest.mark.long_cases("3", reason="the rest of the grid; CI keeps [1] and [2]")
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_on_cpu_learns_over_fp32_masters(stage):
@@ -41,6 +42,7 @@ def test_bf16_on_cpu_learns_over_fp32_masters(stage):
         assert out["held_bytes"] == pytest.approx(memory.states_bytes(P, 1, 2, "bf16") - 2 * P, rel=0.01)
 
 
+@pytest.mark.long_cases("3-bf16", reason="the rest of the grid; CI keeps [2-fp32]")
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
 def test_zero_offload_optimizer_learns_with_cpu_adam(stage, precision):
@@ -53,6 +55,7 @@ def test_zero_offload_optimizer_learns_with_cpu_adam(stage, precision):
     assert out["master_dtypes"] == out["state_dtypes"] == ["torch.float32"]
 
 
+@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 @pytest.mark.slow
 def test_zero3_parameter_offload_learns():
     extra = ["parallel.offload_params=true", "parallel.offload_optimizer=true"]

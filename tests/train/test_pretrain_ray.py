@@ -192,6 +192,8 @@ def _vitp_pretrain(cfg_args, env, log_path=None):
             out.close()
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.e2e
 def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards, ray_session, s3):
     """work_dir on the S3 server, uploads slowed by its proxy. A Train worker SIGKILLed while a
@@ -282,6 +284,8 @@ def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards
     # (a new run name beside a finished run starts fresh: test_worker_kill_resumes_on_exactly_the_same_samples)
 
 
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     """A worker error (labels beyond the head: 10-class shards, 5-class model) fails the run."""
     from vitp.tracking.store import get_client, resolve_tracking_uri
@@ -312,7 +316,9 @@ class _FailureLog:
         return FailureLog()
 
 
-def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
+@pytest.mark.long_cases("2", reason="two workers; CI runs the same with one")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards, workers):
     """A worker's InputError (init_from names a damaged weights file, which only a worker reads)
     ends the run on its first attempt, max_failures notwithstanding, and the driver raises that
     InputError itself (one line from vitp); the MLflow run ends FAILED."""
@@ -324,7 +330,7 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards):
     damaged.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1}truncated")
     log = tmp_path / "failures.log"
     cfg = _cfg(tmp_path, shards, f"train.init_from={damaged}", "train.max_failures=2", "train.steps=10",
-               "parallel.num_workers=2")
+               f"parallel.num_workers={workers}")
     with pytest.raises(InputError, match="not a readable weights file") as e:
         run_training(Run.of(cfg), callbacks=[_FailureLog(str(log))])
     assert str(damaged) in str(e.value)
@@ -350,6 +356,8 @@ def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
 # Once, at ZeRO-3 (partitioned optimizer state, the consolidated export on Ray): that the engine
 # resumes exactly at every stage, and with one worker accumulating two micro-batches, is
 # test_engine.py's test_checkpoint_resume_continues_exactly, in-process.
+@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
+                         "bucket")
 @pytest.mark.parametrize("workers,stage", [(2, 3)])
 def test_worker_kill_resumes_on_exactly_the_same_samples(tmp_path, shards, workers, stage):
     """A Train worker SIGKILLed after a checkpoint: the restarted workers resume at the data

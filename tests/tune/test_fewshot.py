@@ -102,6 +102,8 @@ def save_export(model, cfg_model: ModelConfig, image_size: int, out, extra=None)
     return str(out)
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.ray
 def test_ray_data_features_equal_direct_forward(digits_cfg, tmp_path):
     from vitp.model.vit import build_vit
@@ -138,6 +140,8 @@ def train_on(model, images_uint8, labels, steps, seed=0):
     return model.eval()
 
 
+@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
+                         "fine-tuning, few-shot")
 @pytest.mark.ray
 @pytest.mark.slow
 def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, tmp_path):

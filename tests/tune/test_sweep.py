@@ -99,6 +99,8 @@ def _mark_trials_pending(sweep_dir) -> int:
     return changed
 
 
+@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and PBT "
+                         "ones)")
 @pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digits_shards):
     from vitp.tracking.compare import best_per_dataset, compare_rows, format_table
@@ -215,6 +217,8 @@ def _trial_failures(sweep_dir) -> dict[str, int]:
     return {trial["experiment_tag"]: meta["num_failures"] for trial, meta in _saved_trials(sweep_dir)}
 
 
+@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and PBT "
+                         "ones)")
 @pytest.mark.e2e
 def test_failing_grid_point_fails_alone(tmp_path, server, ray_session, digits_shards):
     """Two ways a grid point fails while the others finish: a fault (model.num_classes=5 on 10-class
@@ -430,6 +434,8 @@ def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_
 
 
 
+@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and PBT "
+                         "ones)")
 @pytest.mark.e2e
 def test_hyperband_pauses_a_trial_at_its_rung_resumes_the_better_and_stops_the_worse(
         tmp_path, server, ray_session, digits_shards):
