@@ -242,12 +242,9 @@ def test_every_test_the_failure_table_names_is_there_and_placed_where_it_says():
     """docs/failures.md names, for each fault, the tests that show it and whether CI runs them or
     only the long tier: each is a test function of its file, and a row whose tests are all of one
     tier says so."""
-    from tiers import long_entries
+    from tiers import tier_in_source
 
     text = (ROOT / "docs" / "failures.md").read_text()
-    entries = long_entries()
-    long = {e for e in entries if "[" not in e}  # every case of the test
-    some = {e.split("[")[0] for e in entries if "[" in e}  # some of its cases (CI runs the others)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "tests/" in line]
     assert len(rows) > 40, len(rows)
     for row in rows:
@@ -256,7 +253,8 @@ def test_every_test_the_failure_table_names_is_there_and_placed_where_it_says():
         assert named, row
         for path, name in named:
             assert re.search(rf"^\s*def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"
-        tiers = {"long" if f"{path}::{name}" in long else "both" if f"{path}::{name}" in some else "CI"
+        # marked long: every case; long_cases: some of them (CI runs the others)
+        tiers = {{"long": "long", "cases": "both", "": "CI"}[tier_in_source((ROOT / path).read_text(), name)]
                  for path, name in named}
         if tiers == {"long"}:
             assert "long" in cells[3] and "CI" not in cells[3], row

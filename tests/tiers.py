@@ -36,3 +36,22 @@ def mark_long(items, args) -> None:
     stale = [f"{f}[{c}]" for f, (asked, seen) in named.items() for c in sorted(asked - seen)]
     if stale:
         raise pytest.UsageError(f"long_cases names no collected case: {', '.join(stale)} (renamed? fix the marker)")
+
+
+def tier_in_source(source: str, name: str) -> str:
+    """How a test file marks its test `name`: "long" (the whole test), "cases" (long_cases: some of
+    its cases) or "" (CI runs it), read from the decorators above `def name(`."""
+    import re
+
+    match = re.search(rf"^([ \t]*)def {re.escape(name)}\(", source, re.M)
+    if not match:
+        return ""
+    above = source[:match.start()].rstrip("\n").split("\n")
+    block = []
+    for line in reversed(above):  # the decorator block: up to the blank line or code before it
+        if not line.strip() or not (line.startswith(match.group(1) + "@") or line.startswith(match.group(1) + " ")
+                                    or line.startswith(match.group(1) + ")") or line.startswith(match.group(1) + "]")):
+            break
+        block.append(line)
+    text = "\n".join(block)
+    return "long" if "@pytest.mark.long(" in text else "cases" if "@pytest.mark.long_cases(" in text else ""
