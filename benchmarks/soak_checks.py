@@ -32,34 +32,47 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
+def _last_step(run) -> int | None:
+    """The step a run's train/loss must reach: train.steps for a run that ended FINISHED (it trained
+    them all), None for one stopped, killed or failed on the way (its last logged step is its end)."""
+    steps = run.data.params.get("train.steps")
+    return int(steps) if run.info.status == "FINISHED" and steps and run.data.tags.get("kind") != "sweep" else None
+
+
 def metrics_once(uri: str, runs) -> dict:
-    """Every (metric, step) of every run exactly once; train/loss steps contiguous from 1."""
+    """Every (metric, step) of every run exactly once; train/loss steps contiguous from 1, up to
+    train.steps for a FINISHED run (a lost tail is a violation, not a shorter run)."""
     from vitp.tracking.store import get_client
 
     client, bad, n = get_client(uri), [], 0
     for run in runs:
-        for key in run.data.metrics:
+        name, keys, last = run.info.run_name, set(run.data.metrics), _last_step(run)
+        if last is not None and "train/loss" not in keys:
+            bad.append(f"{name}: FINISHED after {last} steps without train/loss")
+        for key in keys:
             steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             n += len(steps)
             if len(steps) != len(set(steps)):
-                bad.append(f"{run.info.run_name} {key}: {len(steps) - len(set(steps))} step(s) logged twice")
-            if key == "train/loss" and sorted(set(steps)) != list(range(1, max(steps) + 1)):
-                missing = sorted(set(range(1, max(steps) + 1)) - set(steps))
-                bad.append(f"{run.info.run_name} train/loss: {len(missing)} step(s) missing: {_ranges(missing)}")
-    return {"name": "every (metric, step) once, train/loss steps contiguous",
+                bad.append(f"{name} {key}: {len(steps) - len(set(steps))} step(s) logged twice")
+            if key == "train/loss":
+                end = max(steps) if last is None else last
+                missing = sorted(set(range(1, end + 1)) - set(steps))
+                if missing:
+                    bad.append(f"{name} train/loss: {len(missing)} step(s) missing: {_ranges(missing)}")
+                if max(steps) > end:
+                    bad.append(f"{name} train/loss: steps past train.steps {end}: up to {max(steps)}")
+    return {"name": "every (metric, step) once, train/loss steps contiguous to the end",
             "checked": f"{n} points of {len(runs)} runs", "violations": bad}
 
 
 def statuses(runs) -> dict:
-    """Every run ended as it should; a FINISHED run trained every step; each trial has a result or a reason."""
+    """Every run ended as it should, none RUNNING; each trial stopped or failed says why. (That a
+    FINISHED run logged every step is metrics_once's.)"""
     bad = []
     for run in runs:
         name, status, tags = run.info.run_name, run.info.status, run.data.tags
         if status not in ENDED:
             bad.append(f"{name}: {status}")
-        elif status == "FINISHED" and "train.steps" in run.data.params and tags.get("kind") != "sweep":
-            if run.data.metrics.get("train/loss") is None:
-                bad.append(f"{name}: FINISHED without train/loss")
         trial = tags.get("mlflow.parentRunId")
         if trial and status == "KILLED" and not tags.get("vitp.stopped_by") and not tags.get("vitp.stale"):
             bad.append(f"{name}: trial KILLED without a scheduler's or staleness tag")

@@ -1,0 +1,43 @@
+"""The chaos soak's invariants (benchmarks/soak_checks.py) find what is planted: each check given
+runs in a real MLflow store (SQLite here) with one violation each, and the healthy runs beside
+them pass."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import soak_checks  # noqa: E402
+
+
+def _run(client, experiment, name, status, steps, train_steps=6):
+    """A run with train.steps and train/loss at `steps` (a step listed twice is sent twice, as a
+    resend with a new timestamp would be), ended with `status`."""
+    run_id = client.create_run(experiment, run_name=name).info.run_id
+    client.log_param(run_id, "train.steps", str(train_steps))
+    for i, step in enumerate(steps):
+        client.log_metric(run_id, "train/loss", 1.0 / step, step=step, timestamp=1_000 + i)
+    client.set_terminated(run_id, status)
+    return client.get_run(run_id)
+
+
+def test_metrics_once_finds_a_lost_tail_a_gap_a_resend_and_a_finished_run_without_loss(tmp_path):
+    from vitp.tracking.store import get_client
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = get_client(uri)
+    experiment = client.create_experiment("soak")
+    runs = [_run(client, experiment, "soak-pretrain-whole", "FINISHED", range(1, 7)),
+            _run(client, experiment, "soak-pretrain-stopped", "KILLED", range(1, 4)),  # ended early: fine
+            _run(client, experiment, "soak-pretrain-lost-tail", "FINISHED", range(1, 5)),
+            _run(client, experiment, "soak-pretrain-gap", "KILLED", [1, 2, 4]),
+            _run(client, experiment, "soak-pretrain-resent", "FINISHED", [1, 2, 2, 3, 4, 5, 6]),
+            _run(client, experiment, "soak-pretrain-no-loss", "FINISHED", [])]
+    result = soak_checks.metrics_once(uri, runs)
+    assert sorted(result["violations"]) == sorted([
+        "soak-pretrain-lost-tail train/loss: 2 step(s) missing: 5-6",
+        "soak-pretrain-gap train/loss: 1 step(s) missing: 3",
+        "soak-pretrain-resent train/loss: 1 step(s) logged twice",
+        "soak-pretrain-no-loss: FINISHED after 6 steps without train/loss"]), result
+    healthy = [r for r in runs if r.info.run_name in ("soak-pretrain-whole", "soak-pretrain-stopped")]
+    assert soak_checks.metrics_once(uri, healthy)["violations"] == []
