@@ -42,6 +42,7 @@ from soak_checks import check_all, table  # noqa: E402  (benchmarks/soak_checks.
 from soak_faults import Injector  # noqa: E402
 
 from vitp.net import free_port  # noqa: E402
+from vitp.tracking.spool import SEND_LOG_ENV  # noqa: E402
 
 # a trial's 2-CPU worker does not fit beside another and pre-training's on the head: one trial
 # trains on a worker node, for kill_trial_node to find
@@ -119,6 +120,8 @@ class World:
 
         self.root = root
         os.environ.update(s3_environment(free_port()))  # before anything starts: every process inherits it
+        self.sends = root / "sends"  # every acknowledged metric post, written down by its sender
+        os.environ[SEND_LOG_ENV] = str(self.sends)
         self.s3 = S3Server(str(root))
         self.bucket = self.s3.bucket("soak")
         self.db = PostgresServer(Path(tempfile.mkdtemp(prefix="vitp-pg-", dir="/tmp")))

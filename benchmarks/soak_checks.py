@@ -65,6 +65,22 @@ def metrics_once(uri: str, runs) -> dict:
             "checked": f"{n} points of {len(runs)} runs", "violations": bad}
 
 
+def resends(folder: Path, runs) -> dict:
+    """No metric point acknowledged twice: every post the server acknowledged, as each process wrote
+    it down (VITP_METRIC_SEND_LOG, vitp/tracking/spool.py). MLflow keeps one of identical points, so
+    a resend with the original timestamp would pass metrics_once; this count does not read MLflow."""
+    names = {r.info.run_id: r.info.run_name for r in runs}
+    posts: dict[tuple[str, str, str], int] = {}
+    for path in sorted(Path(folder).glob("sends-*.tsv")):
+        for line in path.read_text().splitlines():
+            run_id, key, step, _ts = line.split("\t")
+            if run_id in names:
+                posts[(run_id, key, step)] = posts.get((run_id, key, step), 0) + 1
+    bad = [f"{names[r]} {k} step {s}: acknowledged {n} times" for (r, k, s), n in sorted(posts.items()) if n > 1]
+    return {"name": "every metric point posted once (the senders' own record)",
+            "checked": f"{len(posts)} points acknowledged", "violations": bad}
+
+
 def statuses(runs) -> dict:
     """Every run ended as it should, none RUNNING; each trial stopped or failed says why. (That a
     FINISHED run logged every step is metrics_once's.)"""
@@ -222,7 +238,7 @@ def check_all(world, work: str, env: dict, interrupted: list[str]) -> dict:
     runs = _runs(world.uri)
     logs = [w.log for w in world.workloads]
     return {"runs": len(runs), "checks": [ended(world.workloads, interrupted), metrics_once(world.uri, runs),
-                                          statuses(runs), samples(work, runs), checkpoints(work, runs, logs, env),
+                                          resends(world.sends, runs), statuses(runs), samples(work, runs), checkpoints(work, runs, logs, env),
                                           node_local(world)]}
 
 

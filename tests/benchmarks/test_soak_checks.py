@@ -41,3 +41,34 @@ def test_metrics_once_finds_a_lost_tail_a_gap_a_resend_and_a_finished_run_withou
         "soak-pretrain-no-loss: FINISHED after 6 steps without train/loss"]), result
     healthy = [r for r in runs if r.info.run_name in ("soak-pretrain-whole", "soak-pretrain-stopped")]
     assert soak_checks.metrics_once(uri, healthy)["violations"] == []
+
+
+def test_resends_counts_what_the_senders_wrote_down_not_what_mlflow_kept(tmp_path, monkeypatch):
+    """A real MetricSender (SQLite store) writes down each acknowledged point; the check finds a
+    point acknowledged twice (planted: a second sender posts step 2 again with its original
+    timestamp, which MLflow keeps once, so metrics_once passes it)."""
+    from vitp.tracking.spool import SEND_LOG_ENV, MetricSender
+    from vitp.tracking.store import get_client
+
+    monkeypatch.setenv(SEND_LOG_ENV, str(tmp_path / "sends"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = get_client(uri)
+    run = client.create_run(client.create_experiment("soak"), run_name="soak-pretrain-1")
+    run_id = run.info.run_id
+    sender = MetricSender(uri, run_id, None, spool_dir=tmp_path / "spool-a")
+    for step in (1, 2, 3):
+        sender.append(step, 1_000 + step, {"train/loss": 1.0 / step})
+    assert sender.drain()
+    sender.close(5.0)
+    runs = [client.get_run(run_id)]
+    clean = soak_checks.resends(tmp_path / "sends", runs)
+    assert clean["violations"] == [] and clean["checked"] == "3 points acknowledged", clean
+
+    again = MetricSender(uri, run_id, {"train/loss": 1}, spool_dir=tmp_path / "spool-b")  # a stale top
+    again._checked.add("train/loss")  # the planted bug: it trusts that top and does not ask the server
+    again.append(2, 1_002, {"train/loss": 0.5})
+    assert again.drain()
+    again.close(5.0)
+    assert soak_checks.metrics_once(uri, [client.get_run(run_id)])["violations"] == []  # MLflow kept one
+    assert soak_checks.resends(tmp_path / "sends", runs)["violations"] == [
+        "soak-pretrain-1 train/loss step 2: acknowledged 2 times"]

@@ -32,6 +32,10 @@ HEARTBEAT_TAG = "vitp.heartbeat"  # unix seconds; refreshed by the sender, read 
 # run each: 14.5 steps/s before its outage with a post per step, 17.8 with one a second; up to 29
 # while the server was down).
 SEND_INTERVAL_S = 1.0
+# A folder where each process appends every metric point the server acknowledged (run, key, step,
+# timestamp; one file per process): an audit independent of MLflow, which keeps one of identical
+# points, so a resend with the original timestamp is invisible there. The chaos soak sets it.
+SEND_LOG_ENV = "VITP_METRIC_SEND_LOG"
 
 
 class _OneShotRestStore(RestStore):
@@ -69,12 +73,23 @@ class SenderClient:
         self.uri = uri
         self._rest = _OneShotRestStore(uri, timeout_s) if uri.startswith(("http://", "https://")) else None
         self._client = None if self._rest else get_client(uri)
+        folder = os.environ.get(SEND_LOG_ENV)
+        self._send_log = os.path.join(folder, f"sends-{os.getpid()}.tsv") if folder else None
 
     def log_batch(self, run_id: str, metrics=(), tags=()) -> None:
         if self._rest:
             self._rest.log_batch(run_id, list(metrics), [], list(tags))
         else:
             self._client.log_batch(run_id, metrics=list(metrics), tags=list(tags))
+        if self._send_log and metrics:  # acknowledged: written down (SEND_LOG_ENV)
+            try:
+                os.makedirs(os.path.dirname(self._send_log), exist_ok=True)
+                with open(self._send_log, "a") as f:
+                    f.write("".join(f"{run_id}\t{m.key}\t{m.step}\t{m.timestamp}\n" for m in metrics))
+            except OSError as e:  # the audit must not make a sent batch look unsent (it would be resent)
+                log.warning("%s: cannot write %s (%s); metric posts are no longer written down",
+                            SEND_LOG_ENV, self._send_log, e)
+                self._send_log = None
 
     def steps(self, run_id: str, key: str) -> set[int]:
         return {m.step for m in (self._rest or self._client).get_metric_history(run_id, key)}
