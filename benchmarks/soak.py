@@ -38,7 +38,7 @@ for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"):
     sys.path.insert(0, str(p))
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
-from soak_checks import check_all, table  # noqa: E402  (benchmarks/soak_checks.py)
+from soak_checks import Picks, check_all, table  # noqa: E402  (benchmarks/soak_checks.py)
 from soak_faults import Injector  # noqa: E402
 
 from vitp.net import free_port  # noqa: E402
@@ -265,10 +265,11 @@ def soak(args) -> dict:
         stop = threading.Event()
         injector = Injector(world, args.seed, str(root / "FAULTS.jsonl"))
         thread = threading.Thread(target=injector.run, args=(args.minutes, stop), daemon=True)
-        t0, interrupted = time.monotonic(), []
+        t0, interrupted, picks = time.monotonic(), [], Picks()
         thread.start()
         while thread.is_alive() or any(w.alive() for w in current.values()):
             time.sleep(2)
+            picks.scan([w.log for w in world.workloads])  # what each resume picked, read now
             for kind, w in list(current.items()):
                 with w.lock:
                     rc = w.poll()
@@ -291,7 +292,7 @@ def soak(args) -> dict:
             time.sleep(1)
         if not world.server.alive():
             world.mlflow_start()
-        result = check_all(world, work, env, interrupted)
+        result = check_all(world, work, env, interrupted, picks)
         result.update({"seed": args.seed, "minutes": args.minutes, "faults": injector.faults, "root": str(root),
                        "workloads": {w.name: {"launches": w.launches, "exits": w.exits} for w in world.workloads}})
         if args.load:

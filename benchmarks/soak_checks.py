@@ -3,6 +3,7 @@ name, what was checked, and the violations found (none is the pass)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,20 +182,80 @@ def samples(work: str, runs) -> dict:
             "checked": f"{checked} samples trained", "violations": bad}
 
 
-def checkpoints(work: str, runs, logs: list[Path], env: dict) -> dict:
-    """No checkpoint picked that was incomplete; each finished pre-training's final weights export."""
-    import re
+_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 
+
+def independently_complete(where: str) -> tuple[bool, str]:
+    """Whether the checkpoint at `where` holds what DeepSpeed writes for its world size and ZeRO
+    stage (the model states: rank 0's, or every rank's at ZeRO-3; every rank's optimizer states from
+    ZeRO-1 on), each torch file an intact zip archive (every member's CRC read). Read without
+    vitp.train.checkpoint.verify and its completion markers, which are what chose it."""
+    import io
+    import zipfile
+
+    from vitp import storage
+
+    try:
+        meta = storage.read_json(storage.join(where, "meta.json"))
+        world, tag = int(meta["world_size"]), meta["tag"]
+        stage = int(meta["config"]["parallel"]["zero_stage"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"meta.json unreadable: {e}"
+    names = {rel.split("/", 1)[1] for rel in storage.file_sizes(where) if rel.startswith(tag + "/")}
+    model = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3
+             else ["mp_rank_00_model_states.pt"])
+    missing = [n for n in model if n not in names]
+    optim = {int(m.group(1)) for n in names if (m := _OPTIM.fullmatch(n))}
+    if stage >= 1 and optim != set(range(world)):
+        missing.append(f"optimizer states of rank(s) {sorted(set(range(world)) - optim)} of {world}")
+    if missing:
+        return False, f"ZeRO-{stage}, {world} rank(s): missing {', '.join(missing)}"
+    for name in sorted(n for n in names if n.endswith(".pt")):
+        with storage.open_input(storage.join(where, tag, name)) as f:
+            data = f.read()
+        try:
+            bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
+        except zipfile.BadZipFile as e:
+            bad = f"not a whole archive ({e})"
+        if bad:
+            return False, f"{tag}/{name}: {bad}"
+    return True, f"ZeRO-{stage}, {world} rank(s): complete"
+
+
+class Picks:
+    """What each resume picked, read at the time: the soak's loop calls `scan` every few seconds,
+    which finds new "resumed from X" lines in the workloads' logs and reads X at once with
+    independently_complete (later, retention may have deleted it)."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}  # log -> bytes read
+        self.found: list[dict] = []
+
+    def scan(self, logs: list[Path]) -> None:
+        for log in logs:
+            if not log.exists():
+                continue
+            with open(log, "rb") as f:
+                f.seek(self.seen.get(str(log), 0))
+                text = f.read()
+            end = text.rfind(b"\n") + 1  # whole lines only; the rest on the next scan
+            self.seen[str(log)] = self.seen.get(str(log), 0) + end
+            for where, step in re.findall(r"\] resumed from (\S+) at step (\d+)", text[:end].decode(errors="replace")):
+                ok, why = independently_complete(where)
+                self.found.append({"log": log.name, "where": where, "step": int(step), "complete": ok, "why": why})
+
+
+def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> dict:
+    """Every checkpoint a resume picked was complete when it was picked (`picks`, read at the time,
+    independently of the verify that chose it; a pick the scans missed is read now, if it is still
+    there); each finished pre-training's final weights export."""
     from vitp import storage
     from vitp.paths import RunPaths
     from vitp.train import checkpoint as ckpt
 
-    bad, picked = [], set()
-    for log in logs:
-        picked |= set(re.findall(r"\] resumed from (\S+) at step \d+", log.read_text()))
-    for where in sorted(picked):
-        if storage.exists(where) and not ckpt.verify(where)[0]:
-            bad.append(f"picked incomplete: {where}: {ckpt.verify(where)[1]}")
+    picks.scan(logs)  # lines written since the loop's last scan
+    bad = [f"picked incomplete: {p['where']} (at step {p['step']}): {p['why']}" for p in picks.found
+           if not p["complete"]]
     exported = 0
     for run in runs:
         if not run.info.run_name.startswith("soak-pretrain-") or run.info.status != "FINISHED":
@@ -207,8 +268,8 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict) -> dict:
         if r.returncode != 0 or not storage.isfile(storage.join(out, "model.safetensors")):
             bad.append(f"{run.info.run_name}: export of {final} failed: {(r.stderr or r.stdout)[-300:]}")
         exported += 1
-    return {"name": "no incomplete checkpoint picked, final weights export",
-            "checked": f"{len(picked)} checkpoints resumed from, {exported} exported", "violations": bad}
+    return {"name": "no incomplete checkpoint picked (read when picked), final weights export",
+            "checked": f"{len(picks.found)} resumes' checkpoints, {exported} exported", "violations": bad}
 
 
 def node_local(world) -> dict:
@@ -234,11 +295,11 @@ def ended(workloads, interrupted: list[str]) -> dict:
             "violations": bad}
 
 
-def check_all(world, work: str, env: dict, interrupted: list[str]) -> dict:
+def check_all(world, work: str, env: dict, interrupted: list[str], picks: Picks) -> dict:
     runs = _runs(world.uri)
     logs = [w.log for w in world.workloads]
     return {"runs": len(runs), "checks": [ended(world.workloads, interrupted), metrics_once(world.uri, runs),
-                                          resends(world.sends, runs), statuses(runs), samples(work, runs), checkpoints(work, runs, logs, env),
+                                          resends(world.sends, runs), statuses(runs), samples(work, runs), checkpoints(work, runs, logs, env, picks),
                                           node_local(world)]}
 
 

@@ -72,3 +72,64 @@ def test_resends_counts_what_the_senders_wrote_down_not_what_mlflow_kept(tmp_pat
     assert soak_checks.metrics_once(uri, [client.get_run(run_id)])["violations"] == []  # MLflow kept one
     assert soak_checks.resends(tmp_path / "sends", runs)["violations"] == [
         "soak-pretrain-1 train/loss step 2: acknowledged 2 times"]
+
+
+def _checkpoint(root, ranks_with_optim=(0, 1), truncate=None):
+    """A ZeRO-2 checkpoint of 2 ranks laid out as DeepSpeed and vitp write it (meta.json, the torch
+    files under its tag, a completion marker per rank listing its files and their sizes). Files
+    named in `truncate` are cut short before the markers record their sizes, as a writer that
+    lost a race would leave them: vitp's own verify then sees nothing wrong."""
+    import json
+
+    import torch
+
+    state = root / "state"
+    state.mkdir(parents=True)
+    files = {0: ["mp_rank_00_model_states.pt"]}
+    torch.save({"module": {"w": torch.ones(64)}}, state / "mp_rank_00_model_states.pt")
+    for r in ranks_with_optim:
+        name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": {"exp_avg": torch.full((256,), float(r))}}, state / name)
+        files.setdefault(r, []).append(name)
+    for name in truncate or ():
+        data = (state / name).read_bytes()
+        (state / name).write_bytes(data[: len(data) // 2])
+    (root / "meta.json").write_text(json.dumps({"world_size": 2, "tag": "state", "attempt": "a",
+                                                "config": {"parallel": {"zero_stage": 2}}}))
+    (root / "complete").mkdir()
+    for r in (0, 1):
+        listed = {f"state/{n}": (state / n).stat().st_size for n in files.get(r, [])}
+        (root / "complete" / f"rank_{r:05d}.json").write_text(json.dumps({"files": listed, "attempt": "a"}))
+    return str(root)
+
+
+def test_a_picked_checkpoint_is_read_independently_of_the_verify_that_chose_it(tmp_path):
+    from vitp.train import checkpoint as ckpt
+
+    whole = _checkpoint(tmp_path / "whole")
+    torn = _checkpoint(tmp_path / "torn", truncate=["zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+    short = _checkpoint(tmp_path / "short", ranks_with_optim=(0,))
+    for where in (whole, torn, short):
+        assert ckpt.verify(where) == (True, "complete")  # the markers agree with what is there
+    assert soak_checks.independently_complete(whole) == (True, "ZeRO-2, 2 rank(s): complete")
+    ok, why = soak_checks.independently_complete(torn)
+    assert not ok and why.startswith("state/zero_pp_rank_1_mp_rank_00_optim_states.pt: "), why
+    assert soak_checks.independently_complete(short) == (
+        False, "ZeRO-2, 2 rank(s): missing optimizer states of rank(s) [1] of 2")
+
+    # read when picked: a checkpoint deleted after its resume (retention) still counts
+    log = tmp_path / "soak-pretrain-1.log"
+    log.write_text(f"[12:00:01] resumed from {whole} at step 4\n[12:00:09] resumed from {torn} at step 6\n"
+                   f"[12:00:10] resumed from {short} at st")  # a line still being written: next scan
+    picks = soak_checks.Picks()
+    picks.scan([log])
+    assert [(p["step"], p["complete"]) for p in picks.found] == [(4, True), (6, False)]
+    import shutil
+
+    shutil.rmtree(torn)
+    with open(log, "a") as f:
+        f.write("ep 8\n")
+    result = soak_checks.checkpoints(str(tmp_path / "work"), [], [log], {}, picks)
+    assert [v.split(":")[0] for v in result["violations"]] == ["picked incomplete", "picked incomplete"]
+    assert torn in result["violations"][0] and short in result["violations"][1], result
+    assert result["checked"] == "3 resumes' checkpoints, 0 exported"

@@ -93,6 +93,11 @@ def test_checkpoint_resume_continues_exactly(tmp_path, world, stage):
     assert out["resumed"] == out["full"], f"resumed curve {out['resumed']} != uninterrupted {out['full']}"
     ok, _ = ckpt.verify(str(tmp_path / "ck"))
     assert ok
+    # the chaos soak's own completeness read (benchmarks/soak_checks.py) knows DeepSpeed's layout
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from soak_checks import independently_complete
+
+    assert independently_complete(str(tmp_path / "ck")) == (True, f"ZeRO-{stage}, {world} rank(s): complete")
 
 
 @pytest.mark.slow
