@@ -132,21 +132,58 @@ def _left(sizes, keys, meta: dict) -> dict[int, set]:
     return left
 
 
-def kept_complete(name: str, kept, sizes, keys) -> tuple[int, list[str]]:
-    """One run's samples (vitp.train.samples.Kept, the shards' units `sizes`, `keys`): how many it
-    kept, and what is wrong with them."""
-    meta, bad, taken = kept.meta, [f"{name}: {p}" for p in kept.problems], {}
+def shard_keys(shards: str, split: str = "train") -> set[str]:
+    """Every sample key of a split, read from its Parquet files with pyarrow alone (the manifest's
+    file list), not through vitp's read units or data position."""
+    import pyarrow.parquet as pq
+
+    from vitp import storage
+
+    manifest = storage.read_json(storage.join(shards, "manifest.json"))
+    keys: set[str] = set()
+    for shard in manifest["shards"].get(split, []):
+        with storage.open_input(storage.join(shards, shard["file"])) as f:
+            keys.update(str(k) for k in pq.read_table(f, columns=["key"]).column("key").to_pylist())
+    return keys
+
+
+def epochs_whole(name: str, taken: dict[int, list[str]], every: set[str]) -> list[str]:
+    """What a run trained, by epoch, against the shards' keys alone: no sample twice in an epoch,
+    none from outside the shards, and every epoch before the last one it began holds every sample
+    (the last may be partial; what it still has due is the position's, checked by kept_complete)."""
+    bad = []
+    for epoch in sorted(taken):
+        got = taken[epoch]
+        if len(got) != len(set(got)):
+            bad.append(f"{name} epoch {epoch}: {len(got) - len(set(got))} sample(s) twice")
+        if set(got) - every:
+            bad.append(f"{name} epoch {epoch}: {len(set(got) - every)} sample(s) not in the shards")
+        if epoch < max(taken) and every - set(got):
+            bad.append(f"{name} epoch {epoch}: {len(every - set(got))} of {len(every)} sample(s) never trained "
+                       f"though epoch {max(taken)} began")
+    return bad
+
+
+def _taken(kept) -> dict[int, list[str]]:
+    """{epoch: keys trained} of a run's kept samples (vitp.train.samples.Kept)."""
+    taken: dict[int, list[str]] = {}
     for rows in kept.steps.values():
         for key, epoch in rows:
             taken.setdefault(epoch, []).append(key)
+    return taken
+
+
+def kept_complete(name: str, kept, sizes, keys) -> tuple[int, list[str]]:
+    """One run's samples (vitp.train.samples.Kept, the shards' units `sizes`, `keys`) against its
+    data position (what vitp.data.position says each epoch still has due): how many it kept, and
+    what is wrong. (Duplicates and whole earlier epochs: epochs_whole, from the shards alone.)"""
+    meta, bad, taken = kept.meta, [f"{name}: {p}" for p in kept.problems], _taken(kept)
     count = sum(len(v) for v in taken.values())
     if count != int(meta["train_state"]["samples_seen"]):
         bad.append(f"{name}: {count} samples recorded, its checkpoint counts {meta['train_state']['samples_seen']}")
     left, every = _left(sizes, keys, meta), {k for u in keys for k in u}
     for epoch in sorted(set(taken) | set(left)):
         got = taken.get(epoch, [])
-        if len(got) != len(set(got)):
-            bad.append(f"{name} epoch {epoch}: {len(got) - len(set(got))} sample(s) twice")
         if set(got) & left.get(epoch, set()):
             bad.append(f"{name} epoch {epoch}: {len(set(got) & left[epoch])} sample(s) trained and still due")
         if epoch not in left:
@@ -159,14 +196,15 @@ def kept_complete(name: str, kept, sizes, keys) -> tuple[int, list[str]]:
 def samples(work: str, runs) -> dict:
     """train.record_samples: what each run kept (its newest checkpoint's attempt back to step 0,
     vitp.train.samples) is every step recorded on every rank, as many samples as its data position
-    counts, each sample at most once an epoch, and, with what the position says is left, every
-    epoch it began complete."""
+    counts; against the shards alone (epochs_whole), each sample at most once an epoch and every
+    earlier epoch whole; with what the position says is left, the epoch it is in complete."""
     from vitp.data.ingest import shards_dir
     from vitp.paths import RunPaths
     from vitp.recipes import resolve
     from vitp.train.samples import kept_samples
 
     shards, bad, checked, units = shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)), [], 0, {}
+    every = None  # the shards' keys, read once
     for run in runs:
         name = run.info.run_name
         if not name.startswith("soak-pretrain-"):
@@ -176,8 +214,9 @@ def samples(work: str, runs) -> dict:
             continue  # killed before its first checkpoint: nothing kept
         rows = int(kept.meta["train_state"]["unit_rows"])
         units[rows] = units.get(rows) or _epoch_keys(shards, rows)
+        every = every if every is not None else shard_keys(shards)
         count, wrong = kept_complete(name, kept, *units[rows])
-        checked, bad = checked + count, bad + wrong
+        checked, bad = checked + count, bad + epochs_whole(name, _taken(kept), every) + wrong
     return {"name": "each sample at most once per epoch, none skipped",
             "checked": f"{checked} samples trained", "violations": bad}
 

@@ -133,3 +133,31 @@ def test_a_picked_checkpoint_is_read_independently_of_the_verify_that_chose_it(t
     assert [v.split(":")[0] for v in result["violations"]] == ["picked incomplete", "picked incomplete"]
     assert torn in result["violations"][0] and short in result["violations"][1], result
     assert result["checked"] == "3 resumes' checkpoints, 0 exported"
+
+
+def test_epochs_are_checked_against_the_shards_keys_alone(tmp_path):
+    """shard_keys reads the keys with pyarrow from the manifest's files; epochs_whole finds a
+    sample twice, a key the shards lack and an earlier epoch left short, and lets the last epoch
+    be partial."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "shards"
+    (shards / "train").mkdir(parents=True)
+    files = []
+    for i, keys in enumerate((["a", "b", "c"], ["d", "e"])):
+        pq.write_table(pa.table({"key": keys, "label": [0] * len(keys)}), shards / "train" / f"part-{i}.parquet")
+        files.append({"file": f"train/part-{i}.parquet", "rows": len(keys)})
+    (shards / "manifest.json").write_text(json.dumps({"shards": {"train": files}}))
+    every = soak_checks.shard_keys(str(shards))
+    assert every == {"a", "b", "c", "d", "e"}
+
+    fine = {0: ["c", "a", "e", "b", "d"], 1: ["b", "d"]}  # epoch 1 is where the run stopped
+    assert soak_checks.epochs_whole("soak-pretrain-1", fine, every) == []
+    planted = {0: ["c", "a", "e", "b"], 1: ["b", "d", "d", "zz"]}
+    assert soak_checks.epochs_whole("soak-pretrain-1", planted, every) == [
+        "soak-pretrain-1 epoch 0: 1 of 5 sample(s) never trained though epoch 1 began",
+        "soak-pretrain-1 epoch 1: 1 sample(s) twice",
+        "soak-pretrain-1 epoch 1: 1 sample(s) not in the shards"]
