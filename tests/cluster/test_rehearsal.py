@@ -253,8 +253,9 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server from
     # this machine (its port-forward address) and from the cluster (the jobs' address), and the
     # recipe's Train gang all-reducing across the two nodes
+    gang = [s for s in PRETRAIN if s.startswith("parallel.")]  # the pre-training gang: one worker per node
     r = vitp("doctor", "debug", "--address", address, "--set", f"work_dir={storage.join(store, 'doctor')}",
-             "--tracking-uri", rehearsal.forward.uri, "--allreduce", env=env)
+             *sets(gang), "--tracking-uri", rehearsal.forward.uri, "--allreduce", env=env)
     assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 node(s) alive" in r.stdout and "storage on cluster" in r.stdout, r.stdout
     assert re.search(r"ok +all-reduce: 2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, "
