@@ -1,6 +1,7 @@
 """benchmarks/gpu_suite.py --tiny runs every case of the GPU suite (ZeRO 0/1/2/3, eager and
 torch.compile) on a pico/8 on the CPU, so the command is known to work before a GPU appears: the
-eager cases in `make test`, the compiled ones (--compile-only) in the e2e run."""
+eager cases in `make test`, the compiled ones (--compile-only) in `make test-long` (`make test`
+compiles one run: tests/train/test_compile.py)."""
 import json
 import os
 import subprocess
@@ -14,9 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.e2e)],
                          ids=["eager", "compiled"])  # 3 inductor compiles: ~2 min here
-@pytest.mark.long_cases("eager", "compiled",
-                        reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
-                               "benchmark")
+@pytest.mark.long_cases("compiled", reason="torch.compile of every ZeRO stage; CI compiles one "
+                                               "(tests/train/test_compile.py)")
 def test_gpu_suite_runs_every_case_tiny_on_cpu(tmp_path, compiled):
     out, results = tmp_path / "suite.json", tmp_path / "RESULTS.md"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--tiny", "--steps", "2",

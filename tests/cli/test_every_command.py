@@ -460,7 +460,7 @@ class Scenario:
         self.artifacts_bucket = artifacts_bucket  # where the MLflow server stores artifacts
         self.work = base / "work"
         self.synth = self.work / "synth"
-        self.shards = self.work / "shards"
+        self.shards = self.work / "shards" / "synth"  # beside shards/digits, as `vitp preprocess` lays them out
         self.export = self.work / "export"
         self.runs: dict[str, Run] = {}
         self.facts: dict[str, str] = {}
@@ -514,12 +514,16 @@ class Scenario:
         self.need("synth")
         return self.vitp("preprocess", "debug", *self.sets(self.pretrain_sets()))
 
+    def _digits(self) -> Run:
+        return self.vitp("preprocess", "debug_finetune", "--set", f"work_dir={self.work}")
+
     def _pretrain(self) -> Run:
         self.need("preprocess")
+        self.need("digits")  # the few-shot probes' dataset, by name: work_dir/shards/digits
         # the experiment in the user's file, one more change on the command line (--set wins)
         exp = self.experiment_file("pretrain.yaml", "debug", self.pretrain_sets() + [
             "train.steps=400", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
-            "optim.warmup_steps=1"])
+            "optim.warmup_steps=1", "train.fewshot_every=2", "train.fewshot_datasets=digits"])
         r = self.vitp("pretrain", str(exp), "--set", "train.steps=4")
         if r.rc == 0:
             self.facts["checkpoint"] = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)
@@ -584,6 +588,10 @@ class TestChain:
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4]
         # system metrics (tracking.system_metrics, on by default) at each log step
         assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [2, 4]
+        # few-shot probes on digits during pre-training, at every multiple of train.fewshot_every
+        for k in (1, 5, 10, 25):
+            history = client.get_metric_history(run.info.run_id, f"fewshot/digits_{k}shot_top1")
+            assert [m.step for m in history] == [2, 4] and all(0 <= m.value <= 1 for m in history), (k, history)
         (dataset,) = run.inputs.dataset_inputs  # the shards, as MLflow's Dataset column shows them
         assert dataset.dataset.name == "imagefolder" and str(scenario.shards) in dataset.dataset.source
         assert run.data.tags["mlflow.source.name"] == "vitp pretrain debug"
@@ -747,6 +755,15 @@ class TestChain:
         run_id = re.search(r"^MLflow run: (\S+)", r.out, re.M).group(1)
         metrics = scenario.tracking_client().get_run(run_id).data.metrics
         assert metrics["fewshot/25shot_top1"] == pytest.approx(got[25], abs=1e-4)
+        # the pre-training's last probe scored the same weights (its final checkpoint, exported) on
+        # the same digits: the same accuracies, but for a test prediction a float32 feature's last
+        # bits may flip between batchings
+        import pyarrow.parquet as pq
+
+        val = sum(pq.ParquetFile(f).metadata.num_rows for f in (scenario.work / "shards" / "digits" / "val").glob("*.parquet"))
+        probes = scenario.tracking_client().get_run(scenario.facts["pretrain_run"]).data.metrics
+        for k, v in got.items():
+            assert probes[f"fewshot/digits_{k}shot_top1"] == pytest.approx(v, abs=1.01 / val + 1e-4), (k, probes, got)
 
     def test_sweep_runs_both_sources_and_names_the_best(self, scenario):
         r = scenario.need("sweep")

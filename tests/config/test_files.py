@@ -35,6 +35,20 @@ def test_a_worker_count_in_a_file_derives_the_accumulation(tmp_path):
     assert p.num_workers == 1 and p.micro_batch * p.grad_accum == p.global_batch
 
 
+def test_a_list_of_names_reads_as_set_reads_it(tmp_path):
+    """`fewshot_datasets: digits` (or "digits, pets") in a file is what `--set
+    train.fewshot_datasets=digits` gives: the list's one name, not a refusal."""
+    f = tmp_path / "exp.yaml"
+    for text, want in (("digits", ("digits",)), ("digits, pets", ("digits", "pets")), ("[digits, pets]", ("digits", "pets"))):
+        f.write_text(f"recipe: debug\ntrain:\n  fewshot_every: 2\n  fewshot_datasets: {text}\n")
+        assert resolve(str(f), check_paths=False).train.fewshot_datasets == want, text
+        if not text.startswith("["):  # (--set reads a list as JSON: ["digits","pets"])
+            assert resolve("debug", [f"train.fewshot_datasets={text}"]).train.fewshot_datasets == want, text
+    f.write_text("recipe: debug\ntrain: {fewshot_datasets: 3}\n")
+    with pytest.raises(ConfigError, match=r"train.fewshot_datasets=3: expected a list$"):
+        resolve(str(f), check_paths=False)
+
+
 @pytest.mark.parametrize("text, error, needle", [
     ("- a\n- b\n", InputError, "an experiment file is a mapping: `recipe: NAME`"),
     ("optim: {lr: 0.1}\n", InputError, "`recipe: NAME`"),

@@ -16,8 +16,6 @@ STEPS = 10
 LOSS_ATOL = 1e-5
 
 
-@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
-                         "benchmark")
 @pytest.mark.slow
 def test_compiled_model_trains_the_eager_loss_curve():
     eager = launch(workers.loss_curve, 1, STEPS)[0]

@@ -72,7 +72,6 @@ def test_partitioned_build_in_bf16_is_the_full_build_rounded():
         assert abs(a.std() - b.std()) <= 0.01 * b.std() + 1e-12, (group, a.std(), b.std())
 
 
-@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 def test_init_from_weights_load_into_a_partitioned_model(tmp_path):
     from safetensors.torch import save_file
 

@@ -55,7 +55,6 @@ def test_zero_offload_optimizer_learns_with_cpu_adam(stage, precision):
     assert out["master_dtypes"] == out["state_dtypes"] == ["torch.float32"]
 
 
-@pytest.mark.long(reason="partitioned construction beyond the fp32 build, which CI checks")
 @pytest.mark.slow
 def test_zero3_parameter_offload_learns():
     extra = ["parallel.offload_params=true", "parallel.offload_optimizer=true"]

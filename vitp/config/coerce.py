@@ -92,9 +92,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a string")
         return value
     if origin is tuple:
+        variable = len(args) == 2 and args[1] is Ellipsis
+        if variable and args[0] is str and isinstance(value, str):  # "a, b" in a file, as --set reads it
+            value = [p.strip() for p in value.split(",") if p.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r}: expected a list of {len(args)} values")
-        if len(args) == 2 and args[1] is Ellipsis:
+            raise ConfigError(f"{key}={value!r}: expected a list" + ("" if variable else f" of {len(args)} values"))
+        if variable:
             return tuple(coerce(v, args[0], key) for v in value)
         if len(value) != len(args):
             raise ConfigError(f"{key}={value!r}: expected exactly {len(args)} values")
