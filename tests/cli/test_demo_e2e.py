@@ -1,6 +1,6 @@
 """`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
 both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
-non-zero; headless Chromium on the printed page shows the training runs, the sweep's nested trials,
+non-zero (CI: the same stages in-process at smaller sizes, TINY); headless Chromium on the printed page shows the training runs, the sweep's nested trials,
 the dataset input and the registered model, and on the page `vitp compare --sweep` names, the
 trials' parallel coordinates over the params they differ in (screenshots in test-artifacts/).
 """
@@ -27,8 +27,8 @@ def demo(tmp_path_factory):
     return work, r
 
 
-@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
-                         "fine-tuning, few-shot")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
+                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -77,8 +77,8 @@ def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
 
 
-@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
-                         "fine-tuning, few-shot")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
+                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -143,8 +143,8 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
         server.stop()
 
 
-@pytest.mark.long(reason="a whole Ray Train run of one feature; CI has the CLI chain's pre-training, "
-                         "fine-tuning, few-shot")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
+                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -165,3 +165,56 @@ def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
     # ... and `vitp --help` says what that exit code means
     code1 = re.search(r"^  1 (.*?)^  2 ", vitp("--help").out, re.M | re.S).group(1)
     assert "a demo stage failed" in code1, code1
+
+
+# CI's demo: the same stages in-process on the session's Ray, on a smaller corpus and fewer steps
+TINY = {"pretrain": {"data.synth_classes": 10, "data.synth_images_per_class": 24, "data.num_classes": 10,
+                     "model.num_classes": 10, "parallel.global_batch": 32, "parallel.micro_batch": 16,
+                     "optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10,
+                     "train.checkpoint_every": 10},
+        "finetune": {"optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10}}
+
+
+@pytest.mark.e2e
+def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_session, capsys):
+    """`run_demo` at TINY sizes: every stage runs and the summary, the result file and the plots
+    hold both sources, the raw-pixel reference and few-shot; run again with a digits shard broken
+    inside, the few-shot stage fails and says so while the others reuse what the first run built."""
+    from vitp.cli.demo import MODEL_NAME, run_demo, source_label
+
+    work, lines = tmp_path / "work", []
+    result = run_demo(quick=True, work_dir=str(work), log=lines.append, changes=TINY)
+    out = capsys.readouterr().out
+    assert result["failed"] == [], (result["failed"], lines[-20:])
+    for n, stage in enumerate(("corpus", "pre-training", "reference", "few-shot", "sweep", "results"), 1):
+        assert any(line.startswith(f"[demo] {n}/6 {stage}: ") for line in lines), stage
+    assert "10 fractal classes x 24 images" in "\n".join(lines)  # the changes reached the recipe
+    assert result["model"].startswith(f"models:/{MODEL_NAME}/") and (work / "export" / "model.safetensors").is_file()
+    table = out[out.index("== vit-pipeline demo --quick"):]
+    for label in ("pre-trained", "scratch", "linear on raw pixels"):
+        assert re.search(rf"^  {label}\s+[01]\.\d{{3}}", table, re.M), (label, table)
+    assert re.search(r"^pre-training (beat|did NOT beat) training from scratch", table, re.M), table
+    assert re.search(r"^few-shot linear probe .* on demo_fractals: 1-shot [01]\.\d+", table, re.M), table
+    assert "status:  every stage succeeded" in table
+    for png in ("low_data.png", "compare.png"):
+        assert f"{work}/{png}" in table and is_png(work / png)
+    # the trials ran as a sweep: both sources at each point, each with its fine-tuning steps
+    trials = [r for r in result["rows"] if r.get("source") != "pixels"]
+    assert len(trials) == result["sweep"]["trials"] == 4, trials  # 2 fractions x 2 sources
+    assert {source_label(r.get("source")) for r in trials} == {"pre-trained", "scratch"}, trials
+    saved = json.loads((work / "demo-result.json").read_text())
+    assert saved["quick"] and saved["failed"] == []
+    for label, group in saved["headline"].items():
+        values = r"\s+".join(f"{v:.3f}" for v in group["values"])
+        assert re.search(rf"^  {label}\s+{values}\b", table, re.M), (label, group)
+
+    shard = sorted((work / "shards" / "digits" / "train").glob("*.parquet"))[0]
+    shard.write_bytes(b"PAR1" + b"not a parquet file" + b"PAR1")
+    lines.clear()
+    again = run_demo(quick=True, work_dir=str(work), log=lines.append, changes=TINY)
+    out = capsys.readouterr().out
+    assert [f.split(":")[0] for f in again["failed"]] == ["few-shot"], again["failed"]
+    assert any(line.startswith("[demo] few-shot FAILED: ") for line in lines), lines
+    assert re.search(r"^FAILED:  few-shot: ", out, re.M) and "every stage succeeded" not in out
+    assert re.search(r"^  pre-trained\s+[01]\.\d{3}", out, re.M), out  # the rest is still reported
+    assert again["pretrain_run_id"] == result["pretrain_run_id"]  # reused, not trained again

@@ -100,7 +100,11 @@ def _start_afresh(work: str, log: Callable[[str], None]) -> None:
 
 def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
              address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
-             objective: str = "classify") -> dict:
+             objective: str = "classify", changes: dict[str, dict[str, Any]] | None = None) -> dict:
+    """Run the demo's stages; returns what it measured (also written to RESULT_FILE in the work
+    dir). `changes` ({"pretrain": {key: value}, "finetune": {...}}) goes on top of the recipes and
+    --quick's sizes, the "finetune" part to every downstream dataset: a smaller run of the same
+    stages (the e2e suite's)."""
     from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
     from vitp.tracking.compare import compare_rows  # lazy: keeps vitp --help fast (mlflow)
@@ -122,8 +126,9 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     work = storage.abspath(work)
     pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
                                                       "train.objective": objective,
-                                                      **(QUICK_PRETRAIN if quick else {})}), check_paths=False)
-    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {})}
+                                                      **(QUICK_PRETRAIN if quick else {}),
+                                                      **(changes or {}).get("pretrain", {})}), check_paths=False)
+    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {}), **(changes or {}).get("finetune", {})}
     stages = Stages(6, log)
     export_dir = pre.paths.export
     name = "demo" + mpp + ("-quick" if quick else "")
