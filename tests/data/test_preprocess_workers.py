@@ -113,8 +113,59 @@ def test_counts_reconcile_and_shards_do_not_depend_on_workers_or_layout(ray_sess
         assert back_pq[k][0] == label and back_pq[k][2] == split and np.array_equal(back_pq[k][1], img), k
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
+def test_an_unfinished_preprocess_resumes_to_the_same_shards(ray_session, tmp_path, monkeypatch):
+    """CI's form of the next test, without the kill: a run whose driver died before the manifest,
+    with some of its shards' commits (records) and files gone, as a driver killed mid-run leaves
+    them. It is refused without --resume and with other settings; --resume writes only what is
+    missing and ends with the uninterrupted run's manifest."""
+    import vitp.data.preprocess as preprocess
+    from vitp.data.shards import RECORDS
+
+    data = dict(storage_size=40, image_size=32, synth_classes=10, synth_images_per_class=24,
+                val_fraction=0.2, shard_mb=0.02)
+    full = run_preprocess(make_cfg(tmp_path, shards=str(tmp_path / "full"), **data), log=lambda s: None)
+    out = tmp_path / "cut"
+    cfg = make_cfg(tmp_path, shards=str(out), **data)
+
+    def driver_dies(*args, **kwargs):
+        raise KeyboardInterrupt("the driver died before the manifest")
+
+    monkeypatch.setattr(preprocess, "_finish", driver_dies)
+    with pytest.raises(KeyboardInterrupt):
+        run_preprocess(cfg, log=lambda s: None)
+    monkeypatch.undo()
+    records = sorted((out / RECORDS).glob("*.json"))
+    assert len(records) == full["shards"] >= 6 and not (out / "manifest.json").exists(), records
+    for n, record in enumerate(records[::2]):  # half never committed; of those, every other one's file
+        shard = json.loads(record.read_text())["file"]  # was not written either
+        record.unlink()
+        if n % 2 and shard:
+            (out / shard).unlink()
+    committed = [json.loads(r.read_text())["file"] for r in records[1::2]]
+    kept = len(list((out / RECORDS).glob("*.json")))
+    before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.glob("*/part-*.parquet")}
+
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        read_manifest(str(out))
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_preprocess(cfg, log=lambda s: None)
+    with pytest.raises(ValueError, match="storage_format|size"):
+        run_preprocess(make_cfg(tmp_path, shards=str(out), **{**data, "storage_size": 36}), resume=True,
+                       log=lambda s: None)
+    lines = []
+    res = run_preprocess(cfg, resume=True, log=lines.append)
+    assert any(f"resuming: {kept} shards already committed" in s for s in lines), "\n".join(lines)
+    assert res["written"] == full["written"] and res["shards"] == full["shards"]
+    m_full, m_res = read_manifest(str(tmp_path / "full")), read_manifest(str(out))
+    for m in (m_full, m_res):
+        m.pop("created"), m.pop("timings"), m.pop("config")
+    assert m_res == m_full  # the same shards (checksums), counts, per-class counts
+    after = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.glob("*/part-*.parquet")}
+    assert all(after[f] == before[f] for f in committed if f), "a committed shard was written again"
+
+
+@pytest.mark.long(reason="a SIGKILLed preprocessing process (its own local Ray); CI resumes one whose "
+                         "driver died before the manifest (the test above)")
 def test_killed_preprocess_resumes_to_the_same_shards(ray_session, tmp_path):
     data = dict(storage_size=96, image_size=32, synth_classes=10, synth_images_per_class=60,
                 val_fraction=0.1, shard_mb=0.2)
