@@ -72,8 +72,6 @@ def own_server(_own_server):
     return _own_server
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
 @pytest.mark.slow  # the server stopped and started again
 def test_outage_spools_and_backfills_every_step_exactly_once(own_server, experiment, tmp_path):
     spool, uri = tmp_path / "spool", own_server.handle.uri
@@ -158,8 +156,6 @@ def _recv(sock):
         return b""
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
 @pytest.mark.slow  # a server behind a proxy, answers dropped
 def test_lost_answers_are_not_sent_twice(experiment, tmp_path):
     # A file store keeps every value it is sent (the SQL stores drop exact repeats themselves).
@@ -191,8 +187,6 @@ def test_lost_answers_are_not_sent_twice(experiment, tmp_path):
         server.stop()
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
 def test_a_run_logging_every_step_posts_once_per_interval(mlflow_server, experiment, tmp_path):
     """60 steps logged 50 ms apart reach the server in about one request per SEND_INTERVAL_S,
     not one per step, and each step lands once."""
@@ -289,8 +283,6 @@ def test_a_checkpoints_backlog_arriving_after_later_steps_fills_the_gap_once(mlf
     assert successor.backlog() == b""
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
 @pytest.mark.slow  # the server stopped and started again
 def test_end_while_down_keeps_the_spool_for_the_next_start(own_server, experiment, tmp_path, caplog):
     spool, uri = tmp_path / "spool", own_server.handle.uri

@@ -65,10 +65,7 @@ def test_persistent_nan_rolls_back_once_then_stops(tmp_path, precision):
     assert bare["error"].startswith("step 6: 3 consecutive") and "no checkpoint to roll back to" in bare["error"]
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
-@pytest.mark.slow
-@pytest.mark.e2e  # ~45 s of spawned ranks: in the e2e run, for `make test`'s time
+@pytest.mark.slow  # spawned ranks
 def test_inf_loss_on_one_rank_skips_everywhere():
     """Finite gradients, so no DeepSpeed overflow check fires: only our all-reduced flag can make
     both ranks skip. ZeRO-Offload (DeepSpeedCPUAdam) and ZeRO-3 parameter offload included."""
