@@ -260,3 +260,26 @@ def test_every_test_the_failure_table_names_is_there_and_placed_where_it_says():
             assert "long" in cells[3] and "CI" not in cells[3], row
         if tiers == {"CI"}:
             assert "CI" in cells[3] and "long" not in cells[3], row
+
+
+def test_every_test_the_ci_coverage_table_names_runs_in_ci():
+    """docs/testing.md's table of features the long tier held alone names, for each, a CI test:
+    each is a test function of its file (or a test file) that is not marked long."""
+    from tiers import tier_in_source
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    table = text[text.index("| feature | CI test (suite) |"):].split("\n\n")[0]
+    rows = table.splitlines()[2:]
+    assert len(rows) >= 10, rows
+    for row in rows:
+        cell = [c.strip() for c in row.strip("|").split("|")][1]
+        named = re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?(?:::(\w+))?(?:\[[^\]]*\])?`", cell)
+        assert named, row
+        for path, first, second in named:
+            source = (ROOT / path).read_text()
+            name = second or first
+            if name:
+                assert re.search(rf"^\s*def {name}\(", source, re.M), f"{path}::{name}"
+                assert tier_in_source(source, name) != "long", f"{path}::{name} is marked long"
+            else:
+                assert re.search(r"^\s*def test_", source, re.M), path
