@@ -87,6 +87,8 @@ def test_backpressured_training_stream_spins_unless_paced(ray_session, debug_sha
     finally:
         StreamingExecutor._scheduling_loop_step = original
     assert paced <= paced_s / ROUND_S + 2, (paced, paced_s)
-    assert spun > 5 * spun_s / ROUND_S, (
+    # unpaced: several hundred rounds a second on an idle machine, under 100 with the cores busy
+    # (measured with a test run beside it); paced, at most 1 / ROUND_S = 20
+    assert spun > 2 * spun_s / ROUND_S, (
         f"unpaced, Ray Data ran only {spun} scheduling rounds in {spun_s:.1f} s while "
         "backpressured: if it no longer spins, vitp/data/executor.py's pacing can go")
