@@ -1,8 +1,9 @@
 """`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
 both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
-non-zero (CI: the same stages in-process at smaller sizes, TINY); headless Chromium on the printed page shows the training runs, the sweep's nested trials,
-the dataset input and the registered model, and on the page `vitp compare --sweep` names, the
-trials' parallel coordinates over the params they differ in (screenshots in test-artifacts/).
+non-zero (CI runs the same stages in-process at smaller sizes, TINY); headless Chromium on the
+printed page shows the training runs, the sweep's nested trials, the dataset input and the
+registered model, and on the page `vitp compare --sweep` names, the trials' parallel coordinates
+over the params they differ in (screenshots in test-artifacts/).
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_s
     assert "status:  every stage succeeded" in table
     for png in ("low_data.png", "compare.png"):
         assert f"{work}/{png}" in table and is_png(work / png)
-    # the trials ran as a sweep: both sources at each point, each with its fine-tuning steps
+    # the sweep's trials: both sources at each of the two data fractions
     trials = [r for r in result["rows"] if r.get("source") != "pixels"]
     assert len(trials) == result["sweep"]["trials"] == 4, trials  # 2 fractions x 2 sources
     assert {source_label(r.get("source")) for r in trials} == {"pre-trained", "scratch"}, trials

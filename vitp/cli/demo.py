@@ -118,7 +118,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
     from vitp.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
 
-    t0 = time.time()
+    t0, changes = time.time(), changes or {}
     mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
     work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
     if fresh:
@@ -127,8 +127,8 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
                                                       "train.objective": objective,
                                                       **(QUICK_PRETRAIN if quick else {}),
-                                                      **(changes or {}).get("pretrain", {})}), check_paths=False)
-    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {}), **(changes or {}).get("finetune", {})}
+                                                      **changes.get("pretrain", {})}), check_paths=False)
+    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {}), **changes.get("finetune", {})}
     stages = Stages(6, log)
     export_dir = pre.paths.export
     name = "demo" + mpp + ("-quick" if quick else "")
