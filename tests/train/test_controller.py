@@ -93,21 +93,51 @@ def test_a_worker_dying_as_its_group_starts_is_retried_and_its_group_released(ra
     assert _live_groups() - before == set(), "a worker group's placement group outlived its run"
 
 
-@pytest.mark.parametrize("nodes,train_own,ours", [
-    ([4], 2, 1),  # the soak's last node: Train's two workers left no CPU for the reads
-    ([4, 4], 3, 3),  # 2 CPUs left over either way
-    ([3, 3], 2, 2),  # the rehearsal cluster's two nodes: 2 left
-    ([2], 1, 0),  # one worker would take the only 2 CPUs: wait for more instead of hanging
+@pytest.mark.parametrize("nodes,reserved,train_own,ours", [
+    # what Ray's coordinator reserves for Train: the bundles of its request that fit, no more
+    ([4], [4], 2, 1),  # the soak's last node: Train's two workers left no CPU for the reads
+    ([4, 4], [4, 2], 3, 3),  # 2 CPUs left over either way
+    ([3, 3], [2, 2], 2, 2),  # the rehearsal cluster's two nodes: 2 left
+    ([2], [2], 1, 0),  # one worker would take the only 2 CPUs: wait for more instead of hanging
 ])
-def test_an_elastic_run_leaves_cpus_to_its_data_tasks(nodes, train_own, ours):
+def test_an_elastic_run_leaves_cpus_to_its_data_tasks(nodes, reserved, train_own, ours):
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
+    class OnNodes(LeavesCPUsForData):  # the cluster's CPUs as given, not this process's Ray
+        @staticmethod
+        def _cluster_cpus():
+            return float(sum(nodes))
+
     config = ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 2})
-    reserved = {f"node-{i}": {"CPU": float(n), "memory": 8e9} for i, n in enumerate(nodes)}
+    reserved = {f"node-{i}": {"CPU": float(n), "memory": 8e9} for i, n in enumerate(reserved)}
     assert ElasticScalingPolicy(config)._count_possible_workers(reserved) == train_own
-    n = LeavesCPUsForData(config)._count_possible_workers(reserved)
+    n = OnNodes(config)._count_possible_workers(reserved)
     assert n == ours and sum(nodes) - 2 * n >= DATA_CPUS
+
+
+def _world(config):
+    import tempfile
+
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:  # Train V2's Result keeps the metrics of checkpointed reports
+        ray.train.report({"world": ray.train.get_context().get_world_size()},
+                         checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("cpus,world", [(1, 2), (2, 1)])
+def test_an_elastic_run_takes_every_worker_that_leaves_a_cpu(ray_session, tmp_path, cpus, world):
+    """On the session's 4 CPUs, an elastic run of 1..2 workers: two 1-CPU workers leave 2 CPUs
+    for the data, so both start; two 2-CPU workers would leave none, so one starts."""
+    from ray.train import RunConfig, ScalingConfig
+
+    trainer = Trainer(_world, scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": cpus}),
+                      run_config=RunConfig(name=f"elastic-{cpus}", storage_path=str(tmp_path / "ray")))
+    result = trainer.fit()
+    assert result.error is None and result.metrics["world"] == world, result.metrics
 
 
 def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):

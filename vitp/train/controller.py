@@ -49,17 +49,27 @@ class StartsWholeOrRetries(WorkerGroup):
 
 
 class LeavesCPUsForData(ElasticScalingPolicy):
-    """Train's elastic policy, with no more workers than leave DATA_CPUS of the CPUs it may use.
+    """Train's elastic policy, with no more workers than leave DATA_CPUS of the cluster's CPUs.
     Train's own took every CPU of what was left of a cluster (two 2-CPU workers on the soak's last
-    4-CPU node), and the workers then waited forever for the data tasks that had no CPU to run on."""
+    4-CPU node), and the workers then waited forever for the data tasks that had no CPU to run on.
+    The count is against the live nodes' CPUs: what Ray's coordinator reserves for Train is never
+    more than Train asked for, so leaving a CPU of that reservation always cost a worker (the
+    rehearsal's 3 + 3 CPUs ran one 2-CPU worker of two)."""
 
     def _count_possible_workers(self, reserved_resources) -> int:
         n = super()._count_possible_workers(reserved_resources)
         per_worker = self.scaling_config._resources_per_worker_not_none.get("CPU", 0.0)
-        cpus = sum(node.get("CPU", 0.0) for node in reserved_resources.values())
+        cpus = self._cluster_cpus()
         while n > 0 and per_worker and cpus - n * per_worker < DATA_CPUS:
             n -= 1
         return n
+
+    @staticmethod
+    def _cluster_cpus() -> float:
+        """The CPUs of the cluster's live nodes, where the streams' read tasks run."""
+        import ray
+
+        return sum(node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"])
 
 
 def storage_context(run_config):
