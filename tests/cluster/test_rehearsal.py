@@ -370,11 +370,14 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
 
 DEADLINE_S = 30  # a GCP spot VM's notice (AWS gives two minutes)
 MAX_WASTED_STEPS = 5  # the bar of Ray Train's own preemption release test
+# long enough to outlast the deadline: two workers train about 16 steps a second here, so 400
+# steps ended 20 s after the notice, before the node was taken
+PREEMPT_STEPS = 1500
 PREEMPT_SETTINGS = [
     "parallel.num_workers=2", "parallel.min_workers=1", "parallel.cpus_per_worker=2",
     "parallel.zero_stage=2", "parallel.global_batch=32", "parallel.micro_batch=16",
-    "parallel.grad_accum=1", "train.steps=400", "train.log_every=1", "train.eval_every=0",
-    "train.checkpoint_every=200", "optim.warmup_steps=5",
+    "parallel.grad_accum=1", f"train.steps={PREEMPT_STEPS}", "train.log_every=1", "train.eval_every=0",
+    "train.checkpoint_every=500", "optim.warmup_steps=5",
 ]
 
 
@@ -469,7 +472,7 @@ def test_drained_node_checkpoints_before_its_deadline_and_the_run_goes_on(rehear
     committed = [m for m in client.get_metric_history(run.info.run_id, "perf/ckpt_mb") if m.step == saved]
     assert committed and committed[0].timestamp / 1000 < t_drain + DEADLINE_S, "committed after the deadline"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, 401)), "a step is missing or logged twice"
+    assert sorted(steps) == list(range(1, PREEMPT_STEPS + 1)), "a step is missing or logged twice"
     workers = dict((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "parallel/workers"))
     assert workers[0] == 2 and workers[saved] == 1, workers  # went on with the capacity left
 
