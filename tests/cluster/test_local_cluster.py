@@ -16,6 +16,7 @@ from .conftest import vitp
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.e2e  # on the cluster the e2e tests below start
 def test_failing_job_makes_submit_exit_nonzero_with_the_jobs_error(two_node_cluster, tmp_path):
     spec = tmp_path / "bad.yaml"
     # Resolves at submission (paths are not checked there) but fails on the cluster: no such corpus.
@@ -64,6 +65,7 @@ def _job_result(cluster, script, text: str, tag: str, *args: str) -> dict:
     return json.loads(next(line for line in logs.splitlines() if line.startswith(tag))[len(tag):])
 
 
+@pytest.mark.e2e  # on the cluster the e2e tests below start
 def test_nodes_share_no_directory_and_inherit_the_environment(two_node_cluster, tmp_path):
     """Each node runs in its own working dir, TMPDIR and Ray temp dir (node-0 = the head, where job
     drivers run); the environment cluster/local.sh started in reaches every task on every node, and

@@ -128,16 +128,16 @@ def _world(config):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("cpus,world", [(1, 2), (2, 1)])
-def test_an_elastic_run_takes_every_worker_that_leaves_a_cpu(ray_session, tmp_path, cpus, world):
-    """On the session's 4 CPUs, an elastic run of 1..2 workers: two 1-CPU workers leave 2 CPUs
-    for the data, so both start; two 2-CPU workers would leave none, so one starts."""
+def test_an_elastic_run_takes_every_worker_that_leaves_a_cpu(ray_session, tmp_path):
+    """On the session's 4 CPUs, an elastic run of 1..2 one-CPU workers leaves 2 CPUs for the data,
+    so both start (counted against Train's own reservation, one did). That a worker which would
+    take the last CPU does not start is the policy's unit test above (the soak's last node)."""
     from ray.train import RunConfig, ScalingConfig
 
-    trainer = Trainer(_world, scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": cpus}),
-                      run_config=RunConfig(name=f"elastic-{cpus}", storage_path=str(tmp_path / "ray")))
+    trainer = Trainer(_world, scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1}),
+                      run_config=RunConfig(name="elastic", storage_path=str(tmp_path / "ray")))
     result = trainer.fit()
-    assert result.error is None and result.metrics["world"] == world, result.metrics
+    assert result.error is None and result.metrics["world"] == 2, result.metrics
 
 
 def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
