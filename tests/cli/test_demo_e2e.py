@@ -176,6 +176,8 @@ TINY = {"pretrain": {"data.synth_classes": 10, "data.synth_images_per_class": 24
         "finetune": {"optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10}}
 
 
+@pytest.mark.long(reason="in-process Train and Tune runs on the session's Ray (153 s); CI's e2e ran over its "
+                         "budget with it, and the CLI chain covers the stages' commands")
 @pytest.mark.e2e
 def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_session, capsys):
     """`run_demo` at TINY sizes: every stage runs and the summary, the result file and the plots

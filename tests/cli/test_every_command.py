@@ -523,9 +523,7 @@ class Scenario:
         # the experiment in the user's file, one more change on the command line (--set wins)
         exp = self.experiment_file("pretrain.yaml", "debug", self.pretrain_sets() + [
             "train.steps=400", "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
-            "optim.warmup_steps=1", "train.fewshot_every=2",
-            # ... and a dataset that cannot be read: a warning in the worker log, the run goes on
-            f"train.fewshot_datasets=digits,{self.work}/no-such-shards"])
+            "optim.warmup_steps=1", "train.fewshot_every=2", "train.fewshot_datasets=digits"])
         r = self.vitp("pretrain", str(exp), "--set", "train.steps=4")
         if r.rc == 0:
             self.facts["checkpoint"] = re.search(r"^\s*checkpoint:\s+(\S+)", r.out, re.M).group(1)
@@ -594,8 +592,6 @@ class TestChain:
         for k in (1, 5, 10, 25):
             history = client.get_metric_history(run.info.run_id, f"fewshot/digits_{k}shot_top1")
             assert [m.step for m in history] == [2, 4] and all(0 <= m.value <= 1 for m in history), (k, history)
-        probes = {k for k in run.data.metrics if k.startswith("fewshot/")}
-        assert probes == {f"fewshot/digits_{k}shot_top1" for k in (1, 5, 10, 25)}, probes  # none for the unreadable
         (dataset,) = run.inputs.dataset_inputs  # the shards, as MLflow's Dataset column shows them
         assert dataset.dataset.name == "imagefolder" and str(scenario.shards) in dataset.dataset.source
         assert run.data.tags["mlflow.source.name"] == "vitp pretrain debug"
