@@ -1,6 +1,6 @@
 """`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
 both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
-non-zero (CI runs the same stages in-process at smaller sizes, TINY); headless Chromium on the
+non-zero (also in-process at smaller sizes, TINY); headless Chromium on the
 printed page shows the training runs, the sweep's nested trials, the dataset input and the
 registered model, and on the page `vitp compare --sweep` names, the trials' parallel coordinates
 over the params they differ in (screenshots in test-artifacts/).
@@ -28,8 +28,8 @@ def demo(tmp_path_factory):
     return work, r
 
 
-@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
-                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); the CLI chain runs each stage's "
+                         "command")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -78,8 +78,8 @@ def _page_text(url: str, dump: Path, screenshot: Path | None = None) -> str:
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
 
 
-@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
-                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); the CLI chain runs each stage's "
+                         "command")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -144,8 +144,8 @@ def test_the_printed_mlflow_page_shows_runs_lineage_and_the_model_in_a_browser(d
         server.stop()
 
 
-@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); CI runs the same stages smaller "
-                         "(test_the_demos_stages_report_every_source_and_a_broken_stage)")
+@pytest.mark.long(reason="`vitp demo --quick` at its own sizes (~7 min); the CLI chain runs each stage's "
+                         "command")
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.slow
@@ -168,7 +168,8 @@ def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
     assert "a demo stage failed" in code1, code1
 
 
-# CI's demo: the same stages in-process on the session's Ray, on a smaller corpus and fewer steps
+# The same stages in-process on the session's Ray, on a smaller corpus and fewer steps (long: run in the
+# pytest process, they left Ray and MLflow state that broke later e2e tests; a subprocess form is to come)
 TINY = {"pretrain": {"data.synth_classes": 10, "data.synth_images_per_class": 24, "data.num_classes": 10,
                      "model.num_classes": 10, "parallel.global_batch": 32, "parallel.micro_batch": 16,
                      "optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10,
