@@ -66,10 +66,11 @@ class LeavesCPUsForData(ElasticScalingPolicy):
 
     @staticmethod
     def _cluster_cpus() -> float:
-        """The CPUs of the cluster's live nodes, where the streams' read tasks run."""
+        """The CPUs of the cluster's live nodes, where the streams' read tasks run (as
+        streams.reader_share counts them)."""
         import ray
 
-        return sum(node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"])
+        return ray.cluster_resources().get("CPU", 0.0)
 
 
 def storage_context(run_config):
