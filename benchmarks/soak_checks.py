@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from soak_dealing import dealt, read_units  # benchmarks/, on the path of whatever imports this
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_ONLY = ("*.parquet", "meta.json", "*.safetensors", "checkpoint_*")  # what belongs in storage
 ENDED = ("FINISHED", "KILLED", "FAILED")
@@ -99,58 +101,10 @@ def statuses(runs) -> dict:
             "checked": f"{len(runs)} runs", "violations": bad}
 
 
-def _epoch_keys(root: str, unit_rows: int) -> tuple[list, list]:
-    """The training read units of the shards at `root` at `unit_rows`: their sizes and their keys."""
-    from vitp.data.ingest import _read_unit, plan_units
-    from vitp.data.shards import read_manifest
-
-    manifest = read_manifest(root)
-    units = plan_units(root, "train", manifest, unit_rows)
-    keys = [[str(k) for k in _read_unit(u, manifest["storage"]["format"])["key"]] for u in units]
-    return [len(k) for k in keys], keys
-
-
-def _left(sizes, keys, meta: dict) -> dict[int, set]:
-    """{epoch: keys} the run has yet to train on, of every epoch it began, at its checkpoint
-    (vitp.data.position: what each rank of the current world takes next)."""
-    import numpy as np
-
-    from vitp.data.augment import row_order
-    from vitp.data.position import RankStream, current_segment
-
-    state = meta["train_state"]
-    worlds = state.get("worlds") or [[int(meta["world_size"]), 0]]
-    sizes = np.asarray(sizes, dtype=np.int64)
-    seg = current_segment(sizes, int(meta["config"]["train"]["seed"]), worlds)
-    consumed = (int(state["samples_seen"]) - seg.start) // seg.world
-    streams = [RankStream(sizes, int(meta["config"]["train"]["seed"]), seg, r) for r in range(seg.world)]
-    upto = max(st.last_epoch(consumed) for st in streams)
-    left: dict[int, set] = {e: set() for e in range(upto + 1)}
-    for st in streams:
-        for unit, epoch, skip in st.leftover(consumed, upto):  # a unit's rows come shuffled by epoch
-            left[epoch].update(np.asarray(keys[unit])[row_order(keys[unit], st.seed, epoch)][skip:].tolist())
-    return left
-
-
-def shard_keys(shards: str, split: str = "train") -> set[str]:
-    """Every sample key of a split, read from its Parquet files with pyarrow alone (the manifest's
-    file list), not through vitp's read units or data position."""
-    import pyarrow.parquet as pq
-
-    from vitp import storage
-
-    manifest = storage.read_json(storage.join(shards, "manifest.json"))
-    keys: set[str] = set()
-    for shard in manifest["shards"].get(split, []):
-        with storage.open_input(storage.join(shards, shard["file"])) as f:
-            keys.update(str(k) for k in pq.read_table(f, columns=["key"]).column("key").to_pylist())
-    return keys
-
-
 def epochs_whole(name: str, taken: dict[int, list[str]], every: set[str]) -> list[str]:
     """What a run trained, by epoch, against the shards' keys alone: no sample twice in an epoch,
     none from outside the shards, and every epoch before the last one it began holds every sample
-    (the last may be partial; what it still has due is the position's, checked by kept_complete)."""
+    (the last may be partial; which of it was due by then: kept_complete)."""
     bad = []
     for epoch in sorted(taken):
         got = taken[epoch]
@@ -173,31 +127,32 @@ def _taken(kept) -> dict[int, list[str]]:
     return taken
 
 
-def kept_complete(name: str, kept, sizes, keys) -> tuple[int, list[str]]:
-    """One run's samples (vitp.train.samples.Kept, the shards' units `sizes`, `keys`) against its
-    data position (what vitp.data.position says each epoch still has due): how many it kept, and
-    what is wrong. (Duplicates and whole earlier epochs: epochs_whole, from the shards alone.)"""
+def kept_complete(name: str, kept, units: list[list[str]]) -> tuple[int, list[str]]:
+    """One run's samples (vitp.train.samples.Kept) against what the dealing order gave its workers by
+    its checkpoint (soak_dealing.dealt: from the shards' read units `units`, the seed and the run's
+    worker-count history alone): how many it kept, and what is wrong. (Duplicates and whole earlier
+    epochs: epochs_whole.)"""
     meta, bad, taken = kept.meta, [f"{name}: {p}" for p in kept.problems], _taken(kept)
-    count = sum(len(v) for v in taken.values())
-    if count != int(meta["train_state"]["samples_seen"]):
-        bad.append(f"{name}: {count} samples recorded, its checkpoint counts {meta['train_state']['samples_seen']}")
-    left, every = _left(sizes, keys, meta), {k for u in keys for k in u}
-    for epoch in sorted(set(taken) | set(left)):
-        got = taken.get(epoch, [])
-        if set(got) & left.get(epoch, set()):
-            bad.append(f"{name} epoch {epoch}: {len(set(got) & left[epoch])} sample(s) trained and still due")
-        if epoch not in left:
-            bad.append(f"{name} epoch {epoch}: trained past where its data position is")
-        elif set(got) | left[epoch] != every:
-            bad.append(f"{name} epoch {epoch}: {len(every - set(got) - left[epoch])} sample(s) skipped")
+    state, count = meta["train_state"], sum(len(v) for v in taken.values())
+    if count != int(state["samples_seen"]):
+        bad.append(f"{name}: {count} samples recorded, its checkpoint counts {state['samples_seen']}")
+    worlds = state.get("worlds") or [[int(meta["world_size"]), 0]]
+    due = dealt(units, int(meta["config"]["train"]["seed"]), worlds, int(state["samples_seen"]))
+    for epoch in sorted(set(taken) | set(due)):
+        got, want = set(taken.get(epoch, [])), set(due.get(epoch, []))
+        if got - want:
+            bad.append(f"{name} epoch {epoch}: {len(got - want)} sample(s) trained that the dealing order "
+                       "had not given its workers by then")
+        if want - got:
+            bad.append(f"{name} epoch {epoch}: {len(want - got)} sample(s) dealt and never trained")
     return count, bad
 
 
 def samples(work: str, runs) -> dict:
     """train.record_samples: what each run kept (its newest checkpoint's attempt back to step 0,
-    vitp.train.samples) is every step recorded on every rank, as many samples as its data position
+    vitp.train.samples) is every step recorded on every rank, as many samples as its checkpoint
     counts; against the shards alone (epochs_whole), each sample at most once an epoch and every
-    earlier epoch whole; with what the position says is left, the epoch it is in complete."""
+    earlier epoch whole; every epoch what the dealing order gave its workers (kept_complete)."""
     from vitp.data.ingest import shards_dir
     from vitp.paths import RunPaths
     from vitp.recipes import resolve
@@ -213,9 +168,9 @@ def samples(work: str, runs) -> dict:
         if kept.checkpoint is None:
             continue  # killed before its first checkpoint: nothing kept
         rows = int(kept.meta["train_state"]["unit_rows"])
-        units[rows] = units.get(rows) or _epoch_keys(shards, rows)
-        every = every if every is not None else shard_keys(shards)
-        count, wrong = kept_complete(name, kept, *units[rows])
+        units[rows] = units.get(rows) or read_units(shards, rows)
+        every = every if every is not None else {key for unit in units[rows] for key in unit}
+        count, wrong = kept_complete(name, kept, units[rows])
         checked, bad = checked + count, bad + epochs_whole(name, _taken(kept), every) + wrong
     return {"name": "each sample at most once per epoch, none skipped",
             "checked": f"{checked} samples trained", "violations": bad}

@@ -4,6 +4,8 @@ them pass."""
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -136,7 +138,7 @@ def test_a_picked_checkpoint_is_read_independently_of_the_verify_that_chose_it(t
 
 
 def test_epochs_are_checked_against_the_shards_keys_alone(tmp_path):
-    """shard_keys reads the keys with pyarrow from the manifest's files; epochs_whole finds a
+    """read_units reads the keys with pyarrow from the manifest's files; epochs_whole finds a
     sample twice, a key the shards lack and an earlier epoch left short, and lets the last epoch
     be partial."""
     import json
@@ -151,8 +153,10 @@ def test_epochs_are_checked_against_the_shards_keys_alone(tmp_path):
         pq.write_table(pa.table({"key": keys, "label": [0] * len(keys)}), shards / "train" / f"part-{i}.parquet")
         files.append({"file": f"train/part-{i}.parquet", "rows": len(keys)})
     (shards / "manifest.json").write_text(json.dumps({"shards": {"train": files}}))
-    every = soak_checks.shard_keys(str(shards))
-    assert every == {"a", "b", "c", "d", "e"}
+    import soak_dealing
+
+    assert soak_dealing.read_units(str(shards), 2) == [["a", "b"], ["c"], ["d", "e"]]
+    every = {k for unit in soak_dealing.read_units(str(shards), 2) for k in unit}
 
     fine = {0: ["c", "a", "e", "b", "d"], 1: ["b", "d"]}  # epoch 1 is where the run stopped
     assert soak_checks.epochs_whole("soak-pretrain-1", fine, every) == []
@@ -161,3 +165,89 @@ def test_epochs_are_checked_against_the_shards_keys_alone(tmp_path):
         "soak-pretrain-1 epoch 0: 1 of 5 sample(s) never trained though epoch 1 began",
         "soak-pretrain-1 epoch 1: 1 sample(s) twice",
         "soak-pretrain-1 epoch 1: 1 sample(s) not in the shards"]
+
+
+def _by_position(units, seed, worlds, samples_seen):
+    """({epoch: keys} still due at `samples_seen`, the newest epoch begun) as vitp.data.position
+    works them out: the code the soak's own dealing (benchmarks/soak_dealing.py) is held against."""
+    import numpy as np
+
+    from vitp.data.augment import row_order
+    from vitp.data.position import RankStream, current_segment
+
+    sizes = np.array([len(u) for u in units], dtype=np.int64)
+    seg = current_segment(sizes, seed, worlds)
+    streams = [RankStream(sizes, seed, seg, r) for r in range(seg.world)]
+    consumed = (samples_seen - seg.start) // seg.world
+    upto = max(st.last_epoch(consumed) for st in streams)
+    due = {e: set() for e in range(upto + 1)}
+    for st in streams:
+        for unit, epoch, skip in st.leftover(consumed, upto):
+            due[epoch].update(np.asarray(units[unit])[row_order(units[unit], seed, epoch)][skip:].tolist())
+    return due, upto
+
+
+# worker-count histories [[world, samples_seen at its start], ...] and where each run stopped: a
+# resize mid-unit and mid-epoch, down and up again, one at an epoch's end, more workers than units
+# of an epoch's rest, and a run that never resized
+HISTORIES = [([[2, 0], [3, 14], [1, 29]], 47), ([[3, 0], [2, 33]], 57), ([[1, 0], [4, 37]], 61),
+             ([[2, 0], [5, 40]], 95), ([[2, 0]], 58), ([[4, 0], [2, 12], [4, 20]], 84)]
+
+
+@pytest.mark.parametrize("worlds, seen", HISTORIES)
+def test_the_soaks_own_dealing_order_agrees_with_the_data_position(worlds, seen):
+    """soak_dealing.dealt (written from docs/data.md's dealing order) and vitp.data.position agree:
+    what one says the workers took and what the other says is still due partition every epoch
+    begun, for units of uneven sizes (a shard's short last unit) across resizes."""
+    import soak_dealing
+
+    keys = [f"img-{i:03d}" for i in range(40)]
+    units = [keys[a:min(a + 3, 20)] for a in range(0, 20, 3)] + [keys[a:a + 3] for a in range(20, 40, 3)]  # 2 shards
+    every = set(keys)
+    taken = soak_dealing.dealt(units, 5, worlds, seen)
+    due, upto = _by_position(units, 5, worlds, seen)
+    assert sum(len(v) for v in taken.values()) == seen
+    assert max(taken) == upto, (sorted(taken), upto)
+    for epoch in range(upto + 1):
+        got = taken.get(epoch, [])
+        assert len(got) == len(set(got)), epoch
+        assert not set(got) & due[epoch] and set(got) | due[epoch] == every, (epoch, worlds, seen)
+
+
+def test_a_run_is_held_to_what_the_dealing_order_gave_it(tmp_path):
+    """kept_complete finds a sample skipped, one trained before it was dealt and a count that is not
+    the checkpoint's, from the shards' units (read with pyarrow), the seed and the worker history."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import soak_dealing
+    from vitp.train.samples import Kept
+
+    shards = tmp_path / "shards"
+    (shards / "train").mkdir(parents=True)
+    files = []
+    for i, n in enumerate((11, 9)):
+        keys = [f"s{i}-{j}" for j in range(n)]
+        pq.write_table(pa.table({"key": keys}), shards / "train" / f"part-{i}.parquet")
+        files.append({"file": f"train/part-{i}.parquet", "rows": n})
+    (shards / "manifest.json").write_text(json.dumps({"shards": {"train": files}}))
+    units = soak_dealing.read_units(str(shards), 4)
+    assert [len(u) for u in units] == [4, 4, 3, 4, 4, 1]
+    worlds, seen = [[2, 0], [3, 18]], 36  # epoch 1 begun on two workers, finished on three
+    meta = {"world_size": 3, "config": {"train": {"seed": 3}},
+            "train_state": {"samples_seen": seen, "worlds": worlds}}
+    rows = [(k, e) for e, keys in soak_dealing.dealt(units, 3, worlds, seen).items() for k in keys]
+    whole = Kept("ckpt", meta, {(0, 1): rows})
+    assert soak_checks.kept_complete("soak-pretrain-1", whole, units) == (seen, [])
+
+    in_epoch_1 = [k for k, e in rows if e == 1]
+    not_yet = sorted({f"s{i}-{j}" for i, n in enumerate((11, 9)) for j in range(n)} - set(in_epoch_1))[0]
+    planted = [r for r in rows if r != (in_epoch_1[0], 1)] + [(not_yet, 1), ("s0-0", 0)]
+    count, bad = soak_checks.kept_complete("soak-pretrain-1", Kept("ckpt", meta, {(0, 1): planted}), units)
+    assert count == seen + 1
+    assert bad == ["soak-pretrain-1: 37 samples recorded, its checkpoint counts 36",
+                   "soak-pretrain-1 epoch 1: 1 sample(s) trained that the dealing order had not given its "
+                   "workers by then",
+                   "soak-pretrain-1 epoch 1: 1 sample(s) dealt and never trained"], bad
