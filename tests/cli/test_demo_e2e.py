@@ -1,6 +1,6 @@
 """`vitp demo --quick` end to end, and its MLflow store in a real browser (e2e): the summary has
 both sources, the raw-pixel reference, few-shot and the plots; a broken stage makes the demo exit
-non-zero (also in-process at smaller sizes, TINY); headless Chromium on the
+non-zero (CI runs both at smaller sizes, TINY); headless Chromium on the
 printed page shows the training runs, the sweep's nested trials, the dataset input and the
 registered model, and on the page `vitp compare --sweep` names, the trials' parallel coordinates
 over the params they differ in (screenshots in test-artifacts/).
@@ -168,33 +168,33 @@ def test_a_failed_stage_makes_the_demo_exit_non_zero(demo):
     assert "a demo stage failed" in code1, code1
 
 
-# The same stages in-process on the session's Ray, on a smaller corpus and fewer steps (long: run in the
-# pytest process, they left Ray and MLflow state that broke later e2e tests; a subprocess form is to come)
-TINY = {"pretrain": {"data.synth_classes": 10, "data.synth_images_per_class": 24, "data.num_classes": 10,
-                     "model.num_classes": 10, "parallel.global_batch": 32, "parallel.micro_batch": 16,
-                     "optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10,
-                     "train.checkpoint_every": 10},
-        "finetune": {"optim.warmup_steps": 2, "train.steps": 10, "train.eval_every": 10}}
+# The same stages at smaller sizes, on the session's Ray: what CI runs of the demo (the CLI chain runs each
+# stage's own command)
+TINY = [*(f"--pretrain-set={kv}" for kv in (
+            "data.synth_classes=10", "data.synth_images_per_class=24", "data.num_classes=10",
+            "model.num_classes=10", "parallel.global_batch=32", "parallel.micro_batch=16",
+            "optim.warmup_steps=2", "train.steps=10", "train.eval_every=10", "train.checkpoint_every=10")),
+        *(f"--finetune-set={kv}" for kv in ("optim.warmup_steps=2", "train.steps=10", "train.eval_every=10"))]
 
 
-@pytest.mark.long(reason="in-process Train and Tune runs on the session's Ray (153 s); CI's e2e ran over its "
-                         "budget with it, and the CLI chain covers the stages' commands")
 @pytest.mark.e2e
-def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_session, capsys):
-    """`run_demo` at TINY sizes: every stage runs and the summary, the result file and the plots
-    hold both sources, the raw-pixel reference and few-shot; run again with a digits shard broken
-    inside, the few-shot stage fails and says so while the others reuse what the first run built."""
-    from vitp.cli.demo import MODEL_NAME, run_demo, source_label
+def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_session):
+    """`vitp demo --quick` at TINY sizes: every stage runs and the summary, the result file and the
+    plots hold both sources, the raw-pixel reference and few-shot; run again with a digits shard
+    broken inside, the few-shot stage fails and says so (exit 1) while the others reuse what the
+    first run built."""
+    from vitp.cli.demo import MODEL_NAME, RESULT_FILE
 
-    work, lines = tmp_path / "work", []
-    result = run_demo(quick=True, work_dir=str(work), log=lines.append, changes=TINY)
-    out = capsys.readouterr().out
-    assert result["failed"] == [], (result["failed"], lines[-20:])
+    work = tmp_path / "work"
+    args = ("demo", "--quick", "--work-dir", str(work), "--address", ray_session.get_runtime_context().gcs_address,
+            *TINY)
+    r = ok(vitp(*args, timeout=900))
     for n, stage in enumerate(("corpus", "pre-training", "reference", "few-shot", "sweep", "results"), 1):
-        assert any(line.startswith(f"[demo] {n}/6 {stage}: ") for line in lines), stage
-    assert "10 fractal classes x 24 images" in "\n".join(lines)  # the changes reached the recipe
-    assert result["model"].startswith(f"models:/{MODEL_NAME}/") and (work / "export" / "model.safetensors").is_file()
-    table = out[out.index("== vit-pipeline demo --quick"):]
+        assert f"[demo] {n}/6 {stage}: " in r.out, (stage, str(r))
+    assert "10 fractal classes x 24 images" in r.out  # the changes reached the recipe
+    assert "for 10 steps with DeepSpeed" in r.out
+    assert (work / "export" / "model.safetensors").is_file()
+    table = r.out[r.out.index("== vit-pipeline demo --quick"):]
     for label in ("pre-trained", "scratch", "linear on raw pixels"):
         assert re.search(rf"^  {label}\s+[01]\.\d{{3}}", table, re.M), (label, table)
     assert re.search(r"^pre-training (beat|did NOT beat) training from scratch", table, re.M), table
@@ -202,23 +202,32 @@ def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_s
     assert "status:  every stage succeeded" in table
     for png in ("low_data.png", "compare.png"):
         assert f"{work}/{png}" in table and is_png(work / png)
-    # the sweep's trials: both sources at each of the two data fractions
-    trials = [r for r in result["rows"] if r.get("source") != "pixels"]
-    assert len(trials) == result["sweep"]["trials"] == 4, trials  # 2 fractions x 2 sources
-    assert {source_label(r.get("source")) for r in trials} == {"pre-trained", "scratch"}, trials
-    saved = json.loads((work / "demo-result.json").read_text())
+    saved = json.loads((work / RESULT_FILE).read_text())
     assert saved["quick"] and saved["failed"] == []
+    assert set(saved["headline"]) == {"pre-trained", "scratch", "linear on raw pixels"}
     for label, group in saved["headline"].items():
         values = r"\s+".join(f"{v:.3f}" for v in group["values"])
         assert re.search(rf"^  {label}\s+{values}\b", table, re.M), (label, group)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{work}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = next(x for x in runs if x.data.tags.get("kind") == "sweep")
+    trials = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(trials) == 4, [t.info.run_name for t in trials]  # 2 fractions x 2 sources
+    assert client.get_latest_versions(MODEL_NAME), "the pre-trained model is not registered"
+    pretrained = [x.info.run_id for x in runs if x.info.run_name.endswith("-synthetic")]  # demo-pico8-synthetic
+    assert len(pretrained) == 1, [x.info.run_name for x in runs]
 
     shard = sorted((work / "shards" / "digits" / "train").glob("*.parquet"))[0]
     shard.write_bytes(b"PAR1" + b"not a parquet file" + b"PAR1")
-    lines.clear()
-    again = run_demo(quick=True, work_dir=str(work), log=lines.append, changes=TINY)
-    out = capsys.readouterr().out
-    assert [f.split(":")[0] for f in again["failed"]] == ["few-shot"], again["failed"]
-    assert any(line.startswith("[demo] few-shot FAILED: ") for line in lines), lines
-    assert re.search(r"^FAILED:  few-shot: ", out, re.M) and "every stage succeeded" not in out
-    assert re.search(r"^  pre-trained\s+[01]\.\d{3}", out, re.M), out  # the rest is still reported
-    assert again["pretrain_run_id"] == result["pretrain_run_id"]  # reused, not trained again
+    again = vitp(*args, timeout=900)
+    assert again.rc == 1, str(again)
+    assert re.search(r"^\[demo\] few-shot FAILED: ", again.out, re.M), str(again)
+    assert re.search(r"^FAILED:  few-shot: ", again.out, re.M) and "every stage succeeded" not in again.out
+    assert re.search(r"^  pre-trained\s+[01]\.\d{3}", again.out, re.M), str(again)  # the rest is still reported
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [x.info.run_id for x in runs if x.info.run_name.endswith("-synthetic")] == pretrained  # reused
+    # ... and `vitp --help` says what that exit code means
+    code1 = re.search(r"^  1 (.*?)^  2 ", vitp("--help").out, re.M | re.S).group(1)
+    assert "a demo stage failed" in code1, code1

@@ -31,6 +31,32 @@ def test_dataset_names_and_paths():
 
 
 @pytest.mark.ray
+def test_a_probe_of_a_dataset_that_cannot_be_read_is_a_warning_and_training_goes_on(ray_session, tmp_path):
+    """What CI runs of the probes beside the CLI chain's (which scores digits during pre-training):
+    a snapshot scored on the real probe actor, of a dataset that is not there, says so once in a
+    warning; nothing is raised and no metric is made up for it."""
+    from types import SimpleNamespace
+
+    from vitp.model.vit import build_vit
+    from vitp.train.fewshot_probe import FewshotProbes
+
+    missing = tmp_path / "no-such-shards"
+    cfg = resolve("debug", [f"work_dir={tmp_path}", "train.fewshot_every=10", f"train.fewshot_datasets={missing}"])
+    model = build_vit(cfg.model, cfg.data.image_size)
+    said = []
+    probes = FewshotProbes(cfg, SimpleNamespace(module=model), rank=0, say=said.append)
+    try:
+        for step in (10, 20):
+            probes.snapshot(step)
+        probes.finish(timeout_s=300)
+    finally:
+        probes.close()
+    assert len(said) == 1, said  # once, for both probes
+    assert said[0].startswith(f"warning: few-shot probe on no-such-shards ({missing}) failed: ") and \
+        said[0].endswith("; training goes on"), said
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 # ZeRO-3 keeps parameters under 1e5 elements whole on every rank (memory.PERSISTENCE_THRESHOLD):
 # pico/8 has none that large, nano/16's MLP and qkv weights are partitioned (Ti's width, 2 blocks),

@@ -30,16 +30,35 @@ def server(tmp_path_factory):
     handle.stop()
 
 
+_STARTED: list[subprocess.Popen] = []  # the `vitp` processes the running test started
+
+
+@pytest.fixture(autouse=True)
+def _no_sweep_outlives_its_test():
+    """A `vitp` a test left running (its wait timed out, an assertion failed first) is killed with its
+    process group when the test ends: a hung sweep driver would hold the session Ray's CPUs and
+    stall the tests after it."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _vitp(args, env, log_path=None):
-    """`vitp ...`; output to `log_path` (a file nobody has to drain: Tune's loop runs in this
-    driver and would block on a full pipe) or to a pipe read by communicate()."""
+    """`vitp ...` in a process group of its own; output to `log_path` (a file nobody has to drain:
+    Tune's loop runs in this driver and would block on a full pipe) or to a pipe read by
+    communicate()."""
     out = open(log_path, "w") if log_path else subprocess.PIPE
     try:
-        return subprocess.Popen([sys.executable, "-m", "vitp.cli", *args], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "vitp.cli", *args], env=env, start_new_session=True,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     finally:
         if log_path:
             out.close()
+    _STARTED.append(proc)
+    return proc
 
 
 def _work(tmp_path, digits_shards) -> str:

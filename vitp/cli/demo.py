@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from vitp import storage
-from vitp.cli.args import Handler, add_address
+from vitp.cli.args import Handler, add_address, key_value
 from vitp.config import Run, set_values
 from vitp.errors import InputError
 from vitp.paths import RunPaths
@@ -224,8 +224,12 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from vitp.config import parse_value
+
+    changes = {part: {key: parse_value(key, text) for key, text in getattr(args, f"{part}_set")}
+               for part in ("pretrain", "finetune")}
     result = run_demo(quick=args.quick, fresh=args.fresh, work_dir=args.work_dir, address=args.address,
-                      seed=args.seed, objective=args.objective)
+                      seed=args.seed, objective=args.objective, changes=changes)
     return 1 if result["failed"] else 0
 
 
@@ -239,6 +243,10 @@ def _add_demo(sub) -> Handler:
     p.add_argument("--objective", choices=["classify", "mpp"], default="classify",
                    help="pre-training objective: the corpus's labels, or masked patch prediction (self-supervised)")
     p.add_argument("--work-dir", help="where everything goes (default work/demo[-mpp][-seedN][-quick])")
+    for part, what in (("pretrain", "the pre-training"), ("finetune", "every fine-tune, reference and few-shot")):
+        p.add_argument(f"--{part}-set", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                       help=f"change a config field of {what} on top of the demo's sizes, e.g. "
+                            f"--{part}-set train.steps=20 (repeatable; a smaller demo to try the stages)")
     add_address(p)
     return cmd_demo
 
