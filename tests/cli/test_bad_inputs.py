@@ -106,6 +106,13 @@ CASES = [
     ("jobs --address http://127.0.0.1:9", 3, "cannot reach the Ray jobs API at http://127.0.0.1:9"),
     ("mlflow-server --auth", 2, "basic auth needs an admin password: export MLFLOW_AUTH_ADMIN_PASSWORD"),
     ("mlflow-server --auth --auth-cache-s -1", 2, "auth cache time -1 s is negative: give seconds >= 0"),
+    ("mlflow-server --workers 0", 2, "argument --workers: 0: must be > 0"),
+    # counts and sizes of the memory planners: above 0 (0 GPUs divided by zero; -2 planned for -2)
+    ("plan B/16 --gpus 0", 2, "argument --gpus: 0: must be > 0"),
+    ("plan B/16 --gpus -2", 2, "argument --gpus: -2: must be > 0"),
+    ("plan B/16 --gpu-mem 0", 2, "argument --gpu-mem: 0: must be > 0"),
+    ("model B/16 --workers 0", 2, "argument --workers: 0: must be > 0"),
+    ("model B/16 --micro-batch two", 2, "argument --micro-batch: 'two': expected an integer"),
 ]
 
 
@@ -141,7 +148,11 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(inputs, monkeypatch, cap
     for key in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "MLFLOW_AUTH_ADMIN_PASSWORD", "VITP_STORE"):
         monkeypatch.delenv(key, raising=False)
     before = _files(inputs)
-    assert main(shlex.split(line.format(d=inputs))) == code
+    try:
+        rc = main(shlex.split(line.format(d=inputs)))
+    except SystemExit as e:  # argparse's refusal of the command line
+        rc = e.code
+    assert rc == code
     err = capsys.readouterr().err
     first, *rest = err.strip().splitlines()
     command = line.split()[0]

@@ -40,6 +40,16 @@ def test_debug_and_verbose_are_taken_before_or_after_the_command(where, monkeypa
     assert main(command) == 2 and VERBOSE_ENV not in os.environ  # neither: one line, exit 2
 
 
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    from vitp.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"vitp {version('vit-pipeline')}\n"
+
+
 def test_config_errors_exit_2_with_message():
     r = run("config", "debug", "--set", "optim.lrr=1")
     assert r.returncode == 2 and "optim.lr" in r.stderr and "Traceback" not in r.stderr

@@ -11,6 +11,7 @@ import os
 import select
 import sys
 
+from vitp import __version__
 from vitp.cli import cluster, demo, evaluate, experiment
 from vitp.cli.args import Handler, pick_recipe, recipe_from_run
 from vitp.console import LOG_FORMAT_ENV, LOG_FORMATS, VERBOSE_ENV, quiet_env, quiet_loggers
@@ -49,10 +50,18 @@ class _ShowDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line said in one line (`vitp plan: error: argument
+    --gpus: 0: must be > 0; see vitp plan --help`), exit 2, instead of the usage block above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `vitp` parser; each command's parser carries its handler (the one registry, gathered
     from every group's add_parsers) as the `handler` default."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vitp",
         description="Pre-train and transfer Vision Transformers on Ray (Data, Train + DeepSpeed, "
                     "Tune) with MLflow tracking.",
@@ -66,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for flag, text in global_flags.items():
         parser.add_argument(flag, action="store_true", help=f"{text} (before or after the command)")
+    parser.add_argument("--version", action="version", version=f"vitp {__version__}")
     log_format_help = ("vitp's log lines (time, level, rank, message) as text or as one JSON object a "
                        f"line, for a cluster's log collector; also ${LOG_FORMAT_ENV}")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,

@@ -70,6 +70,19 @@ def add_tracking(p: argparse.ArgumentParser, can_disable: bool = True,
         p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
 
 
+def positive(kind: type = int, zero: bool = False):
+    """argparse type for a count or size: a number of `kind` above 0 (or at least 0 with `zero`)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {'an integer' if kind is int else 'a number'}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text}: must be {'>= 0' if zero else '> 0'}")
+        return value
+    return parse
+
+
 def key_value(text: str) -> tuple[str, str]:
     """argparse type for KEY=VALUE options other than --set (e.g. --tag)."""
     key, sep, value = text.partition("=")

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, run_from
+from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, positive, run_from
 from vitp.errors import ConfigError
 
 # What `vitp submit` exits with once the job has ended (3, cluster unreachable, is ClusterError's).
@@ -233,7 +233,7 @@ def _add_mlflow_server(sub) -> Handler:
                         "password on every request (each hash costs about 0.2 s of server CPU); a "
                         "password changed through the API is refused at once by the worker that "
                         "changed it, by the other workers within S; 0 = hash every request")
-    p.add_argument("--workers", type=int, default=2, help="server worker processes")
+    p.add_argument("--workers", type=positive(), default=2, help="server worker processes")
     p.add_argument("--log", help="server log file (default a temp file)")
     return cmd_mlflow_server
 

@@ -10,8 +10,8 @@ import json
 import sys
 
 from vitp import recipes
-from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, run_from, on_ray, recipe_config,
-                               typed_changes)
+from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, run_from, on_ray, positive,
+                           recipe_config, typed_changes)
 from vitp.config import ExperimentConfig, Run, parse_value, set_values, validate
 from vitp.config.files import recipe_label
 from vitp.config.keydoc import key_table
@@ -110,8 +110,8 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--image-size", type=int, default=224, help="image side in pixels")
-    p.add_argument("--num-classes", type=int, default=1000, help="classifier outputs")
+    p.add_argument("--image-size", type=positive(), default=224, help="image side in pixels")
+    p.add_argument("--num-classes", type=positive(), default=1000, help="classifier outputs")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype")
 
 
@@ -122,8 +122,8 @@ def _add_model(sub) -> Handler:
     p.add_argument("--head", choices=["finetune", "pretrain"], default="finetune",
                    help="finetune = linear head (timm's counts); pretrain adds the tanh pre-logits")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (memory estimate)")
-    p.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs)")
-    p.add_argument("--micro-batch", type=int, default=1, help="images per worker per forward")
+    p.add_argument("--workers", type=positive(), default=1, help="data-parallel workers (GPUs)")
+    p.add_argument("--micro-batch", type=positive(), default=1, help="images per worker per forward")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--offload", action="store_true", help="optimizer (and ZeRO-3 parameter) offload to CPU")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -165,10 +165,10 @@ def _add_plan(sub) -> Handler:
     p = sub.add_parser("plan", help="the cheapest ZeRO stage / micro-batch / checkpointing / offload that fits")
     p.add_argument("variant", help='e.g. "H/14"')
     _add_memory_args(p)
-    p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs")
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
-    p.add_argument("--max-micro-batch", type=int, default=256, help="largest micro-batch tried")
-    p.add_argument("--global-batch", type=int, default=4096,
+    p.add_argument("--gpus", type=positive(), default=8, help="data-parallel GPUs")
+    p.add_argument("--gpu-mem", type=positive(float), default=80.0, help="GB per GPU (H100 80, H200 141, A100 40/80)")
+    p.add_argument("--max-micro-batch", type=positive(), default=256, help="largest micro-batch tried")
+    p.add_argument("--global-batch", type=positive(), default=4096,
                    help="images per optimizer step (the paper's 4096): the printed --set line derives "
                         "the gradient accumulation from it")
     p.add_argument("--top", type=int, default=6, help="settings listed, cheapest first")
