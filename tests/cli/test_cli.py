@@ -155,6 +155,13 @@ def test_config_file_and_like_are_spellings_of_the_recipe(tmp_path, capsys, monk
     logger = RunLogger.start(uri, "like", "r")
     logger.log_config(resolve("debug", ["train.steps=33"], check_paths=False).to_dict())
     logger.end()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # where the run is read from: a flag the command takes, or the environment
+    for argv, give in ((["config"], "give --tracking-uri URI or set MLFLOW_TRACKING_URI"),
+                       (["synth"], "the run is read from MLflow: set MLFLOW_TRACKING_URI")):
+        assert main([*argv, "--like", logger.run_id]) == 2
+        assert give in capsys.readouterr().err
+    assert config("--like", logger.run_id, "--tracking-uri", uri)["train"]["steps"] == 33
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     as_run = config(f"runs:/{logger.run_id}")
     assert as_run["train"]["steps"] == 33

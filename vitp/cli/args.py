@@ -121,8 +121,9 @@ def recipe_from_run(args: argparse.Namespace) -> None:
     run_id, server = ref
     uri = server or getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        raise ConfigError(f"{args.recipe}: the run is read from MLflow: give --tracking-uri URI or set "
-                          "MLFLOW_TRACKING_URI (the server or store the run is in)")
+        give = "give --tracking-uri URI or set" if hasattr(args, "tracking_uri") else "set"
+        raise ConfigError(f"{args.recipe}: the run is read from MLflow: {give} MLFLOW_TRACKING_URI (the server "
+                          "or store the run is in)")
     folder = tempfile.mkdtemp(prefix="vitp-like-")
     atexit.register(storage.rmtree, folder, folder)
     args.recipe = run_as_experiment(uri, run_id, folder)

@@ -44,6 +44,8 @@ def _add_config(sub) -> Handler:
     p.add_argument("--keys", action="store_true",
                    help="list every key --set takes: its type, the recipe's value (and the default), its meaning")
     p.add_argument("--no-path-check", action="store_true", help=argparse.SUPPRESS)  # the default now; old scripts pass it
+    add_tracking(p, can_disable=False, help="MLflow tracking URI: where --like reads the run, and the config's "
+                                            "tracking.uri")
     return cmd_config
 
 
