@@ -26,7 +26,8 @@ BIN   := $(VENV)/bin
 # ops (about a minute, inside whichever run loads one first). vitp/train/engine.py uses this
 # folder whenever it exists.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
-STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# One stamp per torch build: another TORCH_VERSION or TORCH_INDEX_URL (a CUDA wheel index) installs again.
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)$(if $(TORCH_INDEX_URL),-$(subst /,_,$(subst :,_,$(TORCH_INDEX_URL))),)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
 .PHONY: install browser test test-fast test-e2e test-long test-all demo soak clean
@@ -61,6 +62,7 @@ $(STAMP): pyproject.toml Makefile
 	# would import whenever it is present.
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/timm-pkgs \
 		"timm==$(TIMM_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
+	rm -f $(VENV)/.installed-*  # the stamp of the torch build this replaced
 	touch $(STAMP)
 
 # The MLflow UI test drives Debian's headless chromium (no browser can be downloaded at run time);
