@@ -97,6 +97,15 @@ def test_import_formats_are_the_importers(capsys):
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+def test_every_command_that_prints_json_takes_json():
+    """One spelling for JSON output: --json wherever a command can print JSON (compare's --format json too)."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["compare", "--json"]).format == "json"
+    assert parser.parse_args(["compare", "--format", "csv"]).format == "csv"
+    for argv in (["model", "B/16"], ["plan", "B/16"], ["predict", "exp", "a.png"]):
+        assert parser.parse_args([*argv, "--json"]).json is True, argv
+
+
 # ------------------------------------------------------------------ a real `vitp` process
 
 

@@ -290,6 +290,8 @@ def _add_compare(sub) -> Handler:
     p.add_argument("--tag", action="append", default=[], type=key_value, metavar="KEY=VALUE", help="filter by tag")
     p.add_argument("--filter", default="", help="an MLflow filter string, ANDed with the rest")
     p.add_argument("--format", choices=["text", "csv", "json"], default="text", help="output: a table, CSV or JSON")
+    p.add_argument("--json", dest="format", action="store_const", const="json",
+                   help="print JSON (--format json; the spelling model, plan and predict take)")
     p.add_argument("--seeds", action="store_true",
                    help="one row per configuration (runs that differ only in train.seed): the best "
                         "top-1 of each seed and their mean +- std")
