@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_every_command import ROOT, is_png, ok, vitp
+from .test_every_command import ROOT, is_png, ok, vitp, vitp_env
 
 ARTIFACTS = ROOT / "test-artifacts"
 
@@ -188,7 +189,10 @@ def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_s
     work = tmp_path / "work"
     args = ("demo", "--quick", "--work-dir", str(work), "--address", ray_session.get_runtime_context().gcs_address,
             *TINY)
-    r = ok(vitp(*args, timeout=900))
+    # the session's Ray asks for a token where ray.init turned token authentication on (its default):
+    # the demo joins it as a user does, with the RAY_AUTH_* settings it was started with
+    env = {**vitp_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")}}
+    r = ok(vitp(*args, timeout=900, env=env))
     for n, stage in enumerate(("corpus", "pre-training", "reference", "few-shot", "sweep", "results"), 1):
         assert f"[demo] {n}/6 {stage}: " in r.out, (stage, str(r))
     assert "10 fractal classes x 24 images" in r.out  # the changes reached the recipe
@@ -221,7 +225,7 @@ def test_the_demos_stages_report_every_source_and_a_broken_stage(tmp_path, ray_s
 
     shard = sorted((work / "shards" / "digits" / "train").glob("*.parquet"))[0]
     shard.write_bytes(b"PAR1" + b"not a parquet file" + b"PAR1")
-    again = vitp(*args, timeout=900)
+    again = vitp(*args, timeout=900, env=env)
     assert again.rc == 1, str(again)
     assert re.search(r"^\[demo\] few-shot FAILED: ", again.out, re.M), str(again)
     assert re.search(r"^FAILED:  few-shot: ", again.out, re.M) and "every stage succeeded" not in again.out

@@ -282,7 +282,7 @@ connect_ray(ExperimentConfig(), sys.argv[1])
 mine, theirs = sys.argv[2:]
 deadline = time.time() + 60
 while time.time() < deadline:
-    live = {g.placement_group_id for g in list_placement_groups(limit=10000) if g.state != "REMOVED"}
+    live = {g.placement_group_id for g in list_placement_groups(address=sys.argv[1], limit=10000) if g.state != "REMOVED"}
     if mine not in live:
         break
     time.sleep(1)

@@ -30,11 +30,14 @@ def orphans() -> list[tuple[str, str]]:
     cluster does not list counts as running."""
     from ray.util.state import list_jobs, list_placement_groups
 
-    ended = {j.job_id for j in list_jobs(limit=10_000, raise_on_missing_output=False)
+    # this cluster's: without an address the state API scans the machine and fails where another
+    # Ray runs beside the one this driver joined
+    address = ray.get_runtime_context().gcs_address
+    ended = {j.job_id for j in list_jobs(address=address, limit=10_000, raise_on_missing_output=False)
              if j.job_id and str(getattr(j.status, "value", j.status)) in ENDED and VITP.search(j.entrypoint or "")}
     if not ended:
         return []
-    groups = list_placement_groups(detail=True, limit=10_000, filters=[("state", "!=", "REMOVED")],
+    groups = list_placement_groups(address=address, detail=True, limit=10_000, filters=[("state", "!=", "REMOVED")],
                                    raise_on_missing_output=False)
     return [(g.placement_group_id, g.creator_job_id) for g in groups
             if not g.is_detached and g.creator_job_id in ended]
