@@ -208,7 +208,7 @@ def test_doctor_passes_on_a_healthy_cluster(setup, s3, mlflow_server, cluster, m
 
 
 @pytest.mark.e2e
-def test_no_token_and_a_wrong_token_name_the_token_variables(setup):
+def test_no_token_and_a_wrong_token_name_the_token_variables(setup, cluster, tmp_path):
     args, env, _ = setup
     env = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"}
     out = run(args, env)
@@ -219,6 +219,13 @@ def test_no_token_and_a_wrong_token_name_the_token_variables(setup):
     assert found["storage on cluster"].startswith("FAIL")  # not checked without a cluster
     wrong = lines_of(run(args, env, RAY_AUTH_TOKEN="not-the-token"))
     assert "rejected the token" in wrong["cluster"] and "RAY_AUTH_TOKEN_PATH" in wrong["cluster"]
+    # a command that joins the cluster as a driver says the same in one line (exit 3), not a traceback
+    joined = vitp("pretrain", "debug", "--address", f"127.0.0.1:{cluster.port}", "--set", f"work_dir={tmp_path}",
+                  env=env)
+    assert joined.returncode == 3, joined.stdout + joined.stderr
+    last = joined.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vitp pretrain: cannot join the Ray cluster at 127.0.0.1:{cluster.port}") and \
+        "RAY_AUTH_TOKEN_PATH" in last and "Traceback" not in joined.stderr, joined.stderr[-2000:]
 
 
 @pytest.mark.e2e

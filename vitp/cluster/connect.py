@@ -14,7 +14,7 @@ import ray
 
 from ..config import ExperimentConfig
 from ..console import library_log_level, log_env, quiet_env, verbose
-from ..errors import ConfigError
+from ..errors import ClusterError, ConfigError
 from ..net import free_port
 from . import orphans, output
 
@@ -118,8 +118,14 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         remote_env = {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}
         if not verbose():
             remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
-        ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
-                 logging_config=logging_config, runtime_env={"env_vars": remote_env})
+        try:
+            ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
+                     logging_config=logging_config, runtime_env={"env_vars": remote_env})
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise ClusterError(
+                f"cannot join the Ray cluster at {address}: {(str(e).strip().splitlines() or [''])[0]}; "
+                "check that it is up (`ray status --address ...`) and, for a cluster started with token "
+                "authentication, export RAY_AUTH_TOKEN_PATH=<its token file> (or RAY_AUTH_TOKEN) here") from None
         orphans.watch()  # placement groups our killed drivers' trials left holding CPUs
     else:
         # Its address is chosen here and given to the processes it starts, which inherit this
