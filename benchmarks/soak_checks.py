@@ -103,8 +103,9 @@ def statuses(runs) -> dict:
 
 def epochs_whole(name: str, taken: dict[int, list[str]], every: set[str]) -> list[str]:
     """What a run trained, by epoch, against the shards' keys alone: no sample twice in an epoch,
-    none from outside the shards, and every epoch before the last one it began holds every sample
-    (the last may be partial; which of it was due by then: kept_complete)."""
+    none from outside the shards, and every epoch two or more before the newest it began holds
+    every sample: the ranks' epochs stay within one of each other (a rank may still be finishing
+    the one before; which of those two was due by then: kept_complete)."""
     bad = []
     for epoch in sorted(taken):
         got = taken[epoch]
@@ -112,7 +113,7 @@ def epochs_whole(name: str, taken: dict[int, list[str]], every: set[str]) -> lis
             bad.append(f"{name} epoch {epoch}: {len(got) - len(set(got))} sample(s) twice")
         if set(got) - every:
             bad.append(f"{name} epoch {epoch}: {len(set(got) - every)} sample(s) not in the shards")
-        if epoch < max(taken) and every - set(got):
+        if epoch < max(taken) - 1 and every - set(got):
             bad.append(f"{name} epoch {epoch}: {len(every - set(got))} of {len(every)} sample(s) never trained "
                        f"though epoch {max(taken)} began")
     return bad
@@ -137,7 +138,8 @@ def kept_complete(name: str, kept, units: list[list[str]]) -> tuple[int, list[st
     if count != int(state["samples_seen"]):
         bad.append(f"{name}: {count} samples recorded, its checkpoint counts {state['samples_seen']}")
     worlds = state.get("worlds") or [[int(meta["world_size"]), 0]]
-    due = dealt(units, int(meta["config"]["train"]["seed"]), worlds, int(state["samples_seen"]))
+    due = dealt(units, int(meta["config"]["train"]["seed"]), worlds, int(state["samples_seen"]),
+                int(state.get("dealing") or 1))
     for epoch in sorted(set(taken) | set(due)):
         got, want = set(taken.get(epoch, [])), set(due.get(epoch, []))
         if got - want:
@@ -246,10 +248,19 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> d
     from vitp import storage
     from vitp.paths import RunPaths
     from vitp.train import checkpoint as ckpt
+    from vitp.train.samples import kept_samples
 
     picks.scan(logs)  # lines written since the loop's last scan
     bad = [f"picked incomplete: {p['where']} (at step {p['step']}): {p['why']}" for p in picks.found
            if not p["complete"]]
+    for run in runs:  # a check that read no pick must not pass a run that resumed
+        name = run.info.run_name
+        if name.startswith("soak-pretrain-"):
+            resumed = [a for a in kept_samples(RunPaths.of(work).run(name)).attempts if a["first"] > 0]
+            seen = {p["step"] for p in picks.found if p["log"] == f"{name.removeprefix('soak-')}.log"}
+            if missing := [a["first"] for a in resumed if a["first"] not in seen]:
+                bad.append(f"{name} resumed at step(s) {missing} (its samples record) and its log shows no "
+                           "'resumed from' line for them: the picks there were not checked")
     exported = 0
     for run in runs:
         if not run.info.run_name.startswith("soak-pretrain-") or run.info.status != "FINISHED":

@@ -48,8 +48,9 @@ def unit_keys_in_order(keys: list[str], seed: int, epoch: int) -> list[str]:
 @dataclass
 class _Stretch:
     """A stretch of the run at one worker count: its ranks share `pieces` round-robin, then deal whole
-    epochs from `first_epoch` on."""
+    epochs from `first_epoch` on, dealt as `dealing` says (docs/data.md)."""
     world: int
+    dealing: int
     first_epoch: int = 0
     pieces: list[Slot] = field(default_factory=list)
 
@@ -58,9 +59,11 @@ def _slots(units: list, seed: int, stretch: _Stretch, rank: int):
     """Rank `rank`'s slots in a stretch, in order, without end: (unit, epoch, skip, own share?)."""
     for unit, epoch, skip in stretch.pieces[rank::stretch.world]:
         yield unit, epoch, skip, False
-    epoch = stretch.first_epoch
-    while len(range(rank, len(units), stretch.world)):  # a rank with no unit of its own has no epochs
-        for unit in _permutation(len(units), seed, epoch, 11)[rank::stretch.world]:
+    epoch, w = stretch.first_epoch, stretch.world
+    # under dealing 1, a rank with no unit of its own has no epochs
+    while units and (stretch.dealing >= 2 or rank < len(units)):
+        first = (rank + epoch) % w if stretch.dealing >= 2 else rank  # where its every w-th unit starts
+        for unit in _permutation(len(units), seed, epoch, 11)[first::w]:
             yield int(unit), epoch, 0, True
         epoch += 1
 
@@ -84,12 +87,13 @@ def _take(units: list, seed: int, stretch: _Stretch, rank: int, rows: int):
     return taken, newest, stream
 
 
-def dealt(units: list, seed: int, worlds: list[list[int]], samples_seen: int) -> dict[int, list[str]]:
+def dealt(units: list, seed: int, worlds: list[list[int]], samples_seen: int, dealing: int) -> dict[int, list[str]]:
     """{epoch: keys} the run's workers took, over all ranks, by `samples_seen` samples, the run having
-    gone on with worlds[i][0] workers from worlds[i][1] samples on (an empty history: one worker)."""
+    gone on with worlds[i][0] workers from worlds[i][1] samples on (an empty history: one worker),
+    its epochs dealt as `dealing` (its checkpoint's train_state) says."""
     worlds = worlds or [[1, 0]]
     taken: dict[int, list[str]] = {}
-    stretch = _Stretch(int(worlds[0][0]))
+    stretch = _Stretch(int(worlds[0][0]), dealing)
     ends = [int(start) for _, start in worlds[1:]] + [int(samples_seen)]
     for i, end in enumerate(ends):
         start = int(worlds[i][1])
@@ -109,5 +113,5 @@ def dealt(units: list, seed: int, worlds: list[list[int]], samples_seen: int) ->
                 rest.append((unit, epoch, skip))
             rests.append(rest)
         pieces = [rest[j] for j in range(max(map(len, rests), default=0)) for rest in rests if j < len(rest)]
-        stretch = _Stretch(int(worlds[i + 1][0]), upto + 1, pieces)
+        stretch = _Stretch(int(worlds[i + 1][0]), dealing, upto + 1, pieces)
     return taken

@@ -3,6 +3,7 @@ runs in a real MLflow store (SQLite here) with one violation each, and the healt
 them pass."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -158,16 +159,17 @@ def test_epochs_are_checked_against_the_shards_keys_alone(tmp_path):
     assert soak_dealing.read_units(str(shards), 2) == [["a", "b"], ["c"], ["d", "e"]]
     every = {k for unit in soak_dealing.read_units(str(shards), 2) for k in unit}
 
-    fine = {0: ["c", "a", "e", "b", "d"], 1: ["b", "d"]}  # epoch 1 is where the run stopped
+    # the run stopped in epoch 2, one rank still finishing epoch 1
+    fine = {0: ["c", "a", "e", "b", "d"], 1: ["b", "d", "a"], 2: ["e"]}
     assert soak_checks.epochs_whole("soak-pretrain-1", fine, every) == []
-    planted = {0: ["c", "a", "e", "b"], 1: ["b", "d", "d", "zz"]}
+    planted = {0: ["c", "a", "e", "b"], 1: ["b", "d", "d", "zz"], 2: ["e"]}
     assert soak_checks.epochs_whole("soak-pretrain-1", planted, every) == [
-        "soak-pretrain-1 epoch 0: 1 of 5 sample(s) never trained though epoch 1 began",
+        "soak-pretrain-1 epoch 0: 1 of 5 sample(s) never trained though epoch 2 began",
         "soak-pretrain-1 epoch 1: 1 sample(s) twice",
         "soak-pretrain-1 epoch 1: 1 sample(s) not in the shards"]
 
 
-def _by_position(units, seed, worlds, samples_seen):
+def _by_position(units, seed, worlds, samples_seen, dealing):
     """({epoch: keys} still due at `samples_seen`, the newest epoch begun) as vitp.data.position
     works them out: the code the soak's own dealing (benchmarks/soak_dealing.py) is held against."""
     import numpy as np
@@ -176,7 +178,7 @@ def _by_position(units, seed, worlds, samples_seen):
     from vitp.data.position import RankStream, current_segment
 
     sizes = np.array([len(u) for u in units], dtype=np.int64)
-    seg = current_segment(sizes, seed, worlds)
+    seg = current_segment(sizes, seed, worlds, dealing)
     streams = [RankStream(sizes, seed, seg, r) for r in range(seg.world)]
     consumed = (samples_seen - seg.start) // seg.world
     upto = max(st.last_epoch(consumed) for st in streams)
@@ -194,18 +196,20 @@ HISTORIES = [([[2, 0], [3, 14], [1, 29]], 47), ([[3, 0], [2, 33]], 57), ([[1, 0]
              ([[2, 0], [5, 40]], 95), ([[2, 0]], 58), ([[4, 0], [2, 12], [4, 20]], 84)]
 
 
+@pytest.mark.parametrize("dealing", [1, 2])
 @pytest.mark.parametrize("worlds, seen", HISTORIES)
-def test_the_soaks_own_dealing_order_agrees_with_the_data_position(worlds, seen):
+def test_the_soaks_own_dealing_order_agrees_with_the_data_position(worlds, seen, dealing):
     """soak_dealing.dealt (written from docs/data.md's dealing order) and vitp.data.position agree:
     what one says the workers took and what the other says is still due partition every epoch
-    begun, for units of uneven sizes (a shard's short last unit) across resizes."""
+    begun, for units of uneven sizes (a shard's short last unit) across resizes, in both orders a
+    checkpoint may name."""
     import soak_dealing
 
     keys = [f"img-{i:03d}" for i in range(40)]
     units = [keys[a:min(a + 3, 20)] for a in range(0, 20, 3)] + [keys[a:a + 3] for a in range(20, 40, 3)]  # 2 shards
     every = set(keys)
-    taken = soak_dealing.dealt(units, 5, worlds, seen)
-    due, upto = _by_position(units, 5, worlds, seen)
+    taken = soak_dealing.dealt(units, 5, worlds, seen, dealing)
+    due, upto = _by_position(units, 5, worlds, seen, dealing)
     assert sum(len(v) for v in taken.values()) == seen
     assert max(taken) == upto, (sorted(taken), upto)
     for epoch in range(upto + 1):
@@ -237,8 +241,8 @@ def test_a_run_is_held_to_what_the_dealing_order_gave_it(tmp_path):
     assert [len(u) for u in units] == [4, 4, 3, 4, 4, 1]
     worlds, seen = [[2, 0], [3, 18]], 36  # epoch 1 begun on two workers, finished on three
     meta = {"world_size": 3, "config": {"train": {"seed": 3}},
-            "train_state": {"samples_seen": seen, "worlds": worlds}}
-    rows = [(k, e) for e, keys in soak_dealing.dealt(units, 3, worlds, seen).items() for k in keys]
+            "train_state": {"samples_seen": seen, "worlds": worlds, "dealing": 2}}
+    rows = [(k, e) for e, keys in soak_dealing.dealt(units, 3, worlds, seen, 2).items() for k in keys]
     whole = Kept("ckpt", meta, {(0, 1): rows})
     assert soak_checks.kept_complete("soak-pretrain-1", whole, units) == (seen, [])
 
@@ -251,3 +255,32 @@ def test_a_run_is_held_to_what_the_dealing_order_gave_it(tmp_path):
                    "soak-pretrain-1 epoch 1: 1 sample(s) trained that the dealing order had not given its "
                    "workers by then",
                    "soak-pretrain-1 epoch 1: 1 sample(s) dealt and never trained"], bad
+
+
+def test_a_resume_the_logs_do_not_show_is_a_violation_not_a_pass(tmp_path):
+    """The pick check reads what the logs say each resume picked; a run whose samples record shows a
+    resume (an attempt that began at step 4) while its log shows no pick at step 4 is a violation,
+    not a check with nothing to check."""
+    import json
+    from types import SimpleNamespace
+
+    from vitp.paths import RunPaths
+
+    work = tmp_path / "work"
+    run_dir = Path(RunPaths.of(str(work)).run("soak-pretrain-1"))
+    ckpt_dir = run_dir / "checkpoint_00000008"
+    _checkpoint(ckpt_dir)
+    meta = json.loads((ckpt_dir / "meta.json").read_text())
+    (ckpt_dir / "meta.json").write_text(json.dumps({**meta, "step": 8}))
+    (run_dir / "samples" / "attempts").mkdir(parents=True)
+    for attempt, first, parent in (("a", 4, "b"), ("b", 0, None)):
+        (run_dir / "samples" / "attempts" / f"{attempt}.json").write_text(
+            json.dumps({"first": first, "parent": parent, "world": 2}))
+    run = SimpleNamespace(info=SimpleNamespace(run_name="soak-pretrain-1", status="RUNNING"))
+    log = tmp_path / "pretrain-1.log"
+    log.write_text("[12:00:00] step 1\n")
+    result = soak_checks.checkpoints(str(work), [run], [log], {}, soak_checks.Picks())
+    assert result["violations"] == ["soak-pretrain-1 resumed at step(s) [4] (its samples record) and its log "
+                                    "shows no 'resumed from' line for them: the picks there were not checked"]
+    log.write_text(f"[12:00:01] resumed from {ckpt_dir} at step 4\n")
+    assert soak_checks.checkpoints(str(work), [run], [log], {}, soak_checks.Picks())["violations"] == []

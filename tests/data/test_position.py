@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from vitp.data.position import RankStream, Segment, current_segment, next_segment, with_world
+from vitp.data.position import DEALING, RankStream, Segment, current_segment, next_segment, with_world
 
 
 def taken(stream: RankStream, rows: int):
@@ -19,10 +19,10 @@ def taken(stream: RankStream, rows: int):
     return out[:rows]
 
 
-def run(sizes, seed, worlds, final_seen):
+def run(sizes, seed, worlds, final_seen, dealing=DEALING):
     """Rows each segment's ranks took for a history ending at `final_seen` samples, and the
     segment in force at the end."""
-    rows, seg = [], Segment(worlds[0][0], worlds[0][1])
+    rows, seg = [], Segment(worlds[0][0], worlds[0][1], dealing=dealing)
     bounds = [start for _, start in worlds[1:]] + [final_seen]
     for i, end in enumerate(bounds):
         per_rank = (end - seg.start) // seg.world
@@ -32,8 +32,9 @@ def run(sizes, seed, worlds, final_seen):
     return rows, seg, (final_seen - seg.start) // seg.world
 
 
+@pytest.mark.parametrize("dealing", [1, 2])
 @pytest.mark.parametrize("case", range(12))
-def test_taken_and_left_partition_every_epoch(case):
+def test_taken_and_left_partition_every_epoch(case, dealing):
     rnd = random.Random(case)
     sizes = np.array([rnd.choice([8, 8, 8, 5]) for _ in range(rnd.randint(6, 15))], dtype=np.int64)
     per_epoch = int(sizes.sum())
@@ -43,7 +44,7 @@ def test_taken_and_left_partition_every_epoch(case):
         step = world * rnd.randint(1, 4)
         seen += step * rnd.randint(1, (2 * per_epoch) // step + 1)
         world = rnd.choice([w for w in (1, 2, 3, 4) if w != world and w <= len(sizes)])
-    rows, seg, consumed = run(sizes, case, worlds, seen)
+    rows, seg, consumed = run(sizes, case, worlds, seen, dealing)
     assert len(rows) == len(set(rows)) == seen  # nothing read twice
     streams = [RankStream(sizes, case, seg, r) for r in range(seg.world)]
     upto = max(s.last_epoch(consumed) for s in streams)
@@ -66,3 +67,28 @@ def test_one_world_resumes_like_an_uninterrupted_stream():
     s, extra = one.position(25)
     u, e, skip = one.slot(s)
     assert taken(one, 26)[-1] == (e, u, skip + extra)  # row 26 (index 25) is where it resumes
+
+
+def _epochs_apart(sizes, seed, worlds, dealing, epochs):
+    """The most epochs between the ranks' newest epochs, looked at every few steps of a run that goes
+    on for `epochs` epochs after the history `worlds`."""
+    final = worlds[-1][1] + epochs * int(sizes.sum())
+    seg = current_segment(sizes, seed, worlds, dealing)
+    streams = [RankStream(sizes, seed, seg, r) for r in range(seg.world)]
+    apart = 0
+    for consumed in range(0, (final - seg.start) // seg.world, 97):
+        newest = [st.last_epoch(consumed) for st in streams]
+        apart = max(apart, max(newest) - min(newest))
+    return apart
+
+
+@pytest.mark.parametrize("worlds", [[[2, 0]], [[3, 0]], [[2, 0], [3, 1500]], [[3, 0], [2, 901], [4, 2000]]])
+def test_the_ranks_epochs_stay_within_one_of_each_other(worlds):
+    """15 units that no worker count here divides (one shard of 584 rows in units of 40, as the
+    chaos soak's): each rank reads the same rows a step, and dealt in turn (DEALING 2) no rank falls
+    behind the others by more than an epoch over 40 epochs, resized or not. Dealt from a fixed start
+    (1), the ranks holding the extra unit fell behind by it every epoch."""
+    sizes = np.array([40] * 14 + [24], dtype=np.int64)
+    assert _epochs_apart(sizes, 1, worlds, DEALING, 40) <= 1
+    if worlds == [[2, 0]]:
+        assert _epochs_apart(sizes, 1, worlds, 1, 40) >= 4  # what the soak found

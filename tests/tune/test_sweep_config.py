@@ -298,3 +298,29 @@ def test_a_trial_run_left_running_by_a_dead_trial_ends_failed_with_its_error(tmp
         "RUNNING", "FAILED", "RUNNING", "RUNNING"]
     assert "ended without ending its run" in client.get_run(orphan).data.tags["vitp.error"]
     assert not [line for line in lines if "could not mark" in line], lines
+
+
+def test_a_trial_an_earlier_driver_stopped_is_marked_killed_by_the_driver_resumed_after_it(tmp_path):
+    """The scheduler stopped a trial and the sweep's driver marked its run KILLED, was killed, and was
+    started again with --resume: the new driver has no memory of the stop, and the trial's own
+    process ended the run FINISHED meanwhile (a run that planned 200 steps with 79 logged, as the
+    chaos soak found). settle() marks it KILLED again from its tags; another sweep's is left."""
+    from mlflow.tracking import MlflowClient
+
+    from vitp.tune.progress import STOPPED_AT_TAG, STOPPED_BY_TAG, SweepProgress
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e")
+    stopped = {STOPPED_BY_TAG: "asha", STOPPED_AT_TAG: "79"}
+    ours = client.create_run(exp, tags={"sweep": "s", "trial_id": "t1", **stopped}).info.run_id
+    done = client.create_run(exp, tags={"sweep": "s", "trial_id": "t2"}).info.run_id
+    theirs = client.create_run(exp, tags={"sweep": "other", "trial_id": "t1", **stopped}).info.run_id
+    for run_id in (ours, done, theirs):
+        client.set_terminated(run_id, "FINISHED")
+    lines = []
+    SweepProgress("s", 3, 2, "val/top1", uri, "e", run_name=lambda config, trial_id="": trial_id,
+                  log=lines.append).settle()
+    assert [client.get_run(r).info.status for r in (ours, done, theirs)] == ["KILLED", "FINISHED", "FINISHED"]
+    assert client.get_run(ours).data.tags[STOPPED_AT_TAG] == "79"
+    assert not [line for line in lines if "could not mark" in line], lines

@@ -203,7 +203,8 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     seg = Segment(world, 0, start_epoch)
     if resume:  # a run's data position: the worker counts it ran with and samples it consumed
         seen = int(resume["samples_seen"])
-        seg = current_segment(sizes, cfg.train.seed, with_world(resume.get("worlds"), world, seen))
+        seg = current_segment(sizes, cfg.train.seed, with_world(resume.get("worlds"), world, seen),
+                              int(resume.get("dealing") or 1))
         consumed = (seen - seg.start) // world
     stream = RankStream(sizes, cfg.train.seed, seg, rank, shuffle=train)
     first_slot, skip_rows = stream.position(consumed if consumed is not None else start_offset)
@@ -214,7 +215,7 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
         share = int(np.sort(sizes)[:len(units) // world].sum()) if world > 1 else rows_per_epoch
         num_epochs = epochs_needed(share * world, cfg.train.steps, cfg.parallel.global_batch) + \
             (1 if world > 1 else 0) if train else 1
-    total = len(stream.prefix) + stream.n * num_epochs - first_slot
+    total = stream.epoch_start(seg.first_epoch + num_epochs) - first_slot
     reader = UnitReader(units, stream, size=d.image_size, mode=d.augment if train else "none",
                         scale_min=d.crop_scale_min, hflip=d.hflip and train,
                         storage_format=manifest["storage"]["format"],

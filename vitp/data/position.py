@@ -2,7 +2,8 @@
 
 A run's data history is the list of worker counts it ran with ([world, samples_seen at the
 start], ...); from it every rank of the current world gets the rest of each epoch exactly once.
-Pure numpy, no I/O: the read units come from ingest.plan_units.
+Pure numpy, no I/O: the read units come from ingest.plan_units. The order is specified in
+docs/data.md ("Which rows each worker trains on"), which benchmarks/soak_dealing.py implements again.
 """
 from __future__ import annotations
 
@@ -12,22 +13,35 @@ import numpy as np
 
 Piece = tuple[int, int, int]  # (unit index, epoch, rows of it already consumed)
 
+# How an epoch's units are dealt to the ranks, recorded in each checkpoint (TrainState.dealing) so a
+# run keeps the order it started with. 1: rank r takes every world-th unit from the r-th, so where the
+# units do not divide evenly the first ranks read one more unit every epoch and fall behind the
+# others by one unit an epoch, without bound (2 workers, 15 units: 5 epochs apart after 35). 2: from
+# the ((r + epoch) mod world)-th, so over any `world` epochs every rank reads the same number of
+# units and the ranks' epochs stay within about a unit of each other.
+DEALING = 2
+
 
 def epoch_order(num_units: int, seed: int, epoch: int) -> np.ndarray:
     """Unit order of one epoch: a permutation seeded by (seed, epoch)."""
     return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, 11]).permutation(num_units)
 
 
+def first_unit(rank: int, world: int, epoch: int, dealing: int = DEALING) -> int:
+    """Where in the epoch's order rank `rank` of `world` starts taking every world-th unit."""
+    return (rank + epoch) % world if dealing >= 2 else rank
+
+
 def rank_order(num_units: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
-               shuffle: bool = True) -> np.ndarray:
+               shuffle: bool = True, dealing: int = DEALING) -> np.ndarray:
     """The units rank `rank` of `world` reads in `epoch`, in order: every world-th unit of the
     epoch's order, so the ranks' streams are disjoint and together cover the epoch."""
     order = epoch_order(num_units, seed, epoch) if shuffle else np.arange(num_units)
-    return order[rank::world]
+    return order[first_unit(rank, world, epoch, dealing)::world]
 
 
-def units_per_rank(num_units: int, rank: int, world: int) -> int:
-    return len(range(rank, num_units, world))
+def units_per_rank(num_units: int, rank: int, world: int, epoch: int = 0, dealing: int = DEALING) -> int:
+    return len(range(first_unit(rank, world, epoch, dealing), num_units, world))
 
 
 @dataclass
@@ -40,6 +54,7 @@ class Segment:
     start: int = 0  # global samples_seen when it began
     first_epoch: int = 0
     pieces: list[Piece] = field(default_factory=list)
+    dealing: int = DEALING
 
 
 class RankStream:
@@ -49,21 +64,42 @@ class RankStream:
     def __init__(self, unit_rows: np.ndarray, seed: int, seg: Segment, rank: int, shuffle: bool = True):
         self.rows, self.seed, self.seg, self.rank, self.shuffle = unit_rows, seed, seg, rank, shuffle
         self.prefix = seg.pieces[rank::seg.world]
-        self.n = units_per_rank(len(unit_rows), rank, seg.world)  # slots per whole epoch
+        self.rotates = seg.dealing >= 2 and seg.world > 1
         self._order: tuple[int, np.ndarray] | None = None
+
+    def _count(self, epoch: int) -> int:
+        """Slots of its own share of `epoch`."""
+        return units_per_rank(len(self.rows), self.rank, self.seg.world, epoch, self.seg.dealing)
 
     def _epoch_units(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, rank_order(len(self.rows), self.seed, epoch, self.rank,
-                                             self.seg.world, self.shuffle))
+                                             self.seg.world, self.shuffle, self.seg.dealing))
         return self._order[1]
+
+    def epoch_start(self, epoch: int) -> int:
+        """The slot its share of `epoch` (>= first_epoch) begins at. Dealt in turn, every `world`
+        epochs hold every unit once: the count repeats with that period."""
+        k, first = epoch - self.seg.first_epoch, self.seg.first_epoch
+        if not self.rotates:
+            return len(self.prefix) + k * self._count(first)
+        cycles, rest = divmod(k, self.seg.world)
+        base = first + cycles * self.seg.world
+        return len(self.prefix) + cycles * len(self.rows) + sum(self._count(base + i) for i in range(rest))
 
     def slot(self, s: int) -> Piece:
         """(unit, epoch, rows of it to skip) of slot s."""
         if s < len(self.prefix):
             return self.prefix[s]
-        e, i = divmod(s - len(self.prefix), self.n)
-        epoch = self.seg.first_epoch + e
+        i, epoch = s - len(self.prefix), self.seg.first_epoch
+        if self.rotates:
+            cycles, i = divmod(i, len(self.rows))
+            epoch += cycles * self.seg.world
+            while i >= self._count(epoch):
+                i, epoch = i - self._count(epoch), epoch + 1
+        else:
+            e, i = divmod(i, self._count(epoch))
+            epoch += e
         return int(self._epoch_units(epoch)[i]), epoch, 0
 
     def position(self, consumed: int) -> tuple[int, int]:
@@ -78,11 +114,11 @@ class RankStream:
         epoch = self.seg.first_epoch
         while True:
             ends = np.cumsum(self.rows[self._epoch_units(epoch)])
-            if not len(ends) or consumed < ends[-1]:
+            if (not len(ends) and not self.rotates) or (len(ends) and consumed < ends[-1]):
+                # (a rank that never has a unit of its own stays where its pieces end)
                 j = int(np.searchsorted(ends, consumed, side="right")) if len(ends) else 0
-                base = len(self.prefix) + (epoch - self.seg.first_epoch) * self.n
-                return base + j, consumed - (int(ends[j - 1]) if j else 0)
-            consumed -= int(ends[-1])
+                return self.epoch_start(epoch) + j, consumed - (int(ends[j - 1]) if j else 0)
+            consumed -= int(ends[-1]) if len(ends) else 0
             epoch += 1
 
     def last_epoch(self, consumed: int) -> int:
@@ -95,7 +131,7 @@ class RankStream:
     def leftover(self, consumed: int, upto_epoch: int) -> list[Piece]:
         """What it has not taken of its pieces and of its shares of epochs up to `upto_epoch`."""
         s, extra = self.position(consumed)
-        end = len(self.prefix) + max(0, upto_epoch - self.seg.first_epoch + 1) * self.n
+        end = self.epoch_start(upto_epoch + 1) if upto_epoch >= self.seg.first_epoch else len(self.prefix)
         out = []
         for k in range(s, end):
             u, e, skip = self.slot(k)
@@ -111,12 +147,13 @@ def next_segment(unit_rows: np.ndarray, seed: int, seg: Segment, world: int, sta
     upto = max(s.last_epoch(consumed) for s in streams)
     rests = [s.leftover(consumed, upto) for s in streams]
     pieces = [rest[i] for i in range(max(map(len, rests), default=0)) for rest in rests if i < len(rest)]
-    return Segment(world, start, upto + 1, pieces)
+    return Segment(world, start, upto + 1, pieces, seg.dealing)
 
 
-def current_segment(unit_rows: np.ndarray, seed: int, worlds: list[list[int]]) -> Segment:
-    """The segment of the last entry of a run's history [[world, samples_seen at start], ...]."""
-    seg = Segment(int(worlds[0][0]), int(worlds[0][1]))
+def current_segment(unit_rows: np.ndarray, seed: int, worlds: list[list[int]], dealing: int = DEALING) -> Segment:
+    """The segment of the last entry of a run's history [[world, samples_seen at start], ...],
+    dealt as the run's checkpoints say (TrainState.dealing)."""
+    seg = Segment(int(worlds[0][0]), int(worlds[0][1]), dealing=dealing)
     for world, start in worlds[1:]:
         seg = next_segment(unit_rows, seed, seg, int(world), int(start))
     return seg

@@ -56,6 +56,9 @@ class TrainState:
     # rows per read unit it started with: the data position at any world (data/position.py)
     worlds: list = field(default_factory=list)
     unit_rows: int = 0
+    # how its epochs are dealt to the ranks (data/position.py, DEALING); absent in checkpoints
+    # written before there was a choice: 1. A fresh run takes the newest.
+    dealing: int = 1
 
 
 def distributed() -> bool:
@@ -301,7 +304,8 @@ def data_position(cfg: ExperimentConfig) -> dict[str, Any] | None:
     meta = read_meta(latest)
     state = meta["train_state"]
     return {"samples_seen": int(state["samples_seen"]), "unit_rows": int(state.get("unit_rows") or 0),
-            "worlds": state.get("worlds") or [[int(meta["world_size"]), 0]]}
+            "worlds": state.get("worlds") or [[int(meta["world_size"]), 0]],
+            "dealing": int(state.get("dealing") or 1)}
 
 
 def samples_consumed(cfg: ExperimentConfig) -> int:

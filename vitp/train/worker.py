@@ -20,7 +20,7 @@ from ..console import get_logger, set_log_rank
 from ..config import ExperimentConfig, Run, for_world
 from ..data.executor import pace_streaming_executor
 from ..data.ingest import default_unit_rows, iter_device_batches, train_rows_per_epoch
-from ..data.position import with_world
+from ..data.position import DEALING, with_world
 from ..model.vit import build_vit
 from . import checkpoint as ckpt
 from .ema import WeightEMA
@@ -128,7 +128,7 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
     attempt that wrote it had no time to. The newest checkpoint in storage whose markers are
     all present: a worker killed inside an upload, or after it but before Ray registered the
     checkpoint, leaves a newer one than Ray knows of, or an incomplete one that is never picked."""
-    cfg, state, t0 = r.cfg, ckpt.TrainState(), time.perf_counter()
+    cfg, state, t0 = r.cfg, ckpt.TrainState(dealing=DEALING), time.perf_counter()
     where = ckpt.latest_complete_checkpoint(cfg)
     if where is not None:
         with node_copy(where, _node()) as d:  # one download per node from object storage

@@ -153,7 +153,8 @@ class SweepProgress(Callback):
 
     def settle(self, done: bool = True) -> None:
         """Once every trial has ended: mark the stopped trials' runs KILLED again (a stopped trial's
-        own driver sees the stop as an error and may end its run FAILED after the first mark) and,
+        own driver sees the stop as an error and may end its run FAILED after the first mark; those
+        stopped under an earlier driver of the sweep are found by the first mark's tags) and,
         if the sweep is `done`, end FAILED each trial run still RUNNING of a trial that did not
         complete: its process died with its actor or node before it could end it (a driver killed
         meanwhile missed on_trial_error). A completed trial's run left RUNNING stays so: MLflow was
@@ -161,6 +162,9 @@ class SweepProgress(Callback):
         for trial_id, step in getattr(self, "stopped", {}).items():
             self._mark("KILLED", f"tags.trial_id = {quote(trial_id)}",
                        {STOPPED_BY_TAG: self.scheduler, STOPPED_AT_TAG: str(step)}, patient=True)
+        # and those an earlier driver of the sweep stopped (this one was started with --resume): their
+        # first mark's tags say so, whatever the trial's own process ended the run with since
+        self._mark("KILLED", f"tags.`{STOPPED_BY_TAG}` LIKE '%' and attributes.status != 'KILLED'", {}, patient=True)
         if done:
             failed, completed = getattr(self, "failed", {}), getattr(self, "completed", set())
             running = self._mark(None, "attributes.status = 'RUNNING'", {}, patient=True)
