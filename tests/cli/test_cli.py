@@ -225,3 +225,42 @@ def test_predict_gives_each_image_the_models_top_classes(tmp_path):
     r = run("predict", export, paths[0], str(tmp_path / "missing.png"))
     assert r.returncode == 2 and r.stderr.strip() == (f"vitp predict: {tmp_path / 'missing.png'}: no such image "
                                                       "file; give a JPEG or PNG (a path or URI)"), r.stderr
+
+
+@pytest.mark.slow  # vitp export and predict in subprocesses (torch), transformers' pipeline
+def test_the_hugging_face_export_classifies_image_files_through_pipeline_as_vitp_predict_does(tmp_path):
+    """`vitp export --format hf` writes what `transformers.pipeline("image-classification")` needs to
+    take an image file: the same crop and normalisation as `vitp predict`, so the same classes, by
+    name, with the same probabilities (images whose shorter side scales to whole pixels: HF resizes
+    then crops, we resize the centred square in one pass, the same pixels then)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import pipeline
+
+    from vitp.model.vit import build_vit
+    from vitp.model.weights import write_export
+    from vitp.recipes import resolve
+
+    cfg = resolve("debug_finetune", ["data.mean=[0.4,0.5,0.6]", "data.std=[0.2,0.25,0.3]"], check_paths=False)
+    torch.manual_seed(1)
+    model = build_vit(cfg.model, cfg.data.image_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # the zero-initialised head would tie every class
+    names = [f"kind-{i}" for i in range(cfg.model.num_classes)]
+    export = write_export(str(tmp_path / "export"), model.state_dict(), cfg.to_dict(), {"classes": names})
+    rng = np.random.default_rng(1)
+    paths = []
+    for i, (h, w) in enumerate(((64, 80), (30, 50), (96, 48))):
+        paths.append(str(tmp_path / f"img{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+
+    r = run("export", export, "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert r.returncode == 0 and "preprocessor_config.json" in r.stdout, r.stderr
+    ours = json.loads(run("predict", export, *paths, "--top", "4", "--json").stdout)
+    classify = pipeline("image-classification", model=str(tmp_path / "hf"))
+    for row, path in zip(ours, paths):
+        theirs = classify(path, top_k=4)
+        assert [t["label"] for t in theirs] == [t["name"] for t in row["top"]], (theirs, row)
+        assert [t["score"] for t in theirs] == pytest.approx([t["prob"] for t in row["top"]], abs=1e-4)

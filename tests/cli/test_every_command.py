@@ -718,8 +718,9 @@ class TestChain:
         assert [m.model_id for m in run.inputs.model_inputs] == [run.data.tags["source_model_id"]]
 
     def test_export_leaves_for_timm_and_hugging_face(self, scenario):
-        """--format timm on the pre-training checkpoint, --format hf on the fine-tuned one: the files
-        timm and transformers read, holding our weights (renamed only) and computing our logits."""
+        """--format timm --headless on the pre-training checkpoint, --format hf on the fine-tuned one:
+        the files timm and transformers read, holding our weights (renamed only) and computing our
+        logits; a pre-training head for timm or HF without --headless is refused with that fix."""
         import torch
         import transformers
         from safetensors.numpy import load_file
@@ -729,11 +730,15 @@ class TestChain:
         scenario.need("export")
         ckpt = re.search(r"^\s*checkpoint:\s+(\S+)", scenario.need("finetune").out, re.M).group(1)
         timm_file = scenario.work / "timm" / "vit.safetensors"
-        r = ok(scenario.vitp("export", scenario.facts["checkpoint"], "--format", "timm", "--out", str(timm_file)))
+        r = ok(scenario.vitp("export", scenario.facts["checkpoint"], "--format", "timm", "--headless",
+                             "--out", str(timm_file)))
         assert f"wrote {timm_file}" in r.out, str(r)
         ours, timm = load_file(str(scenario.export / "model.safetensors")), load_file(str(timm_file))
-        renamed = {k.replace("pre_logits.0.", "pre_logits.fc."): v for k, v in ours.items()}
-        assert timm.keys() == renamed.keys() and all(np.array_equal(timm[k], renamed[k]) for k in timm)
+        body = {k: v for k, v in ours.items() if not k.startswith(("head.", "pre_logits."))}
+        assert len(body) < len(ours) and timm.keys() == body.keys()
+        assert all(np.array_equal(timm[k], body[k]) for k in timm)
+        one_line_error(scenario.vitp("export", str(scenario.export), "--format", "timm", "--out",
+                                     str(scenario.work / "refused.safetensors")), "export", 2, "add --headless")
 
         hf_dir = scenario.work / "hf"
         ok(scenario.vitp("export", ckpt, "--format", "hf", "--out", str(hf_dir)))
@@ -744,7 +749,7 @@ class TestChain:
             torch.testing.assert_close(hf(pixel_values=x).logits, mine(x), atol=1e-5, rtol=0)  # depth 2: see test_convert
         one_line_error(scenario.vitp("export", scenario.facts["checkpoint"], "--format", "hf", "--out",
                                      str(scenario.work / "hf-refused")), "export", 2,
-                       "no counterpart for the pre-training head")
+                       "no counterpart for the pre-training head (tanh pre-logits): add --headless")
         one_line_error(scenario.vitp("export", ckpt, "--format", "hf", "--register", "x"), "export", 2,
                        "--register logs our export format")
 

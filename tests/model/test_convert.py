@@ -236,7 +236,7 @@ def test_our_export_as_a_hugging_face_dir_gives_transformers_the_same_logits(tmp
     """`vitp export --format hf`: a fine-tuned ViT as ViTForImageClassification (from_pretrained
     reads it) computes our function: float64 to roundoff, float32 within ATOL; the naming round-trips
     through from_hf exactly; heads HF's ViT lacks are refused in one line."""
-    from vitp.model.convert import export_hf
+    from vitp.model.convert_hf import export_hf
     from vitp.model.convert_hf import to_hf
     from vitp.model.vit import build_vit
     from vitp.model.weights import write_export
@@ -270,7 +270,7 @@ def test_our_export_as_a_hugging_face_dir_gives_transformers_the_same_logits(tmp
 def test_an_export_names_the_classes_of_the_shards_it_trained_on_and_hugging_face_gets_them(tmp_path):
     """class_names: the training shards' classes.json by label, None where it is gone or does not
     match the head; an export that records them gives HF's config its id2label."""
-    from vitp.model.convert import export_hf
+    from vitp.model.convert_hf import export_hf
     from vitp.model.vit import build_vit
     from vitp.model.weights import source_info, write_export
     from vitp.recipes import resolve
@@ -314,16 +314,16 @@ def test_ours_to_timm_and_back_same_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(x), ref, atol=ATOL, rtol=0)
 
-    # file level: export dir -> timm .safetensors -> import_weights -> load_model
+    # file level: timm's own ViT has no pre-logits layer (its loader drops one and the classifier would
+    # read other features), so a pre-training head leaves for timm headless only
     from safetensors.torch import save_file
 
     exp = tmp_path / "export"
     exp.mkdir()
     save_file(m.state_dict(), str(exp / "model.safetensors"))
-    timm_file = export_timm(str(exp), str(tmp_path / "timm" / "vit.safetensors"))
-    out = import_weights(timm_file, str(tmp_path / "back"))
-    with torch.no_grad():
-        torch.testing.assert_close(load_model(out)(x), ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="no layer for the pre-training head's tanh pre-logits: add --headless"):
+        export_timm(str(exp), str(tmp_path / "timm" / "vit.safetensors"))
+    assert not (tmp_path / "timm").exists()
 
 
 def test_a_fine_tuned_export_is_timms_own_vision_transformer_with_the_same_logits(tmp_path):
@@ -359,6 +359,56 @@ def test_a_fine_tuned_export_is_timms_own_vision_transformer_with_the_same_logit
         torch.testing.assert_close(theirs(x), ref, atol=ATOL, rtol=0)  # two implementations: ATOL above
         back = load_model(import_weights(timm_file, str(tmp_path / "back")))(x)
     assert torch.equal(back, ref)  # renamed weights into our own model: the same kernels, bit for bit
+
+
+def test_a_pre_trained_backbone_leaves_headless_for_timm_and_hugging_face(tmp_path):
+    """--headless: timm's own VisionTransformer with num_classes=0 loads the file strictly and gives
+    our class token's features; HF's ViTModel gives them as last_hidden_state and, as pooler_output,
+    the features our classifier reads: the tanh pre-logits of a pre-training head, the class token
+    of a fine-tuned one (an identity pooler). Both directories take images as evaluation does."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from safetensors.torch import load_file
+    from timm_compat import import_timm
+
+    from vitp.model.convert_hf import export_hf
+    from vitp.model.variants import decode_variant
+    from vitp.model.vit import build_vit
+    from vitp.model.weights import write_export
+    from vitp.recipes import resolve
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    for recipe in ("debug", "debug_finetune"):  # the pre-training head (pre-logits 2x wider), fine-tuned
+        cfg = resolve(recipe, ["model.representation_size=128"] if recipe == "debug" else [], check_paths=False)
+        torch.manual_seed(4)
+        m = perturb(build_vit(cfg.model, cfg.data.image_size))
+        exp = write_export(str(tmp_path / recipe), m.state_dict(), cfg.to_dict(), {})
+        x = ours(images(size=cfg.data.image_size, seed=8))
+        with torch.no_grad():
+            feats = m.forward_features(x)
+            pre = m.forward_head(feats, pre_logits=True)
+        assert pre.shape[1] == (128 if recipe == "debug" else feats.shape[2])
+
+        timm_file = export_timm(exp, str(tmp_path / f"{recipe}-timm.safetensors"), headless=True)
+        spec = decode_variant(cfg.model.variant)
+        theirs = VisionTransformer(img_size=cfg.data.image_size, patch_size=spec.patch, embed_dim=spec.width,
+                                   depth=spec.depth, num_heads=spec.heads, mlp_ratio=spec.mlp_dim / spec.width,
+                                   num_classes=0).eval()
+        theirs.load_state_dict(load_file(timm_file), strict=True)  # every key, every shape, no head
+        hf_dir = export_hf(exp, str(tmp_path / f"{recipe}-hf"), headless=True)
+        hf = transformers.ViTModel.from_pretrained(hf_dir).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(x), feats[:, 0], atol=ATOL, rtol=0)
+            out = hf(pixel_values=x)
+            torch.testing.assert_close(out.last_hidden_state, feats, atol=ATOL, rtol=0)
+            torch.testing.assert_close(out.pooler_output, pre, atol=ATOL, rtol=0)
+        prep = json.loads((tmp_path / f"{recipe}-hf" / "preprocessor_config.json").read_text())
+        assert prep["crop_size"] == {"height": cfg.data.image_size, "width": cfg.data.image_size}
+        assert prep["image_mean"] == list(cfg.data.mean) and prep["image_std"] == list(cfg.data.std)
 
 
 def test_timm_features_we_lack_are_rejected():

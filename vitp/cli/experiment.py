@@ -349,8 +349,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ConfigError("--register logs our export format: leave out --format, register, then "
                               "export the registered export with --format")
         check_name("--register", args.register)  # before the export is written
-    export_as(args.checkpoint, out, args.format, args.weights)
-    print(f"wrote {out}" if args.format == "timm" else f"wrote {out}/model.safetensors and {out}/config.json")
+    export_as(args.checkpoint, out, args.format, args.weights, args.headless)
+    print({"timm": f"wrote {out}", "hf": f"wrote {out} (model.safetensors, config.json, preprocessor_config.json)"}
+          .get(args.format, f"wrote {out}/model.safetensors and {out}/config.json"))
     if args.register:
         from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
 
@@ -364,7 +365,11 @@ def _add_export(sub) -> Handler:
     p.add_argument("checkpoint", type=abspath, help="a checkpoint (or, with --format, export) directory or URI")
     p.add_argument("--format", choices=("ours", "timm", "hf"), default="ours",
                    help="ours: safetensors + config.json that vitp reads; timm: timm-named weights (a "
-                        ".safetensors file); hf: a Hugging Face ViTForImageClassification dir")
+                        ".safetensors file); hf: a Hugging Face ViTForImageClassification dir that "
+                        "transformers.pipeline reads")
+    p.add_argument("--headless", action="store_true",
+                   help="timm, hf: the backbone without its classifier (timm num_classes=0; hf a ViTModel "
+                        "whose pooler gives the features the classifier read): how a pre-trained model leaves")
     p.add_argument("--weights", choices=("model", "ema"), default="model",
                    help="model: the trained weights; ema: their moving average (a run with train.ema_decay)")
     p.add_argument("--out", type=abspath, help="output directory, file (timm) or URI (default CHECKPOINT-export, "

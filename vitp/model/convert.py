@@ -19,13 +19,13 @@ from safetensors.torch import save
 from .. import storage
 from ..config import ExperimentConfig
 from ..errors import InputError
-from .convert_hf import from_hf, hf_config, to_hf
+from .convert_hf import from_hf
 from .convert_hybrid import f32 as _t
 from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
 from .variants import VARIANTS, decode_variant
 from .loading import resample_pos_embed
 from .vit import build_vit
-from .weights import (CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights, source_info,
+from .weights import (CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights,
                       write_export)
 
 StateDict = dict[str, torch.Tensor]
@@ -343,12 +343,22 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
                          "notes": notes})
 
 
-def export_timm(export_dir: str, out_path: str) -> str:
+def export_timm(export_dir: str, out_path: str, headless: bool = False, name: str = "") -> str:
     """Our export dir (or a weights file of ours) -> timm-named weights at `out_path`
-    (.safetensors, or torch.save for .pt/.pth/.bin)."""
+    (.safetensors, or torch.save for .pt/.pth/.bin). headless: without the classifier (and the
+    pre-logits), for timm's `num_classes=0`. timm's ViT has no pre-logits layer (its loader drops
+    one): a pre-training head's classifier would read other features there, so it leaves headless
+    only (`name`: what the error names, default export_dir)."""
     if not out_path.endswith(WEIGHT_FILES):
         raise InputError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
-    sd = to_timm(read_weights(export_dir))
+    sd = read_weights(export_dir)
+    if headless:
+        sd = {k: v for k, v in sd.items() if not k.startswith(("head.", "pre_logits."))}
+    elif "pre_logits.0.weight" in sd:
+        raise InputError(f"{name or export_dir}: timm's VisionTransformer has no layer for the pre-training head's "
+                         "tanh pre-logits: add --headless to export the backbone (timm num_classes=0), or export a "
+                         "fine-tuned model")
+    sd = to_timm(sd)
     if out_path.endswith(".safetensors"):
         data = save(sd)
     else:
@@ -357,23 +367,3 @@ def export_timm(export_dir: str, out_path: str) -> str:
         data = buf.getvalue()
     storage.write_bytes(out_path, data)  # a path or URI; parents made, written whole
     return out_path
-
-
-def export_hf(export_dir: str, out_dir: str, name: str = "") -> str:
-    """Our export dir -> a Hugging Face `ViTForImageClassification` directory (model.safetensors and
-    config.json, what `from_pretrained` reads). HF's ViT classifies the class token with one linear
-    layer: a pre-training head (tanh pre-logits), global-average pooling or a hybrid has no
-    counterpart there and is refused (`name`: what the error names, default export_dir)."""
-    cfg = read_config(export_dir)
-    spec = decode_variant(cfg.model.variant)
-    unsupported = [why for why, bad in (
-        (f"a hybrid ({cfg.model.variant})", spec.resnet is not None),
-        ("the pre-training head (tanh pre-logits): export a fine-tuned model", cfg.model.head != "finetune"),
-        ("global-average pooling (model.pool=gap)", cfg.model.pool != "cls")) if bad]
-    if unsupported:
-        raise InputError(f"{name or export_dir}: Hugging Face's ViTForImageClassification has no counterpart for "
-                         f"{unsupported[0]}")
-    storage.write_bytes(storage.join(out_dir, WEIGHTS), save(to_hf(read_weights(export_dir)), metadata={"format": "pt"}))
-    config = hf_config(spec, cfg.model.num_classes, cfg.data.image_size, source_info(export_dir).classes)
-    storage.write_json(storage.join(out_dir, CONFIG), config)
-    return out_dir

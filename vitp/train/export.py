@@ -113,14 +113,18 @@ def export(checkpoint_dir: str, out_dir: str, weights_of: str = "model") -> str:
 FORMATS = ("ours", "timm", "hf")  # `vitp export --format`
 
 
-def export_as(source: str, out: str, fmt: str = "ours", weights_of: str = "model") -> str:
+def export_as(source: str, out: str, fmt: str = "ours", weights_of: str = "model", headless: bool = False) -> str:
     """A checkpoint dir (consolidated first; its EMA with weights_of="ema") or an export dir -> `fmt`: our
-    export dir, timm-named weights (a .safetensors file) or a Hugging Face ViTForImageClassification dir;
-    returns `out`."""
-    from ..model.convert import export_hf, export_timm  # lazy: the converters
+    export dir, timm-named weights (a .safetensors file) or a Hugging Face directory; `headless`
+    (timm, hf): the backbone without its classifier. Returns `out`."""
+    from ..model.convert import export_timm  # lazy: the converters
+    from ..model.convert_hf import export_hf
 
     if weights_of == "ema" and weights.source_info(source).kind != "checkpoint":
         raise InputError(f"{source}: --weights ema reads a training checkpoint's EMA; this is an export")
+    if headless and fmt == "ours":
+        raise InputError("--headless is for --format timm or hf: our own export keeps the whole model "
+                         "(fine-tunes replace its head)")
     if fmt == "ours":
         return export(source, out, weights_of)
     with contextlib.ExitStack() as stack:
@@ -128,7 +132,9 @@ def export_as(source: str, out: str, fmt: str = "ours", weights_of: str = "model
         if weights.source_info(source).kind == "checkpoint":
             ours = export(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="vitp-export-")),
                           weights_of)
-        return export_timm(ours, out) if fmt == "timm" else export_hf(ours, out, name=source)
+        if fmt == "timm":
+            return export_timm(ours, out, headless, name=source)
+        return export_hf(ours, out, name=source, headless=headless)
 
 
 def load_weights(path: str) -> dict[str, torch.Tensor]:
