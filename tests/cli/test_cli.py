@@ -264,3 +264,7 @@ def test_the_hugging_face_export_classifies_image_files_through_pipeline_as_vitp
         theirs = classify(path, top_k=4)
         assert [t["label"] for t in theirs] == [t["name"] for t in row["top"]], (theirs, row)
         assert [t["score"] for t in theirs] == pytest.approx([t["prob"] for t in row["top"]], abs=1e-4)
+    r = run("export", export, "--headless", "--out", str(tmp_path / "ours"))  # our format keeps the head
+    assert r.returncode == 2 and r.stderr.strip() == ("vitp export: --headless is for --format timm or hf: our own "
+                                                      "export keeps the whole model (fine-tunes replace its head)")
+    assert not (tmp_path / "ours").exists()
