@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "tests/cluster/test_connect.py"  # its one test, marked `ray` only through its fixture
 
@@ -18,12 +20,14 @@ def _collected(marks: str, probe: str = PROBE) -> set[str]:
     return {line.split("::")[1] for line in p.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.slow  # pytest collecting in subprocesses (torch, ray imports): make test, not test-fast
 def test_a_test_using_a_ray_fixture_is_left_out_by_not_ray():
     name = "test_a_local_ray_beside_another_is_the_one_its_processes_find"
     assert _collected("ray") == {name}
     assert _collected("not ray") == set()
 
 
+@pytest.mark.slow  # as above
 def test_a_test_on_the_real_mlflow_server_is_slow_and_its_sqlite_twin_is_not():
     probe = "tests/tracking/test_runs.py"  # its tests take tracking_uri: one per store
     fast, everything = _collected("not slow", probe), _collected("", probe)

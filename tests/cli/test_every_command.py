@@ -144,6 +144,7 @@ def test_model_prints_the_paper_numbers():
     assert info["train_gflops"] == pytest.approx(3 * 2.507, abs=0.01)  # training = 3 x forward
 
 
+@pytest.mark.slow  # `vitp model` and `vitp plan` in subprocesses (~10 s): make test, not test-fast
 def test_model_and_plan_print_the_memory_model():
     info = json.loads(ok(vitp("model", "H/14", "--zero", "2", "--workers", "8", "--json")).out)["memory"]
     assert info["paper_states_gb"] == pytest.approx(2.4, abs=0.05)  # ZeRO paper: 2P + 14P/N at N = 8

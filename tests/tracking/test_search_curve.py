@@ -6,6 +6,7 @@ import subprocess
 import sys
 import uuid
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from vitp.tracking import RunLogger
@@ -57,6 +58,7 @@ def test_best_so_far_counts_every_ended_trial_and_scores_only_finished_ones(sqli
     assert search_plot_path("out/compare.png") == "out/compare-search.png"
 
 
+@pytest.mark.slow  # a whole `vitp compare --sweep --plot` (~11 s): make test, not test-fast
 def test_compare_sweep_prints_the_search_and_logs_its_plot_to_the_parent(sqlite_uri, tmp_path):
     exp, parent = _sweep(sqlite_uri)
     out = subprocess.run([sys.executable, "-m", "vitp.cli", "compare", "--tracking-uri", sqlite_uri,

@@ -26,6 +26,7 @@ def test_server_is_healthy_on_loopback_and_rejects_foreign_host_headers(mlflow_s
     assert get(api, host="evil.example.com") in (400, 403)
 
 
+@pytest.mark.slow  # mlflow server processes that fail to start (~11 s): make test, not test-fast
 def test_start_server_failure_names_the_problem_and_shows_the_log(sqlite_uri, tmp_path):
     with pytest.raises(TrackingError, match=r"(?s)did not answer /health.*no-such-flag"):
         start_server(sqlite_uri, str(tmp_path / "art"),
