@@ -2,8 +2,7 @@
 
 A run's data history is the list of worker counts it ran with ([world, samples_seen at the
 start], ...); from it every rank of the current world gets the rest of each epoch exactly once.
-Pure numpy, no I/O: the read units come from ingest.plan_units. The order is specified in
-docs/data.md ("Which rows each worker trains on"), which benchmarks/soak_dealing.py implements again.
+Pure numpy, no I/O (units: ingest.plan_units); the order is docs/data.md's, which the soak re-implements.
 """
 from __future__ import annotations
 
