@@ -2,6 +2,7 @@
 name, what was checked, and the violations found (none is the pass)."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -13,6 +14,15 @@ from soak_dealing import dealt, read_units  # benchmarks/, on the path of whatev
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_ONLY = ("*.parquet", "meta.json", "*.safetensors", "checkpoint_*")  # what belongs in storage
 ENDED = ("FINISHED", "KILLED", "FAILED")
+
+
+@functools.lru_cache(maxsize=16)
+def _kept(run_dir: str):
+    """What the run in `run_dir` kept (vitp.train.samples.kept_samples), read once for the checks that
+    need it (every rank's record files, from the bucket)."""
+    from vitp.train.samples import kept_samples
+
+    return kept_samples(run_dir)
 
 
 def _runs(uri: str) -> list:
@@ -155,7 +165,6 @@ def samples(work: str, runs) -> dict:
     from vitp.data.ingest import shards_dir
     from vitp.paths import RunPaths
     from vitp.recipes import resolve
-    from vitp.train.samples import kept_samples
 
     shards, bad, checked, units = shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)), [], 0, {}
     every = None  # the shards' keys, read once
@@ -163,7 +172,7 @@ def samples(work: str, runs) -> dict:
         name = run.info.run_name
         if not name.startswith("soak-pretrain-"):
             continue
-        kept = kept_samples(RunPaths.of(work).run(name))
+        kept = _kept(RunPaths.of(work).run(name))
         if kept.checkpoint is None:
             continue  # killed before its first checkpoint: nothing kept
         rows = int(kept.meta["train_state"]["unit_rows"])
@@ -245,7 +254,6 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> d
     from vitp import storage
     from vitp.paths import RunPaths
     from vitp.train import checkpoint as ckpt
-    from vitp.train.samples import kept_samples
 
     picks.scan(logs)  # lines written since the loop's last scan
     bad = [f"picked incomplete: {p['where']} (at step {p['step']}): {p['why']}" for p in picks.found
@@ -253,7 +261,7 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> d
     for run in runs:  # a check that read no pick must not pass a run that resumed
         name = run.info.run_name
         if name.startswith("soak-pretrain-"):
-            resumed = [a for a in kept_samples(RunPaths.of(work).run(name)).attempts if a["first"] > 0]
+            resumed = [a for a in _kept(RunPaths.of(work).run(name)).attempts if a["first"] > 0]
             seen = {p["step"] for p in picks.found if p["log"] == f"{name.removeprefix('soak-')}.log"}
             if missing := [a["first"] for a in resumed if a["first"] not in seen]:
                 bad.append(f"{name} resumed at step(s) {missing} (its samples record) and its log shows no "

@@ -204,7 +204,7 @@ def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train:
     if resume:  # a run's data position: the worker counts it ran with and samples it consumed
         seen = int(resume["samples_seen"])
         seg = current_segment(sizes, cfg.train.seed, with_world(resume.get("worlds"), world, seen),
-                              int(resume.get("dealing") or 1))
+                              resume["dealing"])
         consumed = (seen - seg.start) // world
     stream = RankStream(sizes, cfg.train.seed, seg, rank, shuffle=train)
     first_slot, skip_rows = stream.position(consumed if consumed is not None else start_offset)

@@ -17,7 +17,7 @@ Piece = tuple[int, int, int]  # (unit index, epoch, rows of it already consumed)
 # units do not divide evenly the first ranks read one more unit every epoch and fall behind the
 # others by one unit an epoch, without bound (2 workers, 15 units: 5 epochs apart after 35). 2: from
 # the ((r + epoch) mod world)-th, so over any `world` epochs every rank reads the same number of
-# units and the ranks' epochs stay within about a unit of each other.
+# units; what still parts their epochs is the units' sizes (benchmarks/dealing_drift.py).
 DEALING = 2
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save
 from .. import storage
 from ..config import ExperimentConfig
 from ..errors import InputError
-from .convert_hf import from_hf
+from .convert_hf import backbone, from_hf
 from .convert_hybrid import f32 as _t
 from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
 from .variants import VARIANTS, decode_variant
@@ -353,7 +353,7 @@ def export_timm(export_dir: str, out_path: str, headless: bool = False, name: st
         raise InputError(f"{out_path}: use a .safetensors, .pt, .pth or .bin file name")
     sd = read_weights(export_dir)
     if headless:
-        sd = {k: v for k, v in sd.items() if not k.startswith(("head.", "pre_logits."))}
+        sd = backbone(sd)
     elif "pre_logits.0.weight" in sd:
         raise InputError(f"{name or export_dir}: timm's VisionTransformer has no layer for the pre-training head's "
                          "tanh pre-logits: add --headless to export the backbone (timm num_classes=0), or export a "

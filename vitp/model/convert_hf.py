@@ -79,6 +79,11 @@ def from_hf(sd: Mapping[str, Any]) -> StateDict:
     return out
 
 
+def backbone(sd: Mapping[str, torch.Tensor]) -> StateDict:
+    """Our state dict without the classifier and the pre-logits before it (a headless export)."""
+    return {k: v for k, v in sd.items() if not k.startswith(("head.", "pre_logits."))}
+
+
 def to_hf(sd: Mapping[str, torch.Tensor], headless: bool = False) -> StateDict:
     """Ours -> HF `ViTForImageClassification` (hub naming, `vit.` prefix; q, k, v split back into
     three Linears). The inverse of from_hf for a fine-tuning-head ViT. headless: a `ViTModel` (no
@@ -86,8 +91,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], headless: bool = False) -> StateDict:
     pre-training head, else an identity (hf_config's pooler_act "linear"), so `pooler_output` is
     always what our `forward_head(pre_logits=True)` gives."""
     if headless:
-        body = {k: v for k, v in sd.items() if not k.startswith(("head.", "pre_logits."))}
-        out = {k.removeprefix("vit."): v for k, v in to_hf(body).items()}
+        out = {k.removeprefix("vit."): v for k, v in to_hf(backbone(sd)).items()}
         w = sd.get("pre_logits.0.weight")
         width = int(sd["cls_token"].shape[-1])
         out["pooler.dense.weight"] = _t(w) if w is not None else torch.eye(width)
