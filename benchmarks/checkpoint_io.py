@@ -153,7 +153,7 @@ def train(variant: str, dests: dict[str, str], args: argparse.Namespace, work: s
     cfg = resolve("debug", [f"work_dir={work}/none", *common, "train.checkpoint_every=0"])
     connect_ray(cfg)  # first: a Ray that Ray Data started by itself would not know its address
     if not os.path.exists(os.path.join(shards, "manifest.json")):
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
     client = get_client(db)
     tag = variant.replace("/", "")
     base = run_training(Run.of(cfg), with_val=False)

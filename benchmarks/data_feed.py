@@ -129,7 +129,7 @@ def bench_recipe(recipe: str, args: argparse.Namespace, work: str) -> list[dict]
     logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "ray-data")
     try:
         print(f"{recipe}: making the shards", flush=True)
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
         rows: dict[str, list[tuple[float, float]]] = {"stream": [], "memory": []}
         for i in range(args.rounds):
             for feed in (("stream", "memory") if i % 2 == 0 else ("memory", "stream")):

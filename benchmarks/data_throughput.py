@@ -50,6 +50,7 @@ from vitp.data.decode import decode_image
 from vitp.data.augment import augment_image, row_rng
 from vitp.data.ingest import build_train_dataset, iter_device_batches, normalize
 from vitp.recipes import get_recipe
+from vitp.config import Run
 from record import add_results_args, append_result  # benchmarks/record.py, beside this script
 
 EPOCHS_CHARGED = (90, 10)  # epochs over which (a)'s one-off cost is spread, for (d)
@@ -228,7 +229,7 @@ def make_dataloader(dataset, args):
 def ingest_pass(cfg, batch, first_epoch, epochs, normalise, exclude) -> Pass:
     c0, t0, n = cpu_snapshot(), time.time(), 0
     # one stream over all epochs, as a training run reads it
-    ds = build_train_dataset(cfg, start_epoch=first_epoch, num_epochs=epochs)
+    ds = build_train_dataset(Run.of(cfg), start_epoch=first_epoch, num_epochs=epochs)
     for x, y in iter_device_batches(ds, batch, "cpu", raw=not normalise):
         n += len(y)
     wall, c1 = time.time() - t0, cpu_snapshot()
@@ -238,7 +239,7 @@ def ingest_pass(cfg, batch, first_epoch, epochs, normalise, exclude) -> Pass:
 
 def preprocess_pass(cfg) -> Pass:
     c0, t0 = cpu_snapshot(), time.time()
-    res = run_preprocess(cfg, overwrite=True, log=lambda s: None)
+    res = run_preprocess(Run.of(cfg), overwrite=True, log=lambda s: None)
     return Pass(res["written"], time.time() - t0, cpu_used(c0, cpu_snapshot()))
 
 

@@ -45,7 +45,7 @@ def one_mode(args) -> dict:
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     shards = os.path.join(args.workdir, "shards")
     if not os.path.exists(os.path.join(shards, "manifest.json")):
-        run_preprocess(resolve("debug", [f"data.shards={shards}"]), log=lambda s: None)
+        run_preprocess(Run.of(resolve("debug", [f"data.shards={shards}"])), log=lambda s: None)
     name = f"pace-{args.one}".replace(".", "_")
     server = start_server(f"sqlite:///{os.path.join(args.workdir, 'mlflow.db')}",
                           os.path.join(args.workdir, "artifacts"), port=free_port(),

@@ -36,13 +36,13 @@ def harmonic(values: list[float]) -> float:
 
 def one_run(cfg, name: str) -> dict:
     """Train `cfg` as run `name`; images/s (all windows, without the first) and probe figures."""
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
     from vitp.config import Run
     from vitp.train.trainer import run_training
 
     cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=name))
     summary = run_training(Run.of(cfg))
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
 
     def hist(key):
         return [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, key),
@@ -71,7 +71,7 @@ def main() -> int:
     import ray
 
     from vitp.data.commands import run_preprocess
-    from vitp.data.ingest import shards_dir
+    from vitp.config import Run
     from vitp.recipes import resolve
     from vitp.storage import exists, join
 
@@ -82,8 +82,8 @@ def main() -> int:
                              "train.eval_every=0", "train.checkpoint_every=0", f"parallel.zero_stage={args.zero}",
                              "tracking.system_metrics=false", "train.fewshot_datasets=digits"])
     for cfg in (base, resolve("debug_finetune", [f"work_dir={work}"])):
-        if not exists(join(shards_dir(cfg), "manifest.json")):
-            run_preprocess(cfg, log=lambda s: None)
+        if not exists(join(Run.of(cfg).shards, "manifest.json")):
+            run_preprocess(Run.of(cfg), log=lambda s: None)
     on = dataclasses.replace(base, train=dataclasses.replace(base.train, fewshot_every=args.every))
 
     runs: dict[str, list[dict]] = {"off": [], "on": []}

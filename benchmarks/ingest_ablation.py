@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from record import add_results_args, append_result  # benchmarks/record.py, beside this script
+from vitp.config import Run
 
 
 def main():
@@ -65,7 +66,7 @@ def main():
 
     def run(unit: int, variant: str, epoch: int) -> float:
         ingest.TASK_ROWS = unit if variant != "TASK_ROWS" else task_rows
-        ds = build_train_dataset(cfg, start_epoch=epoch, num_epochs=args.epochs, unit_rows=unit)
+        ds = build_train_dataset(Run.of(cfg), start_epoch=epoch, num_epochs=args.epochs, unit_rows=unit)
         if variant == "no reservation":
             ds.context.op_resource_reservation_enabled = False
             ds.context.downstream_capacity_backpressure_ratio = None

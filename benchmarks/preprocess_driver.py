@@ -40,6 +40,7 @@ if _ROOT not in sys.path:  # `vitp`; this script's directory (record.py) is sys.
     sys.path.insert(0, _ROOT)
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
+from vitp.config import Run
 
 CLASSES = [f"class_{c:02d}" for c in range(10)]
 PX = 24  # corpus images; preprocess resizes them to 16 px
@@ -157,7 +158,7 @@ def child(a: argparse.Namespace) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.time()
-    res = run_preprocess(cfg, overwrite=True, log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = run_preprocess(Run.of(cfg), overwrite=True, log=lambda s: print(s, file=sys.stderr, flush=True))
     wall = time.time() - t0
     stop.set()
     sampler.join()

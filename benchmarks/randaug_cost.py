@@ -32,6 +32,7 @@ from vitp.data.commands import run_preprocess
 from vitp.data.ingest import build_train_dataset, iter_device_batches
 from vitp.data.randaug import rand_augment
 from vitp.recipes import get_recipe
+from vitp.config import Run
 
 SETTINGS = [("off", (0, 0.0)), ("2 ops, M=10 (light2)", (2, 10.0)), ("2 ops, M=15 (medium1/2)", (2, 15.0)),
             ("2 ops, M=20 (strong1/2)", (2, 20.0))]
@@ -39,7 +40,7 @@ SETTINGS = [("off", (0, 0.0)), ("2 ops, M=10 (light2)", (2, 10.0)), ("2 ops, M=1
 
 def ingest_pass(cfg, batch: int, first_epoch: int, epochs: int) -> Pass:
     c0, t0, n = cpu_snapshot(), time.time(), 0
-    ds = build_train_dataset(cfg, start_epoch=first_epoch, num_epochs=epochs)
+    ds = build_train_dataset(Run.of(cfg), start_epoch=first_epoch, num_epochs=epochs)
     for _, y in iter_device_batches(ds, batch, "cpu", raw=True):
         n += len(y)
     return Pass(n, time.time() - t0, cpu_used(c0, cpu_snapshot()))
@@ -78,7 +79,7 @@ def main():
                                crop_scale_min=0.08, shards=os.path.join(work, "shards-uint8"))
     cfg = dataclasses.replace(base, work_dir=work, data=data)
     if not os.path.exists(os.path.join(data.shards, "manifest.json")):
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
     cfgs = {name: dataclasses.replace(cfg, data=dataclasses.replace(data, randaug_layers=ra[0],
                                                                      randaug_magnitude=ra[1]))
             for name, ra in SETTINGS}

@@ -35,6 +35,7 @@ for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, p)
 
 from record import add_results_args, append_result  # noqa: E402  (benchmarks/record.py)
+from vitp.config import Run
 
 
 def first_batch(ds, batch: int, skip_rows: int = 0) -> tuple[float, list[str]]:
@@ -77,12 +78,12 @@ def main() -> int:
                             "parallel.num_workers=1", f"parallel.micro_batch={args.batch}",
                             f"parallel.global_batch={args.batch}"])
     if not os.path.exists(os.path.join(work, "shards", cfg.data.source, "manifest.json")):
-        run_preprocess(cfg, log=lambda s: None)
-    rows = train_rows_per_epoch(cfg)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
+    rows = train_rows_per_epoch(Run.of(cfg))
     offset = int(rows * args.at) // args.world  # rows each rank consumed
 
     def stream(rank: int, consumed: int = 0):
-        return build_train_dataset(cfg, num_epochs=1, rank=rank, world=args.world, consumed=consumed)
+        return build_train_dataset(Run.of(cfg), num_epochs=1, rank=rank, world=args.world, consumed=consumed)
 
     times: dict[str, list[float]] = {"fresh": [], "resumed": [], "replay": []}
     first_batch(stream(0), args.batch)  # untimed: Ray Data's start-up

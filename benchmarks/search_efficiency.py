@@ -36,7 +36,7 @@ def curve(work: str, name: str) -> list[float]:
     from vitp.tracking.compare import compare_rows
     from vitp.tracking.search_curve import best_so_far
 
-    rows = compare_rows(f"sqlite:///{RunPaths.of(work).mlflow_db()}", None, sweep=name)
+    rows = compare_rows(f"sqlite:///{RunPaths(work).mlflow_db()}", None, sweep=name)
     (points,) = best_so_far(rows).values()
     return [p["best"] if p["best"] is not None else float("nan") for p in points]
 

@@ -162,17 +162,17 @@ def samples(work: str, runs) -> dict:
     vitp.train.samples) is every step recorded on every rank, as many samples as its checkpoint
     counts; against the shards alone (epochs_whole), each sample at most once an epoch; every epoch
     what the dealing order gave its workers by then, nothing skipped (kept_complete)."""
-    from vitp.data.ingest import shards_dir
+    from vitp.config import Run
     from vitp.paths import RunPaths
     from vitp.recipes import resolve
 
-    shards, bad, checked, units = shards_dir(resolve("debug", [f"work_dir={work}"], check_paths=False)), [], 0, {}
+    shards, bad, checked, units = Run.of(resolve("debug", [f"work_dir={work}"], check_paths=False)).shards, [], 0, {}
     every = None  # the shards' keys, read once
     for run in runs:
         name = run.info.run_name
         if not name.startswith("soak-pretrain-"):
             continue
-        kept = _kept(RunPaths.of(work).run(name))
+        kept = _kept(RunPaths(work).run(name))
         if kept.checkpoint is None:
             continue  # killed before its first checkpoint: nothing kept
         rows = int(kept.meta["train_state"]["unit_rows"])
@@ -261,7 +261,7 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> d
     for run in runs:  # a check that read no pick must not pass a run that resumed
         name = run.info.run_name
         if name.startswith("soak-pretrain-"):
-            resumed = [a for a in _kept(RunPaths.of(work).run(name)).attempts if a["first"] > 0]
+            resumed = [a for a in _kept(RunPaths(work).run(name)).attempts if a["first"] > 0]
             seen = {p["step"] for p in picks.found if p["log"] == f"{name.removeprefix('soak-')}.log"}
             if missing := [a["first"] for a in resumed if a["first"] not in seen]:
                 bad.append(f"{name} resumed at step(s) {missing} (its samples record) and its log shows no "
@@ -271,7 +271,7 @@ def checkpoints(work: str, runs, logs: list[Path], env: dict, picks: Picks) -> d
         if not run.info.run_name.startswith("soak-pretrain-") or run.info.status != "FINISHED":
             continue
         steps = run.data.params.get("train.steps")
-        final = storage.join(RunPaths.of(work).run(run.info.run_name), ckpt.checkpoint_dir_name(int(steps)))
+        final = storage.join(RunPaths(work).run(run.info.run_name), ckpt.checkpoint_dir_name(int(steps)))
         out = storage.join(work, "exports", run.info.run_name)
         r = subprocess.run([sys.executable, "-m", "vitp.cli", "export", final, "--out", out], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)

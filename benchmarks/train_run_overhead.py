@@ -38,7 +38,7 @@ def _one_setting(args: argparse.Namespace) -> None:
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     root = tempfile.mkdtemp(prefix="vitp-overhead-")
-    run_preprocess(resolve("debug", [f"data.shards={root}/shards"]), log=lambda s: None)
+    run_preprocess(Run.of(resolve("debug", [f"data.shards={root}/shards"])), log=lambda s: None)
     warmup = min(args.steps, with_overrides("debug").optim.warmup_steps)  # --steps below it is valid
     for i in range(args.repeats):
         cfg = resolve("debug", [f"work_dir={root}", f"data.shards={root}/shards", f"tracking.run_name=r{i}",

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from s3server import S3Server, s3_environment
 from tiers import mark_long
 from vitp.net import free_port
+from vitp.config import Run
 
 # A test that uses one of these (directly or through another fixture) starts or joins Ray: it is
 # marked `ray` here, so `make test-fast` (-m "not ray ...") leaves it out without anyone having to
@@ -86,7 +87,7 @@ def _preprocessed(tmp_path_factory, recipe: str) -> str:
     from vitp.recipes import resolve
 
     root = tmp_path_factory.mktemp(f"{recipe}-shards")
-    run_preprocess(resolve(recipe, [f"data.shards={root}"]), log=lambda s: None)
+    run_preprocess(Run.of(resolve(recipe, [f"data.shards={root}"])), log=lambda s: None)
     return str(root)
 
 

@@ -442,9 +442,10 @@ def test_train_streams_load_no_torch():
             "from vitp.recipes import resolve\n"
             "from vitp.train.streams import EvalDatasetFactory, RankStreams, train_placeholder\n"
             "from vitp.train.checkpoint import data_position\n"
+            "from vitp.config import Run\n"
             "cfg = resolve('debug', ['work_dir=/nonexistent-vitp-work'], check_paths=False)\n"
             "pickle.loads(pickle.dumps((RankStreams(cfg.to_dict()), EvalDatasetFactory(cfg.to_dict()), train_placeholder)))\n"
-            "assert data_position(cfg) is None\n"
+            "assert data_position(Run.of(cfg)) is None\n"
             "bad = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules)\n"
             "assert not bad, f'vitp.train.streams loaded {bad}'\n")
     _run_ok(code)
@@ -550,6 +551,34 @@ def test_one_module_owns_the_work_dir_layout():
             if names:
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno} joins {names[0]!r}")
     _none(found, "work_dir layout built outside vitp/paths.py (use RunPaths)")
+
+
+# What a Run computes once (vitp/config/run.py): the places of a run are asked of it, never derived again.
+DERIVERS = {"run_dir", "shards_dir", "resolve_tracking_uri"}  # the helpers it replaced
+
+
+def test_a_run_carries_its_locations():
+    """Checkpoint dir, shards, tracking URI and sweep dir come from the resolved Run (run.dir,
+    run.shards, run.tracking_uri, run.sweep): no helper derives them from a config again, and
+    RunPaths is built from a Run's work_dir only, by the Run (vitp/config/run.py) or from a Run's
+    paths. A second derivation is how the same place came to be computed three times on one route."""
+    root = Path(__file__).resolve().parents[1] / "vitp"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.alias)) and node.name in DERIVERS:
+                found.append(f"{rel}:{getattr(node, 'lineno', '?')} defines or imports {node.name}")
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in DERIVERS:
+                found.append(f"{rel}:{node.lineno} calls {name}")
+            elif rel != "vitp/config/run.py" and (name == "RunPaths" or (
+                    name == "of" and getattr(f.value, "id", None) == "RunPaths")):
+                found.append(f"{rel}:{node.lineno} builds RunPaths")
+    _none(found, "a run's location derived outside its Run (ask the Run: run.dir, run.shards, run.tracking_uri)")
 
 
 # Where a config is resolved (validated, local paths made absolute): the edges where input enters

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from vitp import storage
+from vitp.config import Run
 
 
 def test_is_uri():
@@ -143,7 +144,7 @@ def test_a_driver_checking_its_shards_waits_out_a_store_cut_off(debug_shards, s3
     logging.getLogger("vitp.data.commands").addHandler(heard)
     try:
         with s3.proxy.cut_for(12.0):
-            assert ensure_shards(cfg, log=lambda _: None) == root
+            assert ensure_shards(Run.of(cfg), log=lambda _: None) == root
     finally:
         logging.getLogger("vitp.data.commands").removeHandler(heard)
     assert any("the shards at" in line and "storage unreachable" in line for line in said), said

@@ -21,6 +21,7 @@ from vitp.model.convert import export_timm, import_weights
 from vitp.model.vit import ViT
 from vitp.model.weights import CONFIG, WEIGHTS, read_config, read_weights, source_info, write_export
 from vitp.train.export import load_model
+from vitp.config import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "model"))
@@ -189,15 +190,15 @@ def test_synth_and_preprocess_into_uri_shards(ray_session, store):
     cfg = dataclasses.replace(cfg, work_dir=store, data=dataclasses.replace(
         cfg.data, synth_classes=3, synth_images_per_class=4, storage_size=16, image_size=16,
         num_classes=3, val_fraction=0.25))
-    res = run_synth(cfg, log=lambda _: None)
+    res = run_synth(Run.of(cfg), log=lambda _: None)
     corpus = storage.join(store, "synth")
     assert res["images"] == 12 and storage.listdir(corpus) == [f"fractal_{c:05d}" for c in range(3)]
     assert all(len(storage.listdir(storage.join(corpus, c))) == 4 for c in storage.listdir(corpus))
     with pytest.raises(FileExistsError, match="not empty"):
-        run_synth(cfg, log=lambda _: None)
+        run_synth(Run.of(cfg), log=lambda _: None)
 
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="imagefolder", path=corpus))
-    summary = run_preprocess(cfg, log=lambda _: None)
+    summary = run_preprocess(Run.of(cfg), log=lambda _: None)
     shards = storage.join(store, "shards", "imagefolder")
     m = read_manifest(shards)
     assert m["counts"] == {"input": 12, "written": 12, "quarantined": 0, "train": summary["train"],
@@ -214,7 +215,7 @@ def test_synth_and_preprocess_into_uri_shards(ray_session, store):
     assert pq.read_table(storage.filesystem(storage.join(shards, "quarantine.parquet"))[1],
                          filesystem=storage.filesystem(shards)[0]).num_rows == 0
     with pytest.raises(FileExistsError, match="already holds shards"):
-        run_preprocess(cfg, log=lambda _: None)
+        run_preprocess(Run.of(cfg), log=lambda _: None)
 
     # the driver's check before training: the shards as written pass; a foreign first shard and
     # a deleted one are named, in one line, before any Train worker would read them

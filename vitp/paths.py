@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -29,11 +30,7 @@ class RunPaths:
     <work_dir>/mlflow.db          the default MLflow store (local work_dir only)
     """
 
-    work_dir: str
-
-    @classmethod
-    def of(cls, work_dir: str) -> "RunPaths":
-        return cls(storage.abspath(work_dir))
+    work_dir: str  # absolute (a Run's), or a URI
 
     @property
     def synth(self) -> str:
@@ -80,6 +77,22 @@ class RunPaths:
                 "store cannot live there: set --set tracking.uri=http://<mlflow-server>:5000 "
                 "(or a database URI)")
         return Path(self.work_dir.removeprefix("file://")).expanduser().resolve() / "mlflow.db"
+
+
+# MLflow store URIs have forms of their own ("databricks", "file:"), hence a regex of our own here.
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def store_uri(uri: str) -> str:
+    """An MLflow store URI as MLflow wants it, absolute (a relative sqlite:///rel.db would be relative to
+    whichever process opens it): a plain path becomes sqlite (".db", ".sqlite", ".sqlite3") or a file
+    store (a directory, for existing ./mlruns trees). Nothing is made (tracking.store.normalise_uri)."""
+    if _URI_SCHEME.match(uri) or uri.startswith(("file:", "databricks")):
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            return f"sqlite:///{Path(uri[len('sqlite:///'):]).expanduser().resolve()}"
+        return uri
+    path = Path(uri).expanduser().resolve()
+    return f"sqlite:///{path}" if path.suffix in (".db", ".sqlite", ".sqlite3") else path.as_uri()
 
 
 # Node-local folders (never shared between nodes, never in work_dir): under this user's own

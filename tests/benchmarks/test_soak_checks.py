@@ -265,7 +265,7 @@ def test_a_resume_the_logs_do_not_show_is_a_violation_not_a_pass(tmp_path):
     from vitp.paths import RunPaths
 
     work = tmp_path / "work"
-    run_dir = Path(RunPaths.of(str(work)).run("soak-pretrain-1"))
+    run_dir = Path(RunPaths(str(work)).run("soak-pretrain-1"))
     ckpt_dir = run_dir / "checkpoint_00000008"
     _checkpoint(ckpt_dir)
     meta = json.loads((ckpt_dir / "meta.json").read_text())

@@ -582,11 +582,11 @@ def test_gcp_scheduling_is_an_object_and_gpu_vms_terminate_on_maintenance():
 
 
 def test_sweep_and_fewshot_read_the_shards_the_downstream_spec_writes():
-    from vitp.data.ingest import shards_dir
+    from vitp.config import Run
 
     def prepared(stem):
         spec = load_spec(str(ROOT / "jobs" / f"{stem}.yaml"), environ=ENV)
-        return {(c.data.source, c.data.path, shards_dir(c)) for c in resolve_recipes(spec)}
+        return {(c.data.source, c.data.path, Run.of(c).shards) for c in resolve_recipes(spec)}
 
     made = prepared("preprocess_downstream")
     assert {s for s, _, _ in made} == {"cifar10", "cifar100", "pets", "flowers", "imagenet"}

@@ -99,14 +99,15 @@ def test_the_mlflow_check_leaves_no_run_artifact_or_experiment(tmp_path, existin
 
     from vitp.cluster.doctor_mlflow import check_mlflow
     from vitp.recipes import resolve
-    from vitp.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
+    from vitp.tracking.store import get_client, get_or_create_experiment
+    from vitp.config import Run
 
     cfg = resolve("debug", [f"work_dir={tmp_path}", "tracking.experiment=mine"])
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     if existing:
         get_or_create_experiment(client, "mine")
     before = {e.name for e in client.search_experiments(view_type=ViewType.ALL)}
-    check = check_mlflow(cfg)
+    check = check_mlflow(Run.of(cfg))
     assert check.ok and "artifact and run deleted" in check.detail, check.line()
     assert ("experiment 'mine'" if existing else "a temporary experiment ('mine' does not exist yet") in check.detail
     active = {e.name: e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}

@@ -160,7 +160,7 @@ cfg = recipes.resolve("debug", [f"work_dir={work}", f"data.shards={shards}", f"t
                                 "parallel.cpus_per_worker=2", f"train.steps={steps}", "train.log_every=1",
                                 "train.eval_every=0", f"train.checkpoint_every={checkpoint_every}",
                                 "train.max_failures=1", "tracking.log_timeout_s=2", "tracking.system_metrics=false"])
-ensure_shards(cfg)  # the test session's: already there
+ensure_shards(Run.of(cfg))  # the test session's: already there
 summary = run_training(Run.of(cfg), with_val=False)
 print("RANK0 " + json.dumps({"run_id": summary.mlflow_run_id, "node": other, "step": summary.metrics["step"]}))
 '''

@@ -520,7 +520,7 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
     cluster.add_node()
     work = storage.join(rehearsal.store, "node-lost")
     common = [f"work_dir={work}", f"data.shards={storage.join(work, 'shards')}", "tracking.run_name=node-lost"]
-    run_dir = RunPaths.of(work).run("node-lost")
+    run_dir = RunPaths(work).run("node-lost")
     log = tmp_path / "pretrain.log"
     proc = _pretrain(rehearsal, common, NODE_LOST_SETTINGS, log)
     try:

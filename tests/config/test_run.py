@@ -16,7 +16,7 @@ def test_resolve_validates_once_and_makes_every_path_absolute(tmp_path, monkeypa
     run = Run.resolve(cfg)
     assert run.path_values() == {"work_dir": str(tmp_path / "w"), "data.path": str(tmp_path / "corpus"),
                                  "data.shards": str(tmp_path / "sh"), "train.init_from": ""}
-    assert run.paths == RunPaths.of(str(tmp_path / "w"))
+    assert run.paths == RunPaths(str(tmp_path / "w"))
     assert run.dir == str(tmp_path / "w" / "runs" / run.cfg.run_name) and run.name == run.cfg.run_name
     with pytest.raises(ConfigError, match="optim.lr"):
         Run.resolve(set_values(cfg, {"optim.lr": -1.0}))

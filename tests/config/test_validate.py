@@ -6,6 +6,7 @@ import pytest
 from vitp.config import ConfigError, apply_overrides, validate
 from vitp.model.variants import VARIANTS
 from vitp.recipes import debug
+from vitp.config import Run
 
 
 def _invalid(**overrides):
@@ -52,7 +53,7 @@ def test_the_corpus_path_is_asked_for_by_preprocess_only(tmp_path):
     cfg = resolve("h14_i21k", ["data.shards=s3://bucket/imagenet21k-shards"])
     assert cfg.data.path == "" and cfg.data.source == "parquet"
     with pytest.raises(InputError, match=r"data.source='imagefolder' reads files: set --set data.path="):
-        run_preprocess(resolve("debug", ["data.source=imagefolder", f"data.shards={tmp_path}"]), log=lambda s: None)
+        run_preprocess(Run.of(resolve("debug", ["data.source=imagefolder", f"data.shards={tmp_path}"])), log=lambda s: None)
 
 
 def test_heads_must_divide_width():

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from vitp.recipes import resolve
+from vitp.config import Run
 
 pytestmark = pytest.mark.ray
 
@@ -50,7 +51,7 @@ def _rounds_while_backpressured(cfg, seconds: float) -> tuple[int, float]:
     ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=2e6)
     it = None
     try:
-        it = iter(build_train_dataset(cfg, rank=0, world=2).iter_batches(batch_size=16, batch_format="numpy"))
+        it = iter(build_train_dataset(Run.of(cfg), rank=0, world=2).iter_batches(batch_size=16, batch_format="numpy"))
         for _ in range(8):
             next(it)
         deadline = time.perf_counter() + 120

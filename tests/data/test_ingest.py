@@ -13,6 +13,7 @@ from vitp.data.augment import augment_rows
 from vitp.data.ingest import (_read_unit, build_eval_dataset, build_train_dataset, iter_device_batches, normalize,
                               plan_units)
 from vitp.data.shards import read_manifest
+from vitp.config import Run
 
 from .conftest import make_cfg
 
@@ -26,7 +27,7 @@ def shards(ray_session, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ingest")
     cfg = make_cfg(tmp, synth_images_per_class=23, storage_size=24, image_size=16,
                    shard_mb=0.1, val_fraction=0.1, crop_scale_min=0.35)
-    res = run_preprocess(cfg)
+    res = run_preprocess(Run.of(cfg))
     return cfg, res
 
 
@@ -53,12 +54,12 @@ def test_streaming_split_equal_no_duplicates_left_out_changes(shards):
     assert n % (WORLD * BATCH) != 0  # otherwise nothing is left out and the test proves less
     left = []
     for epoch in (0, 1):
-        seen = split_keys(build_train_dataset(cfg, start_epoch=epoch, num_epochs=1, unit_rows=16))
+        seen = split_keys(build_train_dataset(Run.of(cfg), start_epoch=epoch, num_epochs=1, unit_rows=16))
         assert len(seen[0]) == len(seen[1]) > 0  # equal batches per worker
         keys = [k for w in seen for b in w for (e, k) in b]
         assert all(e == epoch for w in seen for b in w for (e, _) in b)
         assert len(keys) == len(set(keys))  # nobody sees an example twice in an epoch
-        all_keys = {r["key"] for r in build_eval_dataset(cfg, "train").select_columns(["key"]).take_all()}
+        all_keys = {r["key"] for r in build_eval_dataset(Run.of(cfg), "train").select_columns(["key"]).take_all()}
         assert set(keys) <= all_keys and len(all_keys) == n
         left.append(all_keys - set(keys))
         assert len(left[-1]) < WORLD * BATCH
@@ -67,7 +68,7 @@ def test_streaming_split_equal_no_duplicates_left_out_changes(shards):
 
 def test_multi_epoch_stream_covers_each_epoch(shards):
     cfg, res = shards
-    seen = split_keys(build_train_dataset(cfg, num_epochs=3))
+    seen = split_keys(build_train_dataset(Run.of(cfg), num_epochs=3))
     assert len(seen[0]) == len(seen[1])
     per_epoch = Counter(e for w in seen for b in w for (e, _) in b)
     n = res["train"]
@@ -80,14 +81,14 @@ def test_multi_epoch_stream_covers_each_epoch(shards):
     # default length covers train.steps x global_batch rows
     cfg2 = cfg.replace(train=dataclasses.replace(cfg.train, steps=20),
                        parallel=dataclasses.replace(cfg.parallel, global_batch=32))
-    assert build_train_dataset(cfg2).count() >= 20 * 32
+    assert build_train_dataset(Run.of(cfg2)).count() >= 20 * 32
 
 
 def test_augmentation_deterministic_and_varies_by_epoch(shards):
     cfg, _ = shards
 
     def images(start):
-        ds = build_train_dataset(cfg, start_epoch=start, num_epochs=1)
+        ds = build_train_dataset(Run.of(cfg), start_epoch=start, num_epochs=1)
         return {k: im for b in ds.iter_batches(batch_size=None) for k, im in zip(b["key"], b["image"])}
 
     a, b, c = images(0), images(0), images(1)
@@ -96,16 +97,16 @@ def test_augmentation_deterministic_and_varies_by_epoch(shards):
     same = sum(np.array_equal(a[k], c[k]) for k in a)
     assert same < len(a) // 10  # another epoch: other crops/flips
     assert next(iter(a.values())).shape == (16, 16, 3)
-    order0 = [k for b_ in build_train_dataset(cfg, num_epochs=1).iter_batches(batch_size=None)
+    order0 = [k for b_ in build_train_dataset(Run.of(cfg), num_epochs=1).iter_batches(batch_size=None)
               for k in b_["key"]]
-    order1 = [k for b_ in build_train_dataset(cfg, start_epoch=1, num_epochs=1)
+    order1 = [k for b_ in build_train_dataset(Run.of(cfg), start_epoch=1, num_epochs=1)
               .iter_batches(batch_size=None) for k in b_["key"]]
     assert order0 != order1 and sorted(order0) == sorted(order1)  # reshuffled each epoch
 
 
 def test_eval_dataset_and_device_batches(shards):
     cfg, res = shards
-    ds = build_eval_dataset(cfg)
+    ds = build_eval_dataset(Run.of(cfg))
     batches = list(iter_device_batches(ds, 8, "cpu", drop_last=False))
     assert sum(len(y) for _, y in batches) == res["val"]
     # Ray formats batches on several threads: unless preserve_order is set, the one short
@@ -126,10 +127,10 @@ def test_unit_read_is_a_view_of_the_pages_and_matches_row_decode(shards):
     the bytes preprocess wrote; JPEG-like cells (objects) take the per-row path, same output."""
     import pyarrow.parquet as pq
 
-    from vitp.data.ingest import shards_dir
+    from vitp.config import Run
 
     cfg, _ = shards
-    root = shards_dir(cfg)
+    root = Run.of(cfg).shards
     units = plan_units(root, "train", read_manifest(root), unit_rows=16)
     path, a, b = units[1]
     rows = _read_unit(units[1])
@@ -205,22 +206,23 @@ def test_resumed_stream_starts_at_the_data_position(shards, unit_rows=16):
     """A stream resumed at (epoch, offset) is the uninterrupted stream from that position on:
     same keys in the same order, same pixels, and nothing before it is read (the first unit
     read is the one holding the position, not the epoch's first)."""
-    from vitp.data.ingest import UnitReader, resume_point, shards_dir, unit_sizes
+    from vitp.data.ingest import UnitReader, resume_point, unit_sizes
+    from vitp.config import Run
     from vitp.data.position import RankStream, Segment
 
     cfg, res = shards
     n = res["train"]
-    full = _ordered_keys(build_train_dataset(cfg, start_epoch=0, num_epochs=2, unit_rows=unit_rows))
+    full = _ordered_keys(build_train_dataset(Run.of(cfg), start_epoch=0, num_epochs=2, unit_rows=unit_rows))
     assert len(full) == 2 * n
     for offset in (1, (3 * n) // 4, n - 1):  # inside the first unit, mid-epoch, its last row
-        resumed = _ordered_keys(build_train_dataset(cfg, start_epoch=0, num_epochs=2,
+        resumed = _ordered_keys(build_train_dataset(Run.of(cfg), start_epoch=0, num_epochs=2,
                                                     unit_rows=unit_rows, start_offset=offset))
         assert resumed == full[offset:], offset
-    later = _ordered_keys(build_train_dataset(cfg, start_epoch=1, num_epochs=1, unit_rows=unit_rows,
+    later = _ordered_keys(build_train_dataset(Run.of(cfg), start_epoch=1, num_epochs=1, unit_rows=unit_rows,
                                               start_offset=5))
     assert later == full[n + 5:]
     # the reader starts at the unit holding the offset: units before it are never read
-    units = plan_units(shards_dir(cfg), "train", read_manifest(shards_dir(cfg)), unit_rows)
+    units = plan_units(Run.of(cfg).shards, "train", read_manifest(Run.of(cfg).shards), unit_rows)
     slot, skip = resume_point(units, cfg.train.seed, 0, (3 * n) // 4)
     assert slot > 0 and 0 <= skip < unit_rows
     stream = RankStream(unit_sizes(units), cfg.train.seed, Segment(1), 0)
@@ -236,7 +238,7 @@ def test_rank_streams_partition_each_epoch_and_resume_at_any_count(shards, world
     an epoch boundary too: no row read twice, none skipped."""
     cfg, res = shards
     n = res["train"]
-    full = [_ordered_keys(build_train_dataset(cfg, num_epochs=2, rank=r, world=world, unit_rows=8))
+    full = [_ordered_keys(build_train_dataset(Run.of(cfg), num_epochs=2, rank=r, world=world, unit_rows=8))
             for r in range(world)]
     for epoch in (0, 1):
         keys = [k for f in full for e, k in f if e == epoch]
@@ -245,7 +247,7 @@ def test_rank_streams_partition_each_epoch_and_resume_at_any_count(shards, world
     for r in range(world):
         own = len([1 for e, _ in full[r] if e == 0])  # this rank's rows in epoch 0
         for consumed in (5, own - 1, own + 3):  # mid-unit, the epoch's last row, into epoch 1
-            resumed = _ordered_keys(build_train_dataset(cfg, num_epochs=2, rank=r, world=world,
+            resumed = _ordered_keys(build_train_dataset(Run.of(cfg), num_epochs=2, rank=r, world=world,
                                                         unit_rows=8, consumed=consumed))
             rest = full[r][consumed:]  # (epochs 0-1; a stream resumed in epoch 1 reads on into 2)
             assert rest and resumed[:len(rest)] == rest, (r, consumed)
@@ -258,7 +260,7 @@ def test_randaug_is_a_function_of_seed_epoch_and_key_at_any_world_size(shards):
     ra = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, randaug_layers=2, randaug_magnitude=15.0))
 
     def images(c, **kw):
-        ds = build_train_dataset(c, num_epochs=1, unit_rows=8, **kw)
+        ds = build_train_dataset(Run.of(c), num_epochs=1, unit_rows=8, **kw)
         return {(int(e), k): im for b in ds.iter_batches(batch_size=None)
                 for e, k, im in zip(b["epoch"], b["key"], b["image"])}
 

@@ -13,6 +13,7 @@ from vitp.data.commands import run_preprocess
 from vitp.data.preprocess import preprocess
 from vitp.data.shards import read_manifest, verify_checksums
 from vitp.data.catalog import plan_source
+from vitp.config import Run
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -53,7 +54,7 @@ def test_round_trip_uint8_exact_and_jpeg_psnr(ray_session, tmp_path, corpus):
     root, files = corpus
     cfg = make_cfg(tmp_path, source="imagefolder", path=str(root), storage_size=S, image_size=S,
                    num_classes=3, val_fraction=0.3)
-    res = run_preprocess(cfg)
+    res = run_preprocess(Run.of(cfg))
     assert res["input"] == res["written"] == 18 and res["quarantined"] == 0
     shards = str(tmp_path / "shards" / "imagefolder")
     classes = json.load(open(os.path.join(shards, "classes.json")))
@@ -74,7 +75,7 @@ def test_round_trip_uint8_exact_and_jpeg_psnr(ray_session, tmp_path, corpus):
     cfg_j = make_cfg(tmp_path, source="imagefolder", path=str(root), storage_size=S, image_size=S,
                      num_classes=3, val_fraction=0.3, storage_format="jpeg", jpeg_quality=95,
                      shards=str(tmp_path / "jpeg"))
-    run_preprocess(cfg_j)
+    run_preprocess(Run.of(cfg_j))
     jback = read_shards(str(tmp_path / "jpeg"))
     for key, (label, img, split) in back.items():
         j = jback[key][1].astype(np.float64)
@@ -87,7 +88,7 @@ def test_round_trip_uint8_exact_and_jpeg_psnr(ray_session, tmp_path, corpus):
     from vitp.data.ingest import build_eval_dataset
     rows = {}
     for split in ("train", "val"):
-        for b in build_eval_dataset(cfg, split).iter_batches(batch_size=None):
+        for b in build_eval_dataset(Run.of(cfg), split).iter_batches(batch_size=None):
             rows.update({k: (im, lab) for k, im, lab in zip(b["key"], b["image"], b["label"])})
     assert set(rows) == set(back)
     for k, (im, lab) in rows.items():
@@ -182,7 +183,7 @@ def test_same_seed_same_shards_overwrite_and_unfinished(ray_session, tmp_path):
         cfg = make_cfg(tmp_path, shards=str(tmp_path / name), synth_images_per_class=12,
                        storage_size=24, shard_mb=0.05, val_fraction=0.25)
         cfg = cfg.replace(data=__import__("dataclasses").replace(cfg.data, synth_seed=seed))
-        run_preprocess(cfg, overwrite=overwrite)
+        run_preprocess(Run.of(cfg), overwrite=overwrite)
         m = read_manifest(str(tmp_path / name))
         return m, read_shards(str(tmp_path / name))
 
@@ -207,7 +208,7 @@ def test_same_seed_same_shards_overwrite_and_unfinished(ray_session, tmp_path):
     from vitp.data.ingest import build_train_dataset
     cfg = make_cfg(tmp_path, shards=str(tmp_path / "a"))
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
-        build_train_dataset(cfg)
+        build_train_dataset(Run.of(cfg))
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not shards"):

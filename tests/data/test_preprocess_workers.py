@@ -16,6 +16,7 @@ from PIL import Image
 
 from vitp.data.commands import run_preprocess
 from vitp.data.shards import read_manifest, verify_checksums
+from vitp.config import Run
 
 from .conftest import make_cfg, read_shards, save, smooth_image
 
@@ -68,13 +69,13 @@ def test_counts_reconcile_and_shards_do_not_depend_on_workers_or_layout(ray_sess
     saved = ctx.execution_options.resource_limits
     ctx.execution_options.resource_limits = ExecutionResources(cpu=1)  # one worker at a time
     try:
-        one = run_preprocess(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
-                                      shards=str(tmp_path / "one"), **data),
+        one = run_preprocess(Run.of(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
+                                      shards=str(tmp_path / "one"), **data)),
                              rows_per_task=2, log=lambda s: None)
     finally:
         ctx.execution_options.resource_limits = saved
-    many = run_preprocess(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
-                                   shards=str(tmp_path / "many"), **data), log=lambda s: None)
+    many = run_preprocess(Run.of(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
+                                   shards=str(tmp_path / "many"), **data)), log=lambda s: None)
 
     # nothing lost: every input is written or quarantined, for the reason it has
     good = sum(1 for r in expect.values() if not r)
@@ -104,8 +105,8 @@ def test_counts_reconcile_and_shards_do_not_depend_on_workers_or_layout(ray_sess
     # the same inputs from Parquet (images read by row group, decoded before the shuffle):
     # the same rows, labels, splits and pixels
     as_parquet(corpus, tmp_path / "pq", expect)
-    pq_res = run_preprocess(make_cfg(tmp_path, source="parquet", path=str(tmp_path / "pq"),
-                                     shards=str(tmp_path / "from-pq"), **data), log=lambda s: None)
+    pq_res = run_preprocess(Run.of(make_cfg(tmp_path, source="parquet", path=str(tmp_path / "pq"),
+                                     shards=str(tmp_path / "from-pq"), **data)), log=lambda s: None)
     assert pq_res["written"] == good and pq_res["reasons"] == one["reasons"]
     back_pq = read_shards(str(tmp_path / "from-pq"))
     assert back_pq.keys() == back.keys()
@@ -123,7 +124,7 @@ def test_an_unfinished_preprocess_resumes_to_the_same_shards(ray_session, tmp_pa
 
     data = dict(storage_size=40, image_size=32, synth_classes=10, synth_images_per_class=24,
                 val_fraction=0.2, shard_mb=0.02)
-    full = run_preprocess(make_cfg(tmp_path, shards=str(tmp_path / "full"), **data), log=lambda s: None)
+    full = run_preprocess(Run.of(make_cfg(tmp_path, shards=str(tmp_path / "full"), **data)), log=lambda s: None)
     out = tmp_path / "cut"
     cfg = make_cfg(tmp_path, shards=str(out), **data)
 
@@ -132,7 +133,7 @@ def test_an_unfinished_preprocess_resumes_to_the_same_shards(ray_session, tmp_pa
 
     monkeypatch.setattr(preprocess, "_finish", driver_dies)
     with pytest.raises(KeyboardInterrupt):
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
     monkeypatch.undo()
     records = sorted((out / RECORDS).glob("*.json"))
     assert len(records) == full["shards"] >= 6 and not (out / "manifest.json").exists(), records
@@ -148,12 +149,12 @@ def test_an_unfinished_preprocess_resumes_to_the_same_shards(ray_session, tmp_pa
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         read_manifest(str(out))
     with pytest.raises(FileExistsError, match="--resume"):
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
     with pytest.raises(ValueError, match="storage_format|size"):
-        run_preprocess(make_cfg(tmp_path, shards=str(out), **{**data, "storage_size": 36}), resume=True,
+        run_preprocess(Run.of(make_cfg(tmp_path, shards=str(out), **{**data, "storage_size": 36})), resume=True,
                        log=lambda s: None)
     lines = []
-    res = run_preprocess(cfg, resume=True, log=lines.append)
+    res = run_preprocess(Run.of(cfg), resume=True, log=lines.append)
     assert any(f"resuming: {kept} shards already committed" in s for s in lines), "\n".join(lines)
     assert res["written"] == full["written"] and res["shards"] == full["shards"]
     m_full, m_res = read_manifest(str(tmp_path / "full")), read_manifest(str(out))
@@ -169,7 +170,7 @@ def test_an_unfinished_preprocess_resumes_to_the_same_shards(ray_session, tmp_pa
 def test_killed_preprocess_resumes_to_the_same_shards(ray_session, tmp_path):
     data = dict(storage_size=96, image_size=32, synth_classes=10, synth_images_per_class=60,
                 val_fraction=0.1, shard_mb=0.2)
-    full = run_preprocess(make_cfg(tmp_path, shards=str(tmp_path / "full"), **data), log=lambda s: None)
+    full = run_preprocess(Run.of(make_cfg(tmp_path, shards=str(tmp_path / "full"), **data)), log=lambda s: None)
     total = full["shards"]
     assert total >= 10
 
@@ -205,13 +206,13 @@ def test_killed_preprocess_resumes_to_the_same_shards(ray_session, tmp_path):
         read_manifest(str(out))
     cfg = make_cfg(tmp_path, shards=str(out), **data)
     with pytest.raises(FileExistsError, match="--resume"):
-        run_preprocess(cfg, log=lambda s: None)
+        run_preprocess(Run.of(cfg), log=lambda s: None)
     other = make_cfg(tmp_path, shards=str(out), **{**data, "storage_size": 64})
     with pytest.raises(ValueError, match="storage_format|size"):
-        run_preprocess(other, resume=True, log=lambda s: None)
+        run_preprocess(Run.of(other), resume=True, log=lambda s: None)
 
     lines = []
-    res = run_preprocess(cfg, resume=True, log=lines.append)
+    res = run_preprocess(Run.of(cfg), resume=True, log=lines.append)
     assert any(f"resuming: {kept} shards already committed" in s for s in lines), "\n".join(lines)
     assert res["written"] == full["written"] and res["quarantined"] == full["quarantined"] == 0
     m_full, m_res = read_manifest(str(tmp_path / "full")), read_manifest(str(out))

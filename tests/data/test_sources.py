@@ -11,6 +11,7 @@ from PIL import Image
 
 from vitp.data import catalog, sources
 from vitp.data.commands import run_preprocess, run_synth
+from vitp.config import Run
 
 from .conftest import make_cfg, read_shards, save
 
@@ -113,7 +114,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
 @pytest.mark.ray
 def test_digits_and_webdataset_preprocess(ray_session, tmp_path):
     cfg = make_cfg(tmp_path, source="digits", storage_size=16, image_size=16, val_fraction=0.2)
-    res = run_preprocess(cfg)
+    res = run_preprocess(Run.of(cfg))
     assert res["input"] == res["written"] == 1797
     assert 0.15 < res["val"] / 1797 < 0.25  # the hash split honours val_fraction
     from sklearn.datasets import load_digits
@@ -129,21 +130,21 @@ def test_digits_and_webdataset_preprocess(ray_session, tmp_path):
 @pytest.mark.ray
 def test_synth_corpus_files_then_preprocess(ray_session, tmp_path):
     cfg = make_cfg(tmp_path, synth_classes=3, synth_images_per_class=5, storage_size=24)
-    res = run_synth(cfg, out_dir=str(tmp_path / "synth"))
+    res = run_synth(Run.of(cfg), out_dir=str(tmp_path / "synth"))
     assert res["images"] == 15
     files = sorted((tmp_path / "synth").rglob("*.png"))
     assert len(files) == 15 and not list((tmp_path / "synth").rglob("*.tmp*"))
     from vitp.data.synth import render
     assert np.array_equal(np.asarray(Image.open(files[0])), render(0, 0, 0, 24))
     with pytest.raises(FileExistsError, match="--overwrite"):
-        run_synth(cfg, out_dir=str(tmp_path / "synth"))
+        run_synth(Run.of(cfg), out_dir=str(tmp_path / "synth"))
     # the same corpus read back from files equals rendering straight into shards
     a = make_cfg(tmp_path, synth_classes=3, synth_images_per_class=5, storage_size=24,
                  path=str(tmp_path / "synth"), shards=str(tmp_path / "a"), num_classes=3)
     b = make_cfg(tmp_path, synth_classes=3, synth_images_per_class=5, storage_size=24,
                  shards=str(tmp_path / "b"), num_classes=3)
-    run_preprocess(a)
-    run_preprocess(b)
+    run_preprocess(Run.of(a))
+    run_preprocess(Run.of(b))
     sa, sb = read_shards(str(tmp_path / "a")), read_shards(str(tmp_path / "b"))
     for k, (lab, img, _) in sb.items():
         assert sa[k + ".png"][0] == lab and np.array_equal(sa[k + ".png"][1], img)

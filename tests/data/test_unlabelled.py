@@ -60,7 +60,7 @@ def preprocessed(ray_session, corpus, tmp_path_factory):
     cfg = make_cfg(work, source="unlabelled", path=str(corpus), storage_size=S, image_size=S,
                    val_fraction=VAL)
     assert cfg.data.num_classes != 1  # the manifest's 1 comes from the source, not the config
-    res = run_preprocess(cfg, log=lambda _: None)
+    res = run_preprocess(Run.of(cfg), log=lambda _: None)
     return cfg, res, str(work / "shards" / "unlabelled")
 
 
@@ -115,7 +115,7 @@ def test_preprocess_labels_all_zero_splits_by_hash_corrupt_quarantined(preproces
 def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed, capsys):
     cfg, _, shards = preprocessed
     with pytest.raises(InputError, match=r"unlabelled shards .*--set train\.objective=mpp"):
-        ensure_shards(cfg, log=lambda _: None)
+        ensure_shards(Run.of(cfg), log=lambda _: None)
     # the same through `vitp pretrain`: one line on stderr, exit code 2, nothing trained
     code = cli.main(["pretrain", "debug", "--no-tracking", "--set", "data.source=unlabelled",
                      "--set", f"data.path={cfg.data.path}", "--set", f"work_dir={cfg.work_dir}"])
@@ -133,7 +133,7 @@ def test_classification_on_unlabelled_shards_is_refused_in_one_line(preprocessed
 def test_self_supervised_objective_reads_unlabelled_shards(preprocessed):
     cfg, _, shards = preprocessed
     mpp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective="mpp"))
-    assert ensure_shards(mpp, log=lambda _: None) == shards
+    assert ensure_shards(Run.of(mpp), log=lambda _: None) == shards
 
 
 @pytest.mark.ray
@@ -142,11 +142,11 @@ def test_imagefolder_on_the_same_tree_is_unchanged(ray_session, corpus, tmp_path
     non-images are inputs (quarantined), no `labelled` key, classification allowed."""
     cfg = make_cfg(tmp_path, source="imagefolder", path=str(corpus), storage_size=S, image_size=S,
                    val_fraction=VAL, num_classes=3)
-    res = run_preprocess(cfg, log=lambda _: None)
+    res = run_preprocess(Run.of(cfg), log=lambda _: None)
     # inputs: every non-hidden file; top.png and notes.txt have no class directory
     assert res["input"] == len(GOOD) + 3  # + broken.jpg, notes.txt, a/meta.json
     assert res["reasons"] == {"bad_label": 2, "not_an_image": 1, "truncated": 1}
-    m = read_manifest(ensure_shards(cfg, log=lambda _: None))
+    m = read_manifest(ensure_shards(Run.of(cfg), log=lambda _: None))
     assert "labelled" not in m and m["num_classes"] == 3
 
 
@@ -158,7 +158,7 @@ def test_unlabelled_corpus_on_s3_gives_the_same_shards(preprocessed, corpus, s3,
     assert storage.isfile(storage.join(uri, ".hidden", "skip.png"))  # uploaded, and still skipped
     cfg = make_cfg(tmp_path, source="unlabelled", path=uri, storage_size=S, image_size=S,
                    val_fraction=VAL, shards=storage.join(uri.rsplit("/", 1)[0], "shards"))
-    res = run_preprocess(cfg, log=lambda _: None)
+    res = run_preprocess(Run.of(cfg), log=lambda _: None)
     assert {k: res[k] for k in ("input", "written", "quarantined", "reasons", "train", "val")} == \
         {k: local[k] for k in ("input", "written", "quarantined", "reasons", "train", "val")}
     m, ml = read_manifest(cfg.data.shards), read_manifest(local_shards)

@@ -20,6 +20,7 @@ from vitp.data.commands import run_preprocess
 from vitp.data.decode import max_file_bytes
 from vitp.data.preprocess import process_rows
 from vitp.errors import InputError
+from vitp.config import Run
 
 from .conftest import make_cfg, save
 
@@ -338,7 +339,7 @@ def test_hostile_webdataset_through_preprocess(ray_session, tmp_path):
             add(tf, f"{key}.cls", cls)
     cfg = make_cfg(tmp_path, source="webdataset", path=str(wds), storage_size=16, image_size=16,
                    num_classes=3, val_fraction=0.0)
-    res = run_preprocess(cfg)
+    res = run_preprocess(Run.of(cfg))
     assert (res["written"], res["quarantined"], res["reasons"]) == (3, 4, {"bad_label": 4})
     out = tmp_path / "shards" / "webdataset"
     assert json.loads((out / "classes.json").read_text()) == {"0": 0, "1": 1, "2": 2}  # not 10**12 names

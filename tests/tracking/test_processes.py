@@ -1,6 +1,7 @@
 """Runs across processes: a SIGKILLed run stays RUNNING and is resumed; a fresh SQLite store opened
 by several processes at once; the default store location; tracking/ imports neither torch nor ray.
 """
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vitp.config import ConfigError, ExperimentConfig
-from vitp.tracking import RunLogger, find_runs, resolve_tracking_uri
+from vitp.config import ConfigError, ExperimentConfig, Run, absolute_paths
+from vitp.tracking import RunLogger, find_runs
+from vitp.tracking.store import get_client
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,9 +73,10 @@ def test_fresh_sqlite_default_store_opened_by_two_processes_at_once(tmp_path):
     script = textwrap.dedent("""
         import sys
         from vitp.config import ExperimentConfig
-        from vitp.tracking import RunLogger, resolve_tracking_uri
+        from vitp.tracking import RunLogger
+        from vitp.config import Run
         cfg = ExperimentConfig(work_dir=sys.argv[1])
-        with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, sys.argv[2]) as run:
+        with RunLogger.start(Run.of(cfg).tracking_uri, cfg.tracking.experiment, sys.argv[2]) as run:
             run.log_config(cfg.to_dict())
             run.log_metrics({"train/loss": 1.0}, step=0)
     """)
@@ -82,7 +85,7 @@ def test_fresh_sqlite_default_store_opened_by_two_processes_at_once(tmp_path):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
 
-    uri = resolve_tracking_uri(ExperimentConfig(work_dir=str(work)))
+    uri = Run.of(ExperimentConfig(work_dir=str(work))).tracking_uri
     assert uri == f"sqlite:///{work.resolve()}/mlflow.db" and (work / "mlflow.db").exists()
     rows = find_runs(uri, "vit-pipeline")
     assert sorted(r["run_name"] for r in rows) == ["worker-0", "worker-1"]
@@ -92,21 +95,24 @@ def test_fresh_sqlite_default_store_opened_by_two_processes_at_once(tmp_path):
     assert not (REPO / "mlruns").exists()
 
 
-def test_resolve_tracking_uri_forms(tmp_path, monkeypatch):
+def test_a_runs_tracking_uri_forms(tmp_path, monkeypatch):
+    """A Run's store, made absolute where the run was resolved; nothing is made until the store is
+    opened (get_client), which makes the folder it lives in."""
     monkeypatch.chdir(tmp_path)
-    cfg = ExperimentConfig(work_dir="rel/work")
-    assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path}/rel/work/mlflow.db"
-    assert (tmp_path / "rel/work").is_dir()
-    cfg.tracking.uri = "http://127.0.0.1:5000"
-    assert resolve_tracking_uri(cfg) == "http://127.0.0.1:5000"
-    cfg.tracking.uri = "store/runs.db"
-    assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path}/store/runs.db"
-    cfg.tracking.uri = "sqlite:///relative.db"
-    assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path}/relative.db"
-    cfg.tracking.uri = str(tmp_path / "mlruns")
-    assert resolve_tracking_uri(cfg) == (tmp_path / "mlruns").as_uri()
+
+    def uri(**tracking):
+        cfg = ExperimentConfig(work_dir="rel/work")
+        return Run.of(absolute_paths(cfg.replace(tracking=dataclasses.replace(cfg.tracking, **tracking)))).tracking_uri
+
+    assert uri() == f"sqlite:///{tmp_path}/rel/work/mlflow.db" and not (tmp_path / "rel").exists()
+    get_client(uri())
+    assert (tmp_path / "rel/work/mlflow.db").is_file()
+    assert uri(uri="http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert uri(uri="store/runs.db") == f"sqlite:///{tmp_path}/store/runs.db"
+    assert uri(uri="sqlite:///relative.db") == f"sqlite:///{tmp_path}/relative.db"
+    assert uri(uri=str(tmp_path / "mlruns")) == (tmp_path / "mlruns").as_uri()
     with pytest.raises(ConfigError, match="work_dir='s3://bucket/work'.*tracking.uri"):
-        resolve_tracking_uri(ExperimentConfig(work_dir="s3://bucket/work"))
+        Run.of(ExperimentConfig(work_dir="s3://bucket/work")).tracking_uri
 
 
 def test_tracking_imports_neither_torch_nor_ray():

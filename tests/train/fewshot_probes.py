@@ -23,12 +23,13 @@ def check_probes(cfg, summary, digits, weights_of: str = "model") -> None:
     weight EMA with weights_of="ema") and not what the same model untrained scores."""
     import torch
 
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.export import export, load_model
     from vitp.train.fewshot_features import FeatureExtractor, read_split
     from vitp.tune.fewshot_solver import fewshot_accuracy
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"  # the unreadable dataset was a warning (worker log)
     keys = {k for k in run.data.metrics if k.startswith("fewshot/")}
@@ -52,7 +53,7 @@ def check_probes(cfg, summary, digits, weights_of: str = "model") -> None:
         model = load_model(export(summary.checkpoint, tempfile.mkdtemp(prefix="ema-export-"), "ema"))
     else:
         model = load_model(summary.checkpoint)
-    train, val = (read_split(digits, split, model.image_size) for split in ("train", "val"))
+    train, val = (read_split(Run.of(digits), split, model.image_size) for split in ("train", "val"))
     extract = FeatureExtractor(model, digits.data.mean, digits.data.std, threads=torch.get_num_threads())
 
     def features(rows):  # (the model's current weights: init_weights below changes them in place)

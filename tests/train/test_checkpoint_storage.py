@@ -5,6 +5,7 @@ import pytest
 from vitp import storage
 from vitp.recipes import resolve
 from vitp.train import checkpoint as ckpt
+from vitp.config import Run
 
 
 def _write_checkpoint(root: str, step: int, world: int = 2, *, markers=None, truncate=None,
@@ -51,14 +52,14 @@ def test_completeness_on_any_storage(work_dir):
 
 def test_newest_complete_checkpoint_and_samples_consumed(work_dir):
     cfg = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r"])
-    assert ckpt.latest_complete_checkpoint(cfg) is None and ckpt.samples_consumed(cfg) == 0
-    run = ckpt.run_dir(cfg)
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)) is None and ckpt.samples_consumed(Run.of(cfg)) == 0
+    run = Run.of(cfg).dir
     assert run == storage.join(work_dir if storage.is_uri(work_dir) else storage.abspath(work_dir), "runs", "r")
     _write_checkpoint(run, 10, offset=80)
     newest_complete = _write_checkpoint(run, 20, offset=160)
     _write_checkpoint(run, 30, markers=[1])  # rank 0 died before its marker: never restored
-    assert ckpt.latest_complete_checkpoint(cfg) == newest_complete
-    assert ckpt.samples_consumed(cfg) == 20 * 8  # the newest complete one's samples_seen
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)) == newest_complete
+    assert ckpt.samples_consumed(Run.of(cfg)) == 20 * 8  # the newest complete one's samples_seen
 
 
 def test_retention_keeps_the_newest_k_and_every_mth_complete_one(work_dir):
@@ -66,18 +67,18 @@ def test_retention_keeps_the_newest_k_and_every_mth_complete_one(work_dir):
     stay; an incomplete one newer than all is neither kept nor deleted, and a resume finds step 100."""
     cfg = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r", "train.steps=200",
                             "train.checkpoint_every=10", "train.keep_checkpoints=2", "train.keep_every=5"])
-    run = ckpt.run_dir(cfg)
+    run = Run.of(cfg).dir
     for step in range(10, 101, 10):
         _write_checkpoint(run, step)
     partial = _write_checkpoint(run, 110, markers=[0])  # still uploading (or its rank 1 died)
-    gone = ckpt.retain(cfg)
+    gone = ckpt.retain(Run.of(cfg))
     assert gone == [f"checkpoint_{s:08d}" for s in (10, 20, 30, 40, 60, 70, 80)]
     left = [n for n in storage.listdir(run)]
     assert left == [f"checkpoint_{s:08d}" for s in (50, 90, 100, 110)]
-    assert ckpt.latest_complete_checkpoint(cfg) == storage.join(run, "checkpoint_00000100")
-    assert ckpt.retain(cfg) == [] and storage.exists(storage.join(partial, "meta.json"))
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)) == storage.join(run, "checkpoint_00000100")
+    assert ckpt.retain(Run.of(cfg)) == [] and storage.exists(storage.join(partial, "meta.json"))
     keep_all = resolve("debug", [f"work_dir={work_dir}", "tracking.run_name=r", "train.keep_checkpoints=0"])
-    assert ckpt.retain(keep_all) == []
+    assert ckpt.retain(Run.of(keep_all)) == []
 
 
 def test_a_checkpoints_metric_backlog_is_read_in_whole_lines_within_its_bound(work_dir):
@@ -100,7 +101,7 @@ def test_a_checkpoint_is_not_passed_over_while_the_store_is_cut_off(s3):
     caller to wait out, not read as an incomplete checkpoint (a resume would have started from an
     older one, or from step 0); once S3 is back the newest complete one is found."""
     cfg = resolve("debug", [f"work_dir={storage.join(s3.bucket(), 'vit')}", "tracking.run_name=r"])
-    newest = _write_checkpoint(ckpt.run_dir(cfg), 10)
+    newest = _write_checkpoint(Run.of(cfg).dir, 10)
     s3.proxy.cut()
     try:
         with pytest.raises(OSError) as raised:
@@ -108,4 +109,4 @@ def test_a_checkpoint_is_not_passed_over_while_the_store_is_cut_off(s3):
         assert not isinstance(raised.value, storage.NOT_TRANSIENT)
     finally:
         s3.proxy.restore()
-    assert ckpt.latest_complete_checkpoint(cfg) == newest
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)) == newest

@@ -20,6 +20,7 @@ from vitp.train import checkpoint as ckpt  # noqa: E402
 from vitp.train import restore  # noqa: E402
 from vitp.train.engine import build_ds_config, lr_multiplier, param_groups  # noqa: E402
 from vitp.train.local import launch  # noqa: E402
+from vitp.config import Run
 
 
 def test_ds_config_from_config():
@@ -154,12 +155,12 @@ def test_the_newest_complete_checkpoint_is_picked_and_each_newer_one_passed_over
     # Ray Train's own bookkeeping beside them is no checkpoint, and not worth a warning
     (tmp_path / "runs" / "r" / "checkpoint_manager_snapshot.json").write_text("{}")
     warned = []
-    got = ckpt.latest_complete_checkpoint(cfg, warn=warned.append)
+    got = ckpt.latest_complete_checkpoint(Run.of(cfg), warn=warned.append)
     assert got == str(tmp_path / "runs" / "r" / "checkpoint_00000002")
     assert [w.split(":")[0] for w in warned] == [
         f"passing over {tmp_path}/runs/r/checkpoint_{s:08d}" for s in (6, 4)], warned
     assert all("rank 0 of 1 has no completion marker" in w for w in warned)
-    assert ckpt.latest_complete_checkpoint(cfg) == got  # no callback: the same pick, quietly
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)) == got  # no callback: the same pick, quietly
 
 
 def test_marker_listing_survives_ranks_writing_markers(tmp_path):

@@ -18,16 +18,19 @@ def test_fewshot_every_is_validated():
     with pytest.raises(ConfigError, match=r"train.fewshot_datasets is empty: .*--set train.fewshot_datasets=digits"):
         resolve("debug", ["train.fewshot_every=10", "train.fewshot_datasets=[]"])
     cfg = resolve("debug", ["train.fewshot_every=10", "train.fewshot_datasets=digits,/data/shards/pets/"])
-    assert cfg.train.fewshot_datasets == ("digits", "/data/shards/pets/")
+    assert cfg.train.fewshot_datasets == ("digits", "/data/shards/pets")
     assert resolve("debug").train.fewshot_every == 0  # off unless asked for
 
 
-def test_dataset_names_and_paths():
+def test_dataset_names_and_paths(tmp_path, monkeypatch):
+    """A name is a dataset under <work_dir>/shards; a path is resolved where it was given (the probe
+    actor runs in another working directory), a URI kept."""
     from vitp.train.fewshot_probe import dataset_roots
 
-    cfg = resolve("debug", ["work_dir=/w", "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets"])
-    assert dataset_roots(cfg) == {"digits": "/w/shards/digits", "cifar10": "s3://b/shards/cifar10/",
-                                  "pets": "/x/pets"}
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve("debug", ["work_dir=/w", "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets,mine/flowers"])
+    assert dataset_roots(Run.of(cfg)) == {"digits": "/w/shards/digits", "cifar10": "s3://b/shards/cifar10/",
+                                          "pets": "/x/pets", "flowers": str(tmp_path / "mine" / "flowers")}
 
 
 @pytest.mark.ray
@@ -44,7 +47,7 @@ def test_a_probe_of_a_dataset_that_cannot_be_read_is_a_warning_and_training_goes
     cfg = resolve("debug", [f"work_dir={tmp_path}", "train.fewshot_every=10", f"train.fewshot_datasets={missing}"])
     model = build_vit(cfg.model, cfg.data.image_size)
     said = []
-    probes = FewshotProbes(cfg, SimpleNamespace(module=model), rank=0, say=said.append)
+    probes = FewshotProbes(Run.of(cfg), SimpleNamespace(module=model), rank=0, say=said.append)
     try:
         for step in (10, 20):
             probes.snapshot(step)

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards, digits_shards):
     from vitp.model.attention import mean_attention_distance
     from vitp.model.weights import read_config
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
     from vitp.train.export import export, load_model
+    from vitp.train.report import log_report
     from vitp.train.trainer import run_training
     from vitp.train.transfer import finetune_config
     from vitp.tune.fewshot import run_fewshot
@@ -26,7 +27,7 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
     pre = resolve("debug", [f"work_dir={tmp_path}", f"data.shards={debug_shards}", "model.variant=R8+pico/8",
                             "parallel.zero_stage=3", "train.steps=20", "train.checkpoint_every=0"])
     pre_summary = run_training(Run.of(pre))
-    client = get_client(resolve_tracking_uri(pre))
+    client = get_client(Run.of(pre).tracking_uri)
     loss = sorted(client.get_metric_history(pre_summary.mlflow_run_id, "train/loss"), key=lambda m: m.step)
     assert loss and all(torch.isfinite(torch.tensor(m.value)) for m in loss)
 
@@ -38,6 +39,7 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
     assert cfg.model.head == "finetune" and tags["source_image_size"] == "32"
     assert tags["source_run_id"] == pre_summary.mlflow_run_id
     summary = run_training(Run.of(cfg), extra_tags=tags)
+    log_report(Run.of(cfg), summary)  # as `vitp finetune` does after training
     assert client.get_run(summary.mlflow_run_id).data.tags["source_run_id"] == pre_summary.mlflow_run_id
     init = client.get_metric_history(summary.mlflow_run_id, "train/init_logit_absmax")
     assert [(m.step, m.value) for m in init] == [(0, 0.0)]  # zero-init head: logits exactly 0

@@ -24,7 +24,7 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
     from vitp.data.ingest import normalize, peek_rows
     from vitp.model.mpp import colour_targets
     from vitp.data.synth import render
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
     from vitp.train.trainer import run_training
     from vitp.train.transfer import finetune_config
 
@@ -39,9 +39,9 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
                             "train.log_every=10", f"train.eval_every={STEPS}", "train.checkpoint_every=0",
                             "optim.lr=0.004", "parallel.global_batch=64", "parallel.micro_batch=32"])
     assert pre.run_name.endswith("-mpp")
-    run_preprocess(pre, log=lambda s: None)
+    run_preprocess(Run.of(pre), log=lambda s: None)
     summary = run_training(Run.of(pre))
-    client = get_client(resolve_tracking_uri(pre))
+    client = get_client(Run.of(pre).tracking_uri)
     loss = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "train/loss"),
                                     key=lambda m: m.step)]
     print(f"mpp train/loss every 10 steps: {[round(v, 2) for v in loss]} (ln 512 = {math.log(512):.2f})")
@@ -49,7 +49,7 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
     assert loss[-1] < 0.5 * math.log(512), loss
     # colour top-1 of the masked val patches, against always answering the most common colour
     val = client.get_metric_history(summary.mlflow_run_id, "val/top1")[-1].value
-    rows = peek_rows(pre, "val", 1000)["image"]  # (n, 32, 32, 3) uint8, the val split
+    rows = peek_rows(Run.of(pre), "val", 1000)["image"]  # (n, 32, 32, 3) uint8, the val split
     x = normalize(torch.from_numpy(rows), pre.data.mean, pre.data.std)  # as the model sees them
     colours = colour_targets(x, 8, pre.data.mean, pre.data.std).flatten()
     majority = colours.bincount().max().item() / colours.numel()
@@ -60,7 +60,7 @@ def test_mpp_pretrains_from_an_unlabelled_folder_and_fine_tunes(tmp_path, digits
     cfg, tags = finetune_config(digits, summary.checkpoint)
     cfg = validate(cfg)
     assert cfg.train.objective == "classify" and cfg.model.head == "finetune"
-    ensure_shards(cfg, log=lambda s: None)  # the session's digits shards: nothing to do
+    ensure_shards(Run.of(cfg), log=lambda s: None)  # the session's digits shards: nothing to do
     ft = run_training(Run.of(cfg), extra_tags=tags)
     top1 = client.get_metric_history(ft.mlflow_run_id, "val/top1")[-1].value
     assert np.isfinite(top1) and top1 > 0.2, top1  # digits, chance 0.1

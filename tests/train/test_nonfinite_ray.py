@@ -4,7 +4,6 @@ in the run of tests/train/test_mlflow_outage.py; on every ZeRO stage in-process 
 tests/train/test_nonfinite.py.)"""
 import pytest
 
-from vitp.config import Run
 from vitp.recipes import resolve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
@@ -17,15 +16,17 @@ def _cfg(tmp_path, shards, *extra):
 
 
 def _history(cfg, run_id, key):
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
 
-    return sorted((m.step, m.value) for m in get_client(resolve_tracking_uri(cfg)).get_metric_history(run_id, key))
+    return sorted((m.step, m.value) for m in get_client(Run.of(cfg).tracking_uri).get_metric_history(run_id, key))
 
 
 @pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
                          "bucket")
 def test_persistent_nan_rolls_back_once_then_stops(tmp_path, shards, capfd):
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "train.nan_drill=6-16", "train.nonfinite_patience=3",
@@ -34,7 +35,7 @@ def test_persistent_nan_rolls_back_once_then_stops(tmp_path, shards, capfd):
         run_training(Run.of(cfg), with_val=False)
     text = str(failed.value) + capfd.readouterr().out
     assert "again after rolling back to the checkpoint of step 4" in text and "Likely causes" in text, text[-4000:]
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     run = client.search_runs([e.experiment_id for e in client.search_experiments()],
                              "attributes.run_name = 'nan-forever'")[0]
     assert run.info.status == "FAILED"

@@ -25,9 +25,10 @@ def _cfg(tmp_path, shards, *extra):
 
 
 def _history(cfg, run_id, key):
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
@@ -55,10 +56,10 @@ def _check_run_contract(cfg, summary, tmp_path):
     model = load_model(exported)
     out = model(torch.zeros(2, 3, 32, 32))
     from vitp import storage
-    from vitp.data.ingest import shards_dir
+    from vitp.config import Run
     from vitp.model.weights import source_info
 
-    index = storage.read_json(storage.join(shards_dir(cfg), "classes.json"))  # what preprocessing named
+    index = storage.read_json(storage.join(Run.of(cfg).shards, "classes.json"))  # what preprocessing named
     assert source_info(exported).classes == sorted(index, key=index.get)  # recorded for predict and HF
     assert out.shape == (2, 10) and torch.isfinite(out).all() and out.abs().sum() > 0
     # the same run started again: its final checkpoint is reported, nothing trains
@@ -66,13 +67,21 @@ def _check_run_contract(cfg, summary, tmp_path):
 
 
 def _analysis_was_logged(cfg, summary, tmp_path):
-    """The Figure 7 report of the final checkpoint is in the run's artifacts (`analysis/`), its
-    position-embedding correlation a metric at the last step, both from the same weights."""
+    """After the run, its own step (report.log_report, as `vitp pretrain` runs it): the Figure 7
+    report of the final checkpoint is in the run's artifacts (`analysis/`), its position-embedding
+    correlation a metric at the last step, both from the same weights; the run stays FINISHED."""
     from vitp.model.analysis import write_report
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.export import load_model
+    from vitp.train.report import log_report
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
+    assert not client.list_artifacts(summary.mlflow_run_id, "analysis")  # not the training's work
+    ended = client.get_run(summary.mlflow_run_id).info
+    log_report(Run.of(cfg), summary)
+    after = client.get_run(summary.mlflow_run_id).info
+    assert (after.status, after.end_time) == ("FINISHED", ended.end_time)
     names = sorted(a.path for a in client.list_artifacts(summary.mlflow_run_id, "analysis"))
     assert names == ["analysis/analysis.json", "analysis/attention_distance.png",
                      "analysis/patch_embed_pcs.png", "analysis/pos_embed_similarity.png"], names
@@ -88,10 +97,11 @@ def _analysis_was_logged(cfg, summary, tmp_path):
 
 
 def _rerun_of_finished_run_trains_nothing(cfg, summary, logged_steps):
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     before = client.get_run(summary.mlflow_run_id)
     for status in ("FINISHED", "KILLED"):  # KILLED: the driver died before ending the run
         if status == "KILLED":
@@ -130,10 +140,10 @@ def _wait_for_checkpoint(cfg, timeout=240, alive=lambda: True, after=0):
     committed, so waiting for one particular step could miss it on a busy host.
     """
     from vitp import storage
+    from vitp.config import Run
     from vitp.train import checkpoint as ckpt
-    from vitp.paths import RunPaths
 
-    run_dir = RunPaths.of(cfg.work_dir).run(cfg.run_name)  # a local path or a URI
+    run_dir = Run.of(cfg).dir  # a local path or a URI
     t0 = time.time()
     while time.time() - t0 < timeout and alive():
         names = storage.listdir(run_dir)
@@ -151,10 +161,10 @@ def _kill_a_worker_mid_upload(cfg, timeout=240, alive=lambda: True) -> tuple[str
     """Once a checkpoint is complete and a newer one is in the bucket but not yet (every rank's
     files, then its marker): SIGKILL a Train worker. (complete, partial) paths."""
     from vitp import storage
-    from vitp.paths import RunPaths
+    from vitp.config import Run
     from vitp.train import checkpoint as ckpt
 
-    run_dir = RunPaths.of(cfg.work_dir).run(cfg.run_name)
+    run_dir = Run.of(cfg).dir
     t0 = time.time()
     while time.time() - t0 < timeout and alive():
         names = [n for n in storage.listdir(run_dir) if ckpt.CHECKPOINT_NAME.match(n)]
@@ -288,14 +298,15 @@ def test_driver_restart_resumes_on_object_storage_and_continues(tmp_path, shards
                          "bucket")
 def test_crash_ends_mlflow_run_failed(tmp_path, shards):
     """A worker error (labels beyond the head: 10-class shards, 5-class model) fails the run."""
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     cfg = _cfg(tmp_path, shards, "model.num_classes=5", "train.max_failures=0", "train.steps=10")
     with pytest.raises(Exception) as e:
         run_training(Run.of(cfg))
     assert "out of bounds" in str(e.value) or "TrainingFailed" in type(e.value).__name__
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
@@ -323,7 +334,8 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards, workers):
     ends the run on its first attempt, max_failures notwithstanding, and the driver raises that
     InputError itself (one line from vitp); the MLflow run ends FAILED."""
     from vitp.errors import InputError
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
     from vitp.train.trainer import run_training
 
     damaged = tmp_path / "downloaded.safetensors"
@@ -336,7 +348,7 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards, workers):
     assert str(damaged) in str(e.value)
     (attempt,) = log.read_text().splitlines()  # one attempt; the ranks whose error Train had seen
     assert attempt and all(failure.endswith(":InputError") for failure in attempt.split()), attempt
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert run.info.status == "FAILED"
 
@@ -344,10 +356,10 @@ def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards, workers):
 def _samples(cfg) -> tuple[dict[tuple[int, int], list[str]], set[int]]:
     """({(rank, step): keys trained on}, steps the attempts it kept started from) from
     train.record_samples' files, followed back from the newest checkpoint's attempt."""
-    from vitp.train.checkpoint import run_dir
+    from vitp.config import Run
     from vitp.train.samples import kept_samples
 
-    kept = kept_samples(run_dir(cfg))
+    kept = kept_samples(Run.of(cfg).dir)
     assert not kept.problems, kept.problems
     return ({k: [key for key, _ in v] for k, v in kept.steps.items()},
             {a["first"] for a in kept.attempts})

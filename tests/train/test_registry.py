@@ -33,7 +33,7 @@ def test_registered_export_serves_the_model_and_names_its_run(tmp_path):
                           {"step": 20, "mlflow_run_id": run.run_id})
 
     lines = []
-    reg = register_export(export, "vit-test", log=lines.append)
+    reg = register_export(export, "vit-test", uri, log=lines.append)
     assert reg["model_uri"] == "models:/vit-test/1" and reg["run_id"] == run.run_id
     assert "models:/vit-test/1" in lines[-1]
 
@@ -54,7 +54,7 @@ def test_registered_export_serves_the_model_and_names_its_run(tmp_path):
 
     _, tags = finetune_config(with_overrides("debug_finetune"), export)
     assert tags["source_model"] == "models:/vit-test/1" and tags["source_model_id"] == reg["model_id"]
-    assert register_export(export, "vit-test")["model_uri"] == "models:/vit-test/2"  # a new version
+    assert register_export(export, "vit-test", uri)["model_uri"] == "models:/vit-test/2"  # a new version
 
     with pytest.raises(InputError, match="not an export"):
-        register_export(str(tmp_path), "vit-test")
+        register_export(str(tmp_path), "vit-test", uri)

@@ -27,9 +27,9 @@ def _param(run: Run, key: str) -> str:
 
 def _where(stored: dict[str, dict]):
     """The lookup run_to_continue makes, over planted checkpoints named by run name."""
-    def where(cfg):
-        meta = stored.get(cfg.run_name)
-        return (f"{cfg.work_dir}/runs/{cfg.run_name}/checkpoint_00000060" if meta else None), meta
+    def where(run):
+        meta = stored.get(run.name)
+        return (f"{run.dir}/checkpoint_00000060" if meta else None), meta
     return where
 
 

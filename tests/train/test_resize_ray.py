@@ -37,18 +37,19 @@ def _cfg(tmp_path, shards, stage, name, workers, pause=0):
 
 
 def _history(cfg, run_id, key):
-    from vitp.tracking.store import get_client, resolve_tracking_uri
+    from vitp.tracking.store import get_client
+    from vitp.config import Run
 
-    client = get_client(resolve_tracking_uri(cfg))
+    client = get_client(Run.of(cfg).tracking_uri)
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def _samples(cfg) -> dict[int, list[tuple[int, str]]]:
     """{step: [(epoch, key), ...] over all ranks} of what the run kept (train.record_samples)."""
-    from vitp.train.checkpoint import run_dir
+    from vitp.config import Run
     from vitp.train.samples import kept_samples
 
-    kept = kept_samples(run_dir(cfg))
+    kept = kept_samples(Run.of(cfg).dir)
     assert not kept.problems, kept.problems
     out = {}
     for (_, step), rows in sorted(kept.steps.items()):

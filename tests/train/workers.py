@@ -5,6 +5,7 @@ import torch
 
 from vitp.config import ExperimentConfig, apply_overrides
 from vitp.recipes import debug
+from vitp.config import Run
 
 
 def learnable_batches(cfg: ExperimentConfig, rank: int, world: int, steps: int, seed: int = 0):
@@ -197,7 +198,7 @@ def exploit_run(rank, world, stage, work):
         engine, _, _ = build_model_and_engine(cfg, world)
 
         def on_checkpoint(step, state, metrics):
-            ckpt.save(engine, os.path.join(ckpt.run_dir(cfg), ckpt.checkpoint_dir_name(step)), state,
+            ckpt.save(engine, os.path.join(Run.of(cfg).dir, ckpt.checkpoint_dir_name(step)), state,
                       cfg.to_dict(), mlflow_run_id=f"mlflow-{name}")
 
         run_loop(cfg, engine, learnable_batches(cfg, rank, world, 4), ckpt.TrainState(),
@@ -207,11 +208,11 @@ def exploit_run(rank, world, stage, work):
     a = train("a", ["optim.lr=0.002", "optim.weight_decay=0.05"])
     b = train("b", ["optim.lr=0.01", "optim.weight_decay=0.2", "optim.beta2=0.99"])
     torch.distributed.barrier()
-    donor = os.path.join(ckpt.run_dir(a), ckpt.checkpoint_dir_name(2))
+    donor = os.path.join(Run.of(a).dir, ckpt.checkpoint_dir_name(2))
     if rank == 0:
-        ckpt.adopt(donor, b)
+        ckpt.adopt(donor, Run.of(b))
     torch.distributed.barrier()
-    copy = ckpt.latest_complete_checkpoint(b)
+    copy = ckpt.latest_complete_checkpoint(Run.of(b))
     engine, _, _ = build_model_and_engine(b, world)
     state = restore.load(engine, copy)
     restored_step = state.step
@@ -225,4 +226,4 @@ def exploit_run(rank, world, stage, work):
         next(stream)
     run_loop(b, engine, stream, state, LoopHooks(), rank, world)
     return {"copy": copy, "donor": donor, "step": restored_step, "loaded": loaded, "followed": followed,
-            "lr_at_end": engine.get_lr()[0], "left": sorted(os.listdir(ckpt.run_dir(b)))}
+            "lr_at_end": engine.get_lr()[0], "left": sorted(os.listdir(Run.of(b).dir))}

@@ -79,7 +79,7 @@ def direct_features(model, cfg, split):
 
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=model.image_size))
     feats, labels, keys = [], [], []
-    for b in build_eval_dataset(cfg, split).iter_batches(batch_size=256, batch_format="numpy"):
+    for b in build_eval_dataset(Run.of(cfg), split).iter_batches(batch_size=256, batch_format="numpy"):
         with torch.no_grad():
             x = normalize(torch.from_numpy(np.ascontiguousarray(b["image"])))
             feats.append(model.forward_head(model.forward_features(x), pre_logits=True).numpy())
@@ -113,9 +113,9 @@ def test_ray_data_features_equal_direct_forward(digits_cfg, tmp_path):
     model = build_vit(mcfg, 32).eval()
     ref_x, ref_y, ref_k = direct_features(model, digits_cfg, "val")
     # in-memory model (object ref to the actors) and an export dir (each actor loads it)
-    got = extract_features(model, digits_cfg, "val", return_keys=True)
+    got = extract_features(model, Run.of(digits_cfg), "val", return_keys=True)
     export = save_export(model, mcfg, 32, tmp_path / "export")
-    got_path = extract_features(export, digits_cfg, "val", concurrency=2, return_keys=True)
+    got_path = extract_features(export, Run.of(digits_cfg), "val", concurrency=2, return_keys=True)
     for x, y, k in (got, got_path):
         assert x.shape == (len(ref_y), 64) and x.dtype == np.float32
         assert (k == ref_k).all() and (y == ref_y).all()
@@ -149,13 +149,14 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
     the digits *train* split only; the few-shot test split is the held-out val split."""
     from vitp.data.ingest import build_eval_dataset
     from vitp.model.vit import build_vit
-    from vitp.tracking import find_runs, resolve_tracking_uri
+    from vitp.tracking import find_runs
+    from vitp.config import Run
 
     mcfg = ModelConfig(variant="pico/8", num_classes=10, head="pretrain")
     torch.manual_seed(0)
     random_model = build_vit(mcfg, 32).eval()
-    train_rows = build_eval_dataset(dataclasses.replace(digits_cfg, data=dataclasses.replace(
-        digits_cfg.data, image_size=32)), "train").take_all()
+    train_rows = build_eval_dataset(Run.of(dataclasses.replace(digits_cfg, data=dataclasses.replace(
+        digits_cfg.data, image_size=32))), "train").take_all()
     train_rows.sort(key=lambda r: r["key"])  # rows arrive in task-completion order
     imgs = np.stack([r["image"] for r in train_rows])  # (n, 32, 32, 3) uint8
     labels = np.array([r["label"] for r in train_rows])
@@ -181,7 +182,7 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
         # same model and data; batches may be composed differently, which can move a float32
         # feature in its last bits and, rarely, one prediction
         assert out[f"fewshot/{k}shot_top1"] == pytest.approx(table["pretrained"][k], abs=1 / len(vy))
-    runs = find_runs(resolve_tracking_uri(digits_cfg), digits_cfg.tracking.experiment,
+    runs = find_runs(Run.of(digits_cfg).tracking_uri, digits_cfg.tracking.experiment,
                      f"attributes.run_name = 'fewshot-fewshot_test-pico8-synthetic-digits'")
     assert [r["run_id"] for r in runs] == [out["run_id"]]
     run = runs[0]

@@ -12,6 +12,7 @@ from vitp.train import checkpoint as ckpt
 from vitp.tune.population import (EVALUATION, LAST_EVALUATION, continue_from, evaluations, hyperband_plan,
                                   mutations, scheduler_for, search_slots)
 from vitp.tune.sweep import build_spec, trial_config, trial_run_name
+from vitp.config import Run
 
 
 def _spec(tmp_path, *sets, space=None):
@@ -140,15 +141,15 @@ def test_a_restart_from_a_pointer_rewinds_to_its_own_or_adopts_anothers(tmp_path
     cfg = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=b"], check_paths=False)
     other = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=a"], check_paths=False)
     for step in (10, 20, 30):
-        _checkpoint(ckpt.run_dir(cfg), step)
-    donor = _checkpoint(ckpt.run_dir(other), 20, world=2, run_id="mlflow-a")
+        _checkpoint(Run.of(cfg).dir, step)
+    donor = _checkpoint(Run.of(other).dir, 20, world=2, run_id="mlflow-a")
     # its own pointer (a pause): the checkpoints after it are gone, it is the newest
-    assert continue_from({"run_dir": ckpt.run_dir(cfg), "checkpoint": "checkpoint_00000020"}, cfg) is None
-    assert ckpt.latest_complete_checkpoint(cfg).endswith("/runs/b/checkpoint_00000020")
-    assert not storage.exists(storage.join(ckpt.run_dir(cfg), "checkpoint_00000030"))
+    assert continue_from({"run_dir": Run.of(cfg).dir, "checkpoint": "checkpoint_00000020"}, Run.of(cfg)) is None
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)).endswith("/runs/b/checkpoint_00000020")
+    assert not storage.exists(storage.join(Run.of(cfg).dir, "checkpoint_00000030"))
     # another run's (an exploit): it replaces this run's checkpoint of the same step, complete
-    assert continue_from({"run_dir": ckpt.run_dir(other), "checkpoint": "checkpoint_00000020"}, cfg) == donor
-    copy = ckpt.latest_complete_checkpoint(cfg)
+    assert continue_from({"run_dir": Run.of(other).dir, "checkpoint": "checkpoint_00000020"}, Run.of(cfg)) == donor
+    copy = ckpt.latest_complete_checkpoint(Run.of(cfg))
     assert copy.endswith("/runs/b/checkpoint_00000020") and ckpt.verify(copy) == (True, "complete")
     meta = ckpt.read_meta(copy)
     assert (meta["mlflow_run_id"], meta["copied_from"], meta["world_size"]) == (None, donor, 2)
@@ -156,7 +157,7 @@ def test_a_restart_from_a_pointer_rewinds_to_its_own_or_adopts_anothers(tmp_path
     assert ckpt.read_meta(donor)["mlflow_run_id"] == "mlflow-a"  # the donor is left as it was
     assert json.loads(storage.read_bytes(storage.join(copy, "complete", "rank_00000.json")))["files"][
         "meta.json"] == storage.size(storage.join(copy, "meta.json"))
-    assert storage.exists(storage.join(ckpt.run_dir(cfg), "checkpoint_00000010"))  # older ones stay
+    assert storage.exists(storage.join(Run.of(cfg).dir, "checkpoint_00000010"))  # older ones stay
 
 
 def test_a_paused_attempts_later_checkpoints_are_never_picked(tmp_path):
@@ -164,12 +165,12 @@ def test_a_paused_attempts_later_checkpoints_are_never_picked(tmp_path):
     enough to write checkpoint 30: the restarted attempt goes on from 20, and its own 30 counts."""
     cfg = resolve("debug_finetune", [f"work_dir={tmp_path}", "tracking.run_name=b"], check_paths=False)
     for step in (10, 20):
-        _checkpoint(ckpt.run_dir(cfg), step)
-    continue_from({"run_dir": ckpt.run_dir(cfg), "checkpoint": "checkpoint_00000020"}, cfg)
-    _checkpoint(ckpt.run_dir(cfg), 30, attempt="a")  # the paused attempt, after the restart began
-    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000020")
-    _checkpoint(ckpt.run_dir(cfg), 30, attempt="c")  # the restarted attempt's own
-    assert ckpt.latest_complete_checkpoint(cfg).endswith("checkpoint_00000030")
+        _checkpoint(Run.of(cfg).dir, step)
+    continue_from({"run_dir": Run.of(cfg).dir, "checkpoint": "checkpoint_00000020"}, Run.of(cfg))
+    _checkpoint(Run.of(cfg).dir, 30, attempt="a")  # the paused attempt, after the restart began
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)).endswith("checkpoint_00000020")
+    _checkpoint(Run.of(cfg).dir, 30, attempt="c")  # the restarted attempt's own
+    assert ckpt.latest_complete_checkpoint(Run.of(cfg)).endswith("checkpoint_00000030")
 
 
 def test_turns_go_to_the_lowest_trial_asking_and_come_back_when_a_lease_lapses(monkeypatch):

@@ -12,7 +12,7 @@ from vitp.model.vit import ViT
 from vitp.model.weights import write_export
 from vitp.recipes import overrides_for, resolve, with_overrides
 from vitp.train.transfer import finetune_config
-from vitp.tune.sweep import _probes, build_spec, dataset_configs, trial_config
+from vitp.tune.sweep import _probes, build_spec, dataset_runs, trial_config
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
     assert (cfg.tracking.uri, cfg.tracking.experiment) == (spec.tracking_uri, spec.experiment)
     assert tags["source_run_id"] == "r9"
     # both recipes fine-tune on the same digits shards: prepared once
-    assert [(c.recipe, c.data.source) for c in dataset_configs(spec)] == [("debug_finetune", "digits")]
+    assert [(r.cfg.recipe, r.cfg.data.source) for r in dataset_runs(spec)] == [("debug_finetune", "digits")]
 
 
 def test_build_spec_rejects_a_bad_value_or_source_before_ray(tmp_path, export_dir):
@@ -149,7 +149,7 @@ def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, expo
     names = {trial_config(spec, t)[0].tracking.run_name for t in trials}
     assert len(names) == 6  # seeds and fractions name the runs apart
     # two seeds share the fractals' 20% shards; digits has its own
-    assert [(c.recipe, c.data.train_fraction) for c in dataset_configs(spec)] == [
+    assert [(r.cfg.recipe, r.cfg.data.train_fraction) for r in dataset_runs(spec)] == [
         ("demo_fractals", 0.2), ("demo_finetune", 1.0)]
 
     with pytest.raises(ConfigError, match="also in the search space"):

@@ -139,14 +139,13 @@ def run_from(args: argparse.Namespace, check_paths: bool = True) -> Run:
     return Run.resolve(recipe_config(args), check_paths=check_paths)
 
 
-def on_ray(args: argparse.Namespace, cfg: ExperimentConfig,
-           shards_for: Iterable[ExperimentConfig] | None = None) -> None:
+def on_ray(args: argparse.Namespace, run: Run, shards_for: Iterable[Run] | None = None) -> None:
     """The prelude of every command that runs on Ray: connect to `--address` (or start a local Ray)
-    for `cfg`, then make sure the shards of `shards_for` (default: `cfg`'s own; [] for none) exist,
+    for `run`, then make sure the shards of `shards_for` (default: `run`'s own; [] for none) exist,
     preprocessed once here before any worker or trial reads them."""
     from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
     from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    connect_ray(cfg, args.address)
-    for each in [cfg] if shards_for is None else shards_for:
+    connect_ray(run.cfg, args.address)
+    for each in [run] if shards_for is None else shards_for:
         ensure_shards(each)

@@ -128,11 +128,11 @@ def _add_jobs(sub) -> Handler:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from vitp.cluster import doctor  # lazy: keeps vitp --help fast (ray, mlflow)
 
-    cfg = run_from(args, check_paths=False).cfg  # data.path may live on the cluster only
+    run = run_from(args, check_paths=False)  # data.path may live on the cluster only
     if args.min_busbw < 0 or args.min_busbw != args.min_busbw:
         raise ConfigError(f"--min-busbw {args.min_busbw}: give a bandwidth in GB/s, 0 or more (e.g. 100)")
     allreduce = args.min_busbw if (args.allreduce or args.min_busbw) else None
-    checks = doctor.run_checks(cfg, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri,
+    checks = doctor.run_checks(run, args.address, lambda c: print(c.line(), flush=True), args.job_tracking_uri,
                                allreduce)
     return doctor.exit_code(checks)
 

@@ -83,12 +83,12 @@ class Stages:
             self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
 
 
-def _start_afresh(work: str, log: Callable[[str], None]) -> None:
-    """`--fresh`: remove what an earlier demo wrote in `work`, refusing (InputError, nothing
-    deleted) a folder that holds anything else: `--work-dir ~` must not delete a home."""
-    foreign = RunPaths.of(work).foreign_entries()
+def _start_afresh(given: str, paths: RunPaths, log: Callable[[str], None]) -> None:
+    """`--fresh`: remove what an earlier demo wrote in its work_dir (`given` as --work-dir), refusing
+    (InputError, nothing deleted) a folder that holds anything else: `--work-dir ~` must not delete a home."""
+    work, foreign = paths.work_dir, paths.foreign_entries()
     if foreign:
-        raise InputError(f"--work-dir {work}: holds files a demo did not write ({', '.join(foreign[:3])}"
+        raise InputError(f"--work-dir {given}: holds files a demo did not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}); --fresh removes only a demo's own work "
                          "dir: choose another --work-dir")
     own = storage.listdir(work)
@@ -110,9 +110,10 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     from vitp.tracking.compare import compare_rows  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.seeds import aggregate_rows  # lazy: mlflow (through compare)
     from vitp.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.tracking.store import get_client, resolve_tracking_uri, ui_url  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.tracking.store import get_client, ui_url  # lazy: keeps vitp --help fast (mlflow)
     from vitp.train.export import export  # lazy: keeps vitp --help fast (torch)
     from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
+    from vitp.train.report import log_report  # lazy: keeps vitp --help fast (torch)
     from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
     from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
     from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
@@ -120,14 +121,14 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     t0, changes = time.time(), changes or {}
     mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
-    work = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
-    if fresh:
-        _start_afresh(work, log)
-    work = storage.abspath(work)
+    given = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
+    work = storage.abspath(given)
     pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
                                                       "train.objective": objective,
                                                       **(QUICK_PRETRAIN if quick else {}),
                                                       **changes.get("pretrain", {})}), check_paths=False)
+    if fresh:
+        _start_afresh(given, pre.paths, log)
     ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {}), **changes.get("finetune", {})}
     stages = Stages(6, log)
     export_dir = pre.paths.export
@@ -147,7 +148,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     def shards() -> None:
         for run in [pre, *datasets]:
-            ensure_shards(run.cfg, log=log)
+            ensure_shards(run, log=log)
 
     pc = pre.cfg
     stages.run("corpus", f"{pc.data.synth_classes} fractal classes x {pc.data.synth_images_per_class} "
@@ -156,9 +157,10 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     def pretrain() -> None:
         summary = run_training(pre)
+        log_report(pre, summary)
         export(summary.checkpoint, export_dir)
         result["pretrain_run_id"] = summary.mlflow_run_id
-        result["model"] = register_export(export_dir, MODEL_NAME + mpp, log=log)["model_uri"]
+        result["model"] = register_export(export_dir, MODEL_NAME + mpp, pre.tracking_uri, log=log)["model_uri"]
 
     stages.run("pre-training", f"{pc.model.variant} {'masked patch prediction' if mpp else 'classification'} "
                f"for {pc.train.steps} steps with DeepSpeed "
@@ -187,7 +189,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     spec = build_spec(name, datasets[0].cfg, MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
                       points=points)
-    resume = storage.exists(storage.join(pre.paths.sweep(spec.name), "tuner.pkl"))
+    resume = storage.exists(storage.join(spec.dir, "tuner.pkl"))
     sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
                        "scratch", lambda: run_sweep(spec, resume=resume, log=log))
     if sweep and sweep["failed"]:
@@ -196,7 +198,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
     result["sweep"] = sweep
 
     def report() -> dict:
-        uri = resolve_tracking_uri(datasets[0].cfg)
+        uri = datasets[0].tracking_uri
         rows = compare_rows(uri, experiment, sweep=name)
         groups = aggregate_rows([{**r, "source": source_label(r.get("source"))} for r in rows])
         curve = storage.join(work, "low_data.png")

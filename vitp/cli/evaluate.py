@@ -11,8 +11,8 @@ import sys
 
 from vitp import storage
 from vitp.cli.args import Handler, add_address, add_recipe, add_set, add_tracking, run_from, key_value, on_ray
+from vitp.config import Run, absolute_paths
 from vitp.errors import InputError
-from vitp.paths import RunPaths
 from vitp.model.weights import IMPORT_FORMATS  # torch-free: the importer's own --format names
 
 
@@ -25,7 +25,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     check_source(args.source)  # before Ray starts: a wrong --from fails once, here
     from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
 
-    on_ray(args, run.cfg)
+    on_ray(args, run)
     result = run_fewshot(run, args.source, tracking=not args.no_tracking)
     for key, value in result.items():
         if key.startswith("fewshot/"):
@@ -181,7 +181,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _check_image(path)
     images = None
     if args.images > 0 and not args.image:  # the first held-out rows of the run's own shards
-        images = _shard_images(read_config(args.checkpoint), args.images)
+        images = _shard_images(Run.of(absolute_paths(read_config(args.checkpoint))), args.images)
     model = load_model(args.checkpoint)
     if args.image:
         images = np.stack([_read_image(p, model.image_size)[1] for p in args.image])  # (n, S, S, 3)
@@ -194,15 +194,15 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shard_images(cfg, count: int):
+def _shard_images(run: Run, count: int):
     """The first `count` rows of the val split (else train) of the shards the model was trained
     on; None, with a note, where there are none (an imported model, or shards since removed)."""
-    from vitp.data.ingest import peek_rows, shards_dir  # lazy: keeps vitp --help fast (pyarrow)
+    from vitp.data.ingest import peek_rows  # lazy: keeps vitp --help fast (pyarrow)
 
-    root = shards_dir(cfg)
+    root = run.shards
     if storage.exists(storage.join(root, "manifest.json")):
         try:
-            return peek_rows(cfg, ("val", "train"), count)["image"]
+            return peek_rows(run, ("val", "train"), count)["image"]
         except InputError:
             pass
     print(f"no images for the attention distances: no shards at {root} (give --image FILE ...)")
@@ -238,13 +238,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vitp.tracking.plots import log_plot_to_parent, plot_compare  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tracking.search_curve import (compare_url, plot_search, search_plot_path, summary_lines,  # lazy (mlflow)
                                             swept_keys)
-    from vitp.tracking.store import resolve_tracking_uri  # lazy: keeps vitp --help fast (mlflow)
 
-    # --tracking-uri, else the recipe's default store (sqlite in its work_dir)
-    cfg = None if args.tracking_uri else run_from(args, check_paths=False).cfg
-    if cfg and not cfg.tracking.uri and not storage.is_uri(cfg.work_dir):  # the default store: read, never made
-        _require_store(f"sqlite:///{RunPaths.of(cfg.work_dir).mlflow_db()}")
-    uri = args.tracking_uri or resolve_tracking_uri(cfg)
+    # --tracking-uri, else the recipe's default store (sqlite in its work_dir): read, never made
+    uri = args.tracking_uri or run_from(args, check_paths=False).tracking_uri
     _require_store(uri)
     _mark_stale(uri, args.experiment, args.stale_after)
     rows = compare_rows(uri, args.experiment, sweep=args.sweep, tags=dict(args.tag), filter_string=args.filter)

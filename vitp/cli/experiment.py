@@ -12,7 +12,7 @@ import sys
 from vitp import recipes
 from vitp.cli.args import (Handler, add_address, add_recipe, add_tracking, run_from, on_ray, positive,
                            recipe_config, typed_changes)
-from vitp.config import ExperimentConfig, Run, parse_value, set_values, validate
+from vitp.config import ExperimentConfig, Run, absolute_paths, parse_value, set_values, validate
 from vitp.config.files import recipe_label
 from vitp.config.keydoc import key_table
 from vitp.errors import ConfigError, InputError
@@ -185,9 +185,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     run = run_from(args)  # a bad recipe or value is refused before ray and pyarrow load
     from vitp.data.commands import check_synth_output, run_synth  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    check_synth_output(run.cfg, args.out, args.overwrite)  # refused before Ray starts
-    on_ray(args, run.cfg, shards_for=[])
-    run_synth(run.cfg, out_dir=args.out, overwrite=args.overwrite)
+    check_synth_output(run, args.out, args.overwrite)  # refused before Ray starts
+    on_ray(args, run, shards_for=[])
+    run_synth(run, out_dir=args.out, overwrite=args.overwrite)
     return 0
 
 
@@ -206,8 +206,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     run = run_from(args)
     from vitp.data.commands import run_preprocess  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    on_ray(args, run.cfg, shards_for=[])
-    summary = run_preprocess(run.cfg, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
+    on_ray(args, run, shards_for=[])
+    summary = run_preprocess(run, overwrite=args.overwrite, resume=args.resume, out_dir=args.out)
     return 0 if summary.get("written", 0) > 0 else 1
 
 
@@ -228,10 +228,12 @@ def _add_preprocess(sub) -> Handler:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     run = run_from(args)  # a bad recipe or value is refused before torch and ray load (seconds)
-    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.train.report import log_report  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.train.trainer import run_training
 
-    on_ray(args, run.cfg)
+    on_ray(args, run)
     summary = run_training(run, tracking=not args.no_tracking)
+    log_report(run, summary)
     _print_summary(summary, ("train/loss",))
     print(f"  export:     vitp export {summary.checkpoint}")
     return 0
@@ -259,10 +261,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     user_keys = [item.partition("=")[0].strip() for item in args.overrides]  # --set model.* wins
     cfg, tags = finetune_config(recipe_config(args), args.source, user_keys=user_keys)
     run = Run.resolve(cfg)
-    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.train.report import log_report  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.train.trainer import run_training
 
-    on_ray(args, run.cfg)
+    on_ray(args, run)
     summary = run_training(run, tracking=not args.no_tracking, extra_tags=tags)
+    log_report(run, summary)
     _print_summary(summary, ("val/top1", "val/loss"))
     return 0
 
@@ -287,7 +291,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       typed_changes(args))
     from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tune.space import is_expression
-    from vitp.tune.sweep import AXES, build_spec, dataset_configs, run_sweep  # lazy: keeps vitp --help fast (ray)
+    from vitp.tune.sweep import AXES, build_spec, dataset_runs, run_sweep  # lazy: keeps vitp --help fast (ray)
 
     space: dict = {}
     for item in args.space:
@@ -302,7 +306,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = build_spec(name, base, args.recipe, args.overrides, changes=typed_changes(args),
                       recipes=args.datasets.split(",") if args.datasets else None,
                       sources=args.sources or None, extra_space=space)
-    on_ray(args, base, shards_for=dataset_configs(spec))  # shards once, before trials race for them
+    runs = dataset_runs(spec)
+    on_ray(args, runs[0], shards_for=runs)  # shards once, before trials race for them
     summary = run_sweep(spec, resume=args.resume)
     print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
     for dataset, best in summary["best"].items():
@@ -355,7 +360,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.register:
         from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
 
-        reg = register_export(out, args.register, tracking_uri=args.tracking_uri)
+        from vitp.model.weights import read_config
+
+        # --tracking-uri, else the store of the run that trained it
+        uri = args.tracking_uri or Run.of(absolute_paths(read_config(out))).tracking_uri
+        reg = register_export(out, args.register, uri)
         print(f"registered {reg['model_uri']}; fine-tunes from {out} record it as their source_model")
     return 0
 

@@ -23,6 +23,7 @@ from vitp import storage
 from vitp.cluster.checks import EXIT_FAILED, Check, exit_code, first_line, timed  # noqa: F401 - exit_code: cli
 from vitp.cluster.doctor_mlflow import check_mlflow
 from vitp.cluster.jobspec import DRIVER_RESOURCE
+from vitp.config import Run
 from vitp.errors import ClusterError
 
 PROBE_DIR = ".vitp-doctor"
@@ -295,10 +296,9 @@ def check_storage(root: str, cluster: Cluster | None, emit: Callable[[Check], No
 
 
 # ------------------------------------------------------------------------------ 3. MLflow, 4. shards
-def check_data(cfg) -> Check:
+def check_data(run: Run) -> Check:
     """The shards the recipe trains on are finished (manifest.json present)."""
-    from vitp.data.ingest import shards_dir  # lazy: numpy, pyarrow
-    root = shards_dir(cfg)
+    cfg, root = run.cfg, run.shards
     if storage.isfile(manifest := storage.join(root, "manifest.json")):
         counts = storage.read_json(manifest).get("counts", {})
         return Check("data", True, f"shards at {root} ({', '.join(f'{k} {v}' for k, v in counts.items())})")
@@ -310,11 +310,12 @@ def check_data(cfg) -> Check:
                  "cluster: vitp submit jobs/preprocess_*.yaml), or set data.shards to existing shards")
 
 
-def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri: str | None = None,
+def run_checks(run: Run, address: str | None, emit: Callable[[Check], None], job_uri: str | None = None,
                allreduce: float | None = None) -> list[Check]:
     """Every check in order, each line passed to `emit` as soon as it is known; with `allreduce` (the
     least bus bandwidth in GB/s to accept, 0: any) also the Train gang's all-reduce (allreduce.py)."""
     from vitp.cluster.jobs import jobs_address  # lazy: mlflow, via redaction
+    cfg = run.cfg
     # MLflow retries a dead server for minutes (here: once, 20 s a request) and prints "View run" lines.
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20", **os.environ,
                        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"})
@@ -325,16 +326,16 @@ def run_checks(cfg, address: str | None, emit: Callable[[Check], None], job_uri:
                     _join(address, cfg, found), TIMEOUTS["cluster"],
                     "check --address and that the head is up")]
     emit(checks[0])
-    job_uri = job_tracking_uri(cfg, job_uri)
+    job_uri = job_tracking_uri(run, job_uri)
     tracking: dict = {}
     checks += check_storage(cfg.work_dir, found[0] if checks[0].ok and found else None, emit, job_uri, tracking)
     if allreduce is not None:
         checks.append(_allreduce_line(cfg, found[0] if checks[0].ok and found else None, allreduce))
         emit(checks[-1])
-    later = [("mlflow", lambda: check_mlflow(cfg), "check --tracking-uri and the server's log")]
+    later = [("mlflow", lambda: check_mlflow(run), "check --tracking-uri and the server's log")]
     if job_uri:
         later.append(("mlflow from cluster", lambda: _tracking_line(job_uri, tracking), JOB_URI_FIX))
-    later.append(("data", lambda: check_data(cfg), f"check data.shards / work_dir={cfg.work_dir}"))
+    later.append(("data", lambda: check_data(run), f"check data.shards / work_dir={cfg.work_dir}"))
     for name, fn, fix in later:
         checks.append(timed(name, fn, TIMEOUTS[name], fix))
         emit(checks[-1])
@@ -358,14 +359,13 @@ JOB_URI_FIX = ("pass --job-tracking-uri (or export VITP_JOB_TRACKING_URI) with t
                "MLFLOW_TRACKING_URI stays what this machine uses (a port-forward)")
 
 
-def job_tracking_uri(cfg, given: str | None) -> str:
+def job_tracking_uri(run: Run, given: str | None) -> str:
     """The MLflow address the jobs use: `given` (--job-tracking-uri, default $VITP_JOB_TRACKING_URI),
     else this machine's when it is a server's (jobs on the cluster cannot read a local SQLite file)."""
-    from vitp.tracking.store import resolve_tracking_uri  # lazy: mlflow
     if given:
         return given
     with contextlib.suppress(Exception):  # the mlflow check says what is wrong with it
-        uri = resolve_tracking_uri(cfg)
+        uri = run.tracking_uri
         return uri if urlsplit(uri).scheme in ("http", "https") else ""
     return ""
 

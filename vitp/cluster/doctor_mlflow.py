@@ -9,6 +9,7 @@ import os
 import uuid
 
 from vitp.cluster.checks import Check, first_line
+from vitp.config import Run
 from vitp.errors import ConfigError
 
 
@@ -44,16 +45,17 @@ def _delete_artifacts(artifact_uri: str, tracking_uri: str) -> bool:
         return False
 
 
-def check_mlflow(cfg) -> Check:
+def check_mlflow(run: Run) -> Check:
     """Log a run as training would (a param, a metric, an artifact), then delete its artifact and the
     run. In the run's experiment when it exists; else in a temporary experiment deleted afterwards, so
     the doctor creates nothing a user sees (deleted runs and experiments go with `mlflow gc`)."""
     from mlflow.exceptions import MlflowException  # lazy: mlflow
 
     from vitp.tracking.redact import redact_text
-    from vitp.tracking.store import get_client, get_or_create_experiment, resolve_tracking_uri
+    from vitp.tracking.store import get_client, get_or_create_experiment
+    cfg = run.cfg
     try:
-        uri = resolve_tracking_uri(cfg)
+        uri = run.tracking_uri
     except ConfigError:
         return Check("mlflow", False, f"work_dir={cfg.work_dir} is object storage and no tracking URI is set",
                      "pass --tracking-uri http://<mlflow-server>:5000 (or --set tracking.uri=...; "

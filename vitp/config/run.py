@@ -1,17 +1,18 @@
-"""Run: one experiment resolved once, at the edge where the user's working directory is known: the
-validated config with local paths absolute, and the RunPaths of its work_dir. Training, sweeps, few-shot,
-the demo and the Train workers take a Run, so none of them validates or re-absolutises again.
+"""Run: one experiment resolved once, where the user's working directory is known: the validated
+config with local paths absolute, and where its things live (checkpoints, shards, MLflow store). The
+driver, workers, trials, few-shot and the demo take a Run: none validates or derives a place again.
 Must not import torch or ray.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping
 
 from .. import storage
 from ..errors import ConfigError
-from ..paths import RunPaths
+from ..paths import RunPaths, store_uri
 from .schema import ExperimentConfig
 from .validate import validate
 
@@ -63,3 +64,33 @@ class Run:
     def dir(self) -> str:
         """This run's checkpoints: <work_dir>/runs/<run name>."""
         return self.paths.run(self.cfg.run_name)
+
+    @cached_property
+    def shards(self) -> str:
+        """Where its shards live: data.shards, or <work_dir>/shards/<shards_name>."""
+        return self.cfg.data.shards or self.paths.shards(shards_name(self.cfg))
+
+    @cached_property
+    def tracking_uri(self) -> str:
+        """Its MLflow store as MLflow wants it: tracking.uri (server URL, database URI or path), else
+        sqlite:///<work_dir>/mlflow.db (a ConfigError where work_dir is object storage). Nothing is
+        made here: a store's folder is made where it is opened (tracking.store.get_client)."""
+        uri = self.cfg.tracking.uri
+        return store_uri(uri) if uri else f"sqlite:///{self.paths.mlflow_db()}"
+
+    def sweep(self, name: str) -> str:
+        """Sweep `name`'s Tune state: <work_dir>/sweeps/<name>."""
+        return self.paths.sweep(name)
+
+
+def shards_name(cfg: ExperimentConfig) -> str:
+    """The dataset and the part of its train split a run reads: `<dataset_name>[-trainF]`."""
+    fraction = cfg.data.train_fraction
+    return dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else "")
+
+
+def dataset_name(cfg: ExperimentConfig) -> str:
+    """The `dataset` a run is tagged with: the source, plus the corpus seed of a synthetic one
+    (another seed is another set of classes)."""
+    d = cfg.data
+    return d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")

@@ -41,11 +41,14 @@ def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     """Local relative paths made absolute against the current directory (URIs untouched).
 
     Ray workers run in their own working directories, so the driver resolves paths once.
-    `storage.abspath` leaves "" (unset) and "scratch" alone too."""
+    `storage.abspath` leaves "" (unset) and "scratch" alone too; a few-shot dataset given by
+    name (no "/") stays a name under <work_dir>/shards."""
+    t = cfg.train
     return dataclasses.replace(
         cfg, work_dir=abspath(cfg.work_dir),
         data=dataclasses.replace(cfg.data, path=abspath(cfg.data.path), shards=abspath(cfg.data.shards)),
-        train=dataclasses.replace(cfg.train, init_from=abspath(cfg.train.init_from)),
+        train=dataclasses.replace(t, init_from=abspath(t.init_from), fewshot_datasets=tuple(
+            abspath(e.strip()) if "/" in e else e for e in t.fewshot_datasets)),
     )
 
 

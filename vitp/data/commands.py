@@ -1,5 +1,5 @@
-"""What `vitp synth` / `vitp preprocess` call, and `ensure_shards` before training: config in,
-files out, a summary dict back.
+"""What `vitp synth` / `vitp preprocess` call, and `ensure_shards` before training: a Run in (its
+config and where its corpus and shards go), files out, a summary dict back.
 
 Owns mapping the config onto the source listing, the synthetic renderer and the shard writer,
 and the progress/summary lines. Must not parse CLI arguments or touch models.
@@ -13,10 +13,9 @@ from .. import storage
 from ..storage import through_outages
 from ..console import get_logger
 from ..errors import InputError
-from ..paths import RunPaths
+from ..config import Run
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
-from .ingest import shards_dir
 from .preprocess import preprocess
 from .catalog import plan_source
 from .synth import foreign_files, generate_corpus
@@ -24,10 +23,10 @@ from .synth import foreign_files, generate_corpus
 _log = get_logger(__name__)
 
 
-def check_synth_output(cfg, out_dir: Optional[str] = None, overwrite: bool = False) -> str:
+def check_synth_output(run: Run, out_dir: Optional[str] = None, overwrite: bool = False) -> str:
     """The corpus folder `vitp synth` writes (default <work_dir>/synth), once it is known to be
     empty or, with `overwrite`, to hold only an earlier corpus: FileExistsError otherwise."""
-    out = out_dir or RunPaths.of(cfg.work_dir).synth
+    out = out_dir or run.paths.synth
     if storage.listdir(out):
         foreign = foreign_files(out)
         if foreign:  # `--out ~ --overwrite` must not delete a home directory
@@ -40,12 +39,12 @@ def check_synth_output(cfg, out_dir: Optional[str] = None, overwrite: bool = Fal
     return out
 
 
-def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
+def run_synth(run: Run, out_dir: Optional[str] = None, overwrite: bool = False,
               log: Callable[[str], None] = _log.info) -> dict:
-    """Render cfg.data.synth_classes x synth_images_per_class fractals at cfg.data.storage_size
-    into an ImageFolder tree (default <work_dir>/synth), seeded by cfg.data.synth_seed."""
-    d = cfg.data
-    out = check_synth_output(cfg, out_dir, overwrite)
+    """Render data.synth_classes x synth_images_per_class fractals at data.storage_size into an
+    ImageFolder tree (default <work_dir>/synth), seeded by data.synth_seed."""
+    d = run.cfg.data
+    out = check_synth_output(run, out_dir, overwrite)
     for name in storage.listdir(out):  # an earlier corpus's class folders, each only rendered images
         storage.rmtree(storage.join(out, name), out)
     t0 = time.time()
@@ -60,14 +59,15 @@ def run_synth(cfg, out_dir: Optional[str] = None, overwrite: bool = False,
     return res
 
 
-def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
+def run_preprocess(run: Run, overwrite: bool = False, out_dir: Optional[str] = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False,
                    rows_per_task: int = 128, log: Callable[[str], None] = _log.info) -> dict:
-    """Source (cfg.data.source, cfg.data.path) -> shards at shards_dir(cfg); returns the summary
+    """Source (data.source, data.path) -> shards at run.shards (or `out_dir`); returns the summary
     dict (input, written, quarantined, reasons, shards, bytes, images_per_sec) and prints it.
     resume=True finishes an unfinished run there, writing only the shards it lacks."""
+    cfg = run.cfg
     d = cfg.data
-    out = out_dir or shards_dir(cfg)
+    out = out_dir or run.shards
     t0 = time.time()
     plan = plan_source(d.source, d.path, synth_classes=d.synth_classes,
                        synth_images_per_class=d.synth_images_per_class, seed=d.synth_seed,
@@ -91,11 +91,11 @@ def run_preprocess(cfg, overwrite: bool = False, out_dir: Optional[str] = None,
         manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
 
 
-def ensure_shards(cfg, log: Callable[[str], None] = _log.info) -> str:
-    """Shards for `cfg` exist (manifest present) or, for the corpora that need no files
+def ensure_shards(run: Run, log: Callable[[str], None] = _log.info) -> str:
+    """Shards for `run` exist (manifest present) or, for the corpora that need no files
     (synthetic fractals, scikit-learn's digits), are made now; unlabelled shards only for a
     self-supervised objective (`require_labels`); every listed shard present (`check_shard_files`)."""
-    root = shards_dir(cfg)
+    cfg, root = run.cfg, run.shards
 
     def check() -> None:
         manifest = sh.read_manifest(root)
@@ -112,7 +112,7 @@ def ensure_shards(cfg, log: Callable[[str], None] = _log.info) -> str:
                 f"`vitp preprocess {cfg.recipe}` first (or set data.shards to existing shards)"
             ) from None
     log(f"[{cfg.run_name}] no shards at {root}: preprocessing the bundled {cfg.data.source} corpus")
-    run_preprocess(cfg, overwrite=False, log=log)
+    run_preprocess(run, overwrite=False, log=log)
     return root
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..config import Run
 from ..config.augreg import randaug_of
 from ..errors import InputError
-from ..paths import RunPaths
 from ..storage import is_uri, join, open_input
 from . import shards as sh
 from .position import RankStream, Segment, current_segment, with_world
@@ -23,28 +23,9 @@ from .augment import augment_rows
 from .decode import decode_stored, resize_center_crop
 
 
-def shards_dir(cfg) -> str:
-    """Where `cfg`'s shards live: data.shards, or <work_dir>/shards/<source>[-seedN][-trainF]
-    (a fractal corpus of another seed, a subset of the train split)."""
-    return cfg.data.shards or RunPaths.of(cfg.work_dir).shards(shards_name(cfg))
-
-
-def shards_name(cfg) -> str:
-    """The dataset and the part of its train split a run reads: `<dataset_name>[-trainF]`."""
-    fraction = cfg.data.train_fraction
-    return dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else "")
-
-
-def dataset_name(cfg) -> str:
-    """The `dataset` a run is tagged with: the source, plus the corpus seed of a synthetic one
-    (another seed is another set of classes)."""
-    d = cfg.data
-    return d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")
-
-
-def train_rows_per_epoch(cfg) -> int:
+def train_rows_per_epoch(run: Run) -> int:
     """Training images per epoch, from the shards' manifest."""
-    return int(sh.read_manifest(shards_dir(cfg))["counts"]["train"])
+    return int(sh.read_manifest(run.shards)["counts"]["train"])
 
 
 # A read unit is (shard path, first row, stop row): up to UNIT_ROWS consecutive rows of one
@@ -139,11 +120,11 @@ class UnitReader:
             yield rows
 
 
-def peek_rows(cfg, split: str | tuple[str, ...] = "val", count: int = 4) -> dict:
+def peek_rows(run: Run, split: str | tuple[str, ...] = "val", count: int = 4) -> dict:
     """The first `count` rows of `split` (or of the first of several that has rows), read straight
     from its first shard (no Ray, for a few pictures): {"stored": [(h, w, 3) uint8 as stored],
     "image": (n, S, S, 3) uint8 as evaluation sees them, "label": (n,) int64}."""
-    root = shards_dir(cfg)
+    root = run.shards
     manifest = sh.read_manifest(root)
     splits = (split,) if isinstance(split, str) else split
     units = next((u for s in splits if (u := plan_units(root, s, manifest, unit_rows=count))), [])
@@ -153,7 +134,7 @@ def peek_rows(cfg, split: str | tuple[str, ...] = "val", count: int = 4) -> dict
     rows = _read_unit(units[0], fmt)
     stored = [decode_stored(rows["image"][i], int(rows["height"][i]), int(rows["width"][i]), fmt)
               for i in range(len(rows["key"]))]
-    return {"stored": stored, "image": np.stack([resize_center_crop(s, cfg.data.image_size) for s in stored]),
+    return {"stored": stored, "image": np.stack([resize_center_crop(s, run.cfg.data.image_size) for s in stored]),
             "label": np.asarray(rows["label"], dtype=np.int64)}
 
 
@@ -179,13 +160,13 @@ def epochs_needed(rows_per_epoch: int, steps: int, global_batch: int) -> int:
     return max(1, math.ceil(steps * global_batch / max(rows_per_epoch, 1)))
 
 
-def _stream(cfg, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
+def _stream(run: Run, split: str, start_epoch: int, num_epochs: Optional[int], train: bool,
             unit_rows: Optional[int], start_offset: int = 0, rank: int = 0, world: int = 1,
             consumed: Optional[int] = None, resume: Optional[dict] = None):
-    import ray  # lazy: ray (shards_dir / normalize are used without it)
+    import ray  # lazy: ray (peek_rows / normalize are used without it)
 
+    cfg, root = run.cfg, run.shards
     d = cfg.data
-    root = shards_dir(cfg)
     manifest = sh.read_manifest(root)
     rows_per_epoch = manifest["counts"][split]
     if resume and resume.get("unit_rows"):
@@ -237,7 +218,7 @@ TASK_ROWS = 2048
 def num_read_tasks(total_slots: int, unit_rows: int) -> int:
     """Ray tasks for a stream of `total_slots` units: about TASK_ROWS rows each, but at least
     two per cluster CPU while there are slots for them, and at most 20,000."""
-    import ray  # lazy: ray (shards_dir / normalize are used without it)
+    import ray  # lazy: ray (peek_rows / normalize are used without it)
 
     per_task = max(1, TASK_ROWS // max(unit_rows, 1))
     tasks = -(-total_slots // per_task)
@@ -245,7 +226,7 @@ def num_read_tasks(total_slots: int, unit_rows: int) -> int:
     return max(1, min(total_slots, 20_000, max(tasks, 2 * cpus)))
 
 
-def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = None,
+def build_train_dataset(run: Run, start_epoch: int = 0, num_epochs: Optional[int] = None,
                         unit_rows: Optional[int] = None, start_offset: int = 0, rank: int = 0,
                         world: int = 1, consumed: Optional[int] = None, resume: Optional[dict] = None):
     """The training stream of rank `rank` of `world` (each rank its own disjoint share of every
@@ -258,14 +239,14 @@ def build_train_dataset(cfg, start_epoch: int = 0, num_epochs: Optional[int] = N
     num_epochs covers train.steps x parallel.global_batch rows. Training hands rank r its
     stream through RankStreams (vitp.train.streams).
     """
-    return _stream(cfg, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
+    return _stream(run, "train", start_epoch, num_epochs, train=True, unit_rows=unit_rows,
                    start_offset=start_offset, rank=rank, world=world, consumed=consumed,
                    resume=resume)
 
 
-def build_eval_dataset(cfg, split: str = "val", unit_rows: Optional[int] = UNIT_ROWS):
+def build_eval_dataset(run: Run, split: str = "val", unit_rows: Optional[int] = UNIT_ROWS):
     """Eval rows: resize + centre crop to S, shard order, no randomness; same columns (epoch 0)."""
-    return _stream(cfg, split, 0, 1, train=False, unit_rows=unit_rows)
+    return _stream(run, split, 0, 1, train=False, unit_rows=unit_rows)
 
 
 # ------------------------------------------------------------------------- on the device

@@ -18,7 +18,7 @@ _WHERE = {
     "ServerHandle": "server", "start_server": "server",
     "StaleRun": "stale", "mark_stale_runs": "stale",
     "PARENT_TAG": "store", "TrackingError": "store", "get_client": "store",
-    "get_or_create_experiment": "store", "resolve_tracking_uri": "store",
+    "get_or_create_experiment": "store",
     "through_mlflow_outages": "store",
 }
 

@@ -16,7 +16,7 @@ from .. import storage
 from ..config import ExperimentConfig
 from ..console import get_logger, quiet_output
 from ..names import check_name
-from .store import get_client, get_or_create_experiment, resolve_tracking_uri
+from .store import get_client, get_or_create_experiment
 from .values import params_for_mlflow
 
 _log = get_logger(__name__)
@@ -31,13 +31,13 @@ def _signature(image_size: int, classes: int):
 
 
 def register_model(export_dir: str, name: str, cfg: ExperimentConfig, python_model: Any, *, step: int,
-                   mlflow_run_id: str | None, tracking_uri: str | None = None,
+                   mlflow_run_id: str | None, tracking_uri: str,
                    log: Callable[[str], None] = _log.info) -> dict[str, Any]:
     """Log `export_dir` (its files the model's artifact "export") through `python_model` as a
-    model of run `mlflow_run_id` (when that run is in the store) and register it under `name`;
-    returns {name, version, model_id, model_uri, run_id}."""
+    model of run `mlflow_run_id` (when that run is in the store at `tracking_uri`) and register it
+    under `name`; returns {name, version, model_id, model_uri, run_id}."""
     check_name("--register", name)
-    uri = tracking_uri or resolve_tracking_uri(cfg)
+    uri = tracking_uri
     client = get_client(uri)
     run = None
     if mlflow_run_id:

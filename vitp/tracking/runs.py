@@ -147,6 +147,12 @@ class RunLogger:
         return logger._attach_spool(background, timeout_s, spool_dir, heartbeat_s, spool_max_mb, known=last_steps)
 
     @classmethod
+    def existing(cls, tracking_uri: str, run_id: str) -> "RunLogger":
+        """A logger that writes straight to the run `run_id` and leaves its status and attempt alone
+        (what is added to a run after it ended: the post-training report)."""
+        return cls(get_client(tracking_uri), run_id, "", "", True, {})
+
+    @classmethod
     def attach(cls, tracking_uri: str, run_id: str, *, timeout_s: float = 5.0, spool_dir: str | os.PathLike | None = None,
                heartbeat_s: float = 30.0, spool_max_mb: float = SPOOL_MAX_MB) -> "RunLogger":
         """A background logger (see start) for a run another process opened (the Train driver's); no

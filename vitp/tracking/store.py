@@ -9,18 +9,15 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from vitp.errors import UserError
-from vitp.paths import RunPaths
+from vitp.paths import store_uri
 from vitp.tracking.redact import redact_message
 from vitp.tracking.secret_values import add_uri_passwords
-
-if TYPE_CHECKING:
-    from vitp.config import ExperimentConfig
 
 try:
     import fcntl
@@ -39,37 +36,15 @@ class TrackingError(UserError, RuntimeError):
 # Store URI and client
 # --------------------------------------------------------------------------------------
 
-# MLflow store URIs have forms of their own ("databricks", "file:"), hence a regex of our own here.
-_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
 
 def normalise_uri(uri: str) -> str:
-    """A store URI as MLflow wants it: plain paths become sqlite (".db") or file stores, absolute."""
-    if _URI_SCHEME.match(uri) or uri.startswith(("file:", "databricks")):
-        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-            # sqlite:///rel.db is relative to the cwd of whichever process opens it; pin it.
-            path = Path(uri[len("sqlite:///"):]).expanduser().resolve()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return f"sqlite:///{path}"
-        if uri.startswith("sqlite:////"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        return uri
-    path = Path(uri).expanduser().resolve()
-    if path.suffix in (".db", ".sqlite", ".sqlite3"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
-    # A directory: MLflow's file store (kept for existing ./mlruns trees).
-    path.mkdir(parents=True, exist_ok=True)
-    return path.as_uri()
-
-
-def resolve_tracking_uri(cfg: "ExperimentConfig") -> str:
-    """cfg.tracking.uri (server URL, DB URI or path), else sqlite:///<abs work_dir>/mlflow.db."""
-    if cfg.tracking.uri:
-        return normalise_uri(cfg.tracking.uri)
-    db = RunPaths.of(cfg.work_dir).mlflow_db()  # a ConfigError where work_dir is object storage
-    db.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{db}"
+    """A store URI as MLflow wants it (paths.store_uri), with the folder a local store lives in made."""
+    out = store_uri(uri)
+    if out.startswith("sqlite:///"):
+        Path(out[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    elif out.startswith("file://") and not uri.startswith("file:"):  # a plain directory path
+        Path(uri).expanduser().resolve().mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _sqlite_path(uri: str) -> Path | None:

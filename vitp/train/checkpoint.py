@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ExperimentConfig
+from ..config import Run
 from ..console import get_logger
-from ..paths import RunPaths
 from ..tracking.redact import redact
 from .. import storage
 from ..storage import join
@@ -193,15 +192,11 @@ def read_meta(directory: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- run directory
 
 
-def run_dir(cfg: ExperimentConfig) -> str:
-    return RunPaths.of(cfg.work_dir).run(cfg.run_name)
-
-
-def latest_complete_checkpoint(cfg: ExperimentConfig, warn=None) -> str | None:
+def latest_complete_checkpoint(run: Run, warn=None) -> str | None:
     """Newest checkpoint directory of this run that passes `verify`, on local disk or object
     storage, whether or not Ray registered it (a worker killed inside `report` leaves one).
     `warn(line)` is told of each newer one passed over and why."""
-    return latest_complete_in(run_dir(cfg), warn)
+    return latest_complete_in(run.dir, warn)
 
 
 def latest_complete_in(root: str, warn=None) -> str | None:
@@ -225,11 +220,11 @@ def latest_complete_in(root: str, warn=None) -> str | None:
 FENCE = "fence.json"  # {"from": checkpoint name, "stale_attempts": [...]}: see fence()
 
 
-def fence(cfg: ExperimentConfig, name: str) -> list[str]:
+def fence(run: Run, name: str) -> list[str]:
     """A restart from checkpoint `name` while the run's previous attempt may still be writing (a
     trial Tune paused, whose Train run ends only when its controller does): checkpoints after `name`
     by the attempts that wrote this run's checkpoints so far are never picked. Returns those attempts."""
-    root = run_dir(cfg)
+    root = run.dir
     names = storage.listdir(root) if storage.exists(root) else []
     attempts = set(storage.read_json(join(root, FENCE))["stale_attempts"]) if FENCE in names else set()
     for n in names:
@@ -240,10 +235,10 @@ def fence(cfg: ExperimentConfig, name: str) -> list[str]:
     return sorted(attempts)
 
 
-def rewind(cfg: ExperimentConfig, name: str, inclusive: bool = False) -> list[str]:
+def rewind(run: Run, name: str, inclusive: bool = False) -> list[str]:
     """Delete this run's checkpoints after the one named `name` (and it, when `inclusive`), so a
     restart goes on from it or from what replaces it; their names."""
-    root = run_dir(cfg)
+    root = run.dir
     gone = [n for n in (storage.listdir(root) if storage.exists(root) else [])
             if CHECKPOINT_NAME.match(n) and (n >= name if inclusive else n > name)]
     for old in gone:
@@ -251,8 +246,8 @@ def rewind(cfg: ExperimentConfig, name: str, inclusive: bool = False) -> list[st
     return gone
 
 
-def adopt(checkpoint: str, cfg: ExperimentConfig) -> str:
-    """Make another run's complete `checkpoint` the newest of `cfg`'s run (a population-based
+def adopt(checkpoint: str, run: Run) -> str:
+    """Make another run's complete `checkpoint` the newest of `run`'s (a population-based
     search's exploit): this run's checkpoints at or after its step are deleted, the checkpoint is
     copied in under its own name, and its meta.json no longer names the donor's MLflow run (this
     run continues its own) but where it was copied from; the markers list its new size, so the copy
@@ -261,8 +256,8 @@ def adopt(checkpoint: str, cfg: ExperimentConfig) -> str:
     if not ok:
         raise RuntimeError(f"cannot continue from another run's checkpoint: {reason}")
     name = storage.basename(checkpoint.rstrip("/"))
-    rewind(cfg, name, inclusive=True)
-    dest = join(run_dir(cfg), name)
+    rewind(run, name, inclusive=True)
+    dest = join(run.dir, name)
     storage.copy_dir(checkpoint, dest)
     meta = {**read_meta(dest), "mlflow_run_id": None, "copied_from": checkpoint}
     storage.write_json(join(dest, "meta.json"), meta)
@@ -276,16 +271,17 @@ def adopt(checkpoint: str, cfg: ExperimentConfig) -> str:
     return dest
 
 
-def retain(cfg: ExperimentConfig) -> list[str]:
+def retain(run: Run) -> list[str]:
     """Delete the complete checkpoints of this run that retention does not keep; their names.
 
     Kept: the newest train.keep_checkpoints complete ones (0: all) and, with train.keep_every=M,
     every M-th (step a multiple of M x train.checkpoint_every). Only complete checkpoints older than
     those are deleted: never the newest complete one (a resume's pick) nor one still being written."""
-    keep, every = cfg.train.keep_checkpoints, cfg.train.keep_every * cfg.train.checkpoint_every
+    train = run.cfg.train
+    keep, every = train.keep_checkpoints, train.keep_every * train.checkpoint_every
     if not keep:
         return []
-    root = run_dir(cfg)
+    root = run.dir
     complete = [n for n in storage.listdir(root) if CHECKPOINT_NAME.match(n) and verify(join(root, n))[0]]
     kept = set(complete[-keep:]) | {n for n in complete if every and int(n.split("_")[1]) % every == 0}
     gone = [n for n in complete if n not in kept]
@@ -294,11 +290,11 @@ def retain(cfg: ExperimentConfig) -> list[str]:
     return gone
 
 
-def data_position(cfg: ExperimentConfig) -> dict[str, Any] | None:
+def data_position(run: Run) -> dict[str, Any] | None:
     """The run's data position at its newest complete checkpoint (samples_seen, the worker
     counts it had, its unit_rows), None for a fresh run: where a (re)started attempt's streams
     start (RankStreams)."""
-    latest = latest_complete_checkpoint(cfg)
+    latest = latest_complete_checkpoint(run)
     if latest is None:
         return None
     meta = read_meta(latest)
@@ -308,7 +304,7 @@ def data_position(cfg: ExperimentConfig) -> dict[str, Any] | None:
             "dealing": int(state.get("dealing") or 1)}
 
 
-def samples_consumed(cfg: ExperimentConfig) -> int:
+def samples_consumed(run: Run) -> int:
     """Images the run consumed (all ranks) up to its newest complete checkpoint, 0 for a fresh run."""
-    pos = data_position(cfg)
+    pos = data_position(run)
     return pos["samples_seen"] if pos else 0

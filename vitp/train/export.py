@@ -84,13 +84,13 @@ def _local_checkpoint(checkpoint_dir: str, tag: str) -> Iterator[str]:
 def class_names(cfg_dict: dict | None) -> list[str] | None:
     """The class names, by label, of the shards a run with this config trained on (their
     classes.json), when that file is still readable and matches the head; else None."""
-    from ..config import ExperimentConfig
-    from ..data.ingest import shards_dir  # lazy: pyarrow
+    from ..config import ExperimentConfig, Run
 
     try:
-        cfg = ExperimentConfig.from_dict(cfg_dict or {})
-        index = storage.read_json(storage.join(shards_dir(cfg), "classes.json"))
-    except (OSError, ValueError, TypeError):  # gone, unreachable, or not a config of ours
+        run = Run.of(ExperimentConfig.from_dict(cfg_dict or {}))
+        cfg = run.cfg
+        index = storage.read_json(storage.join(run.shards, "classes.json"))
+    except (OSError, ValueError, TypeError):  # gone, unreachable, not a config of ours, or not resolved
         return None
     names = sorted(index, key=index.get) if isinstance(index, dict) else []
     ok = [index[n] for n in names] == list(range(cfg.model.num_classes))

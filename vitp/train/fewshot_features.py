@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, Run
 from ..data.ingest import build_eval_dataset, normalize
 from ..errors import InputError
 from ..model.weights import read_config
@@ -54,9 +54,10 @@ def model_image_size(export_dir_or_model) -> int:
     return int(export_dir_or_model.image_size)
 
 
-def at_size(cfg: ExperimentConfig, image_size: int) -> ExperimentConfig:
-    """cfg with its eval rows resized to `image_size` (frozen features: the model's own resolution)."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=image_size))
+def at_size(run: Run, image_size: int) -> Run:
+    """`run` with its eval rows resized to `image_size` (frozen features: the model's own resolution)."""
+    cfg = run.cfg
+    return Run.of(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_size=image_size)))
 
 
 def sorted_by_key(batches: list[dict], split: str, cfg: ExperimentConfig) -> dict[str, np.ndarray]:
@@ -70,20 +71,20 @@ def sorted_by_key(batches: list[dict], split: str, cfg: ExperimentConfig) -> dic
     return {c: v[order] for c, v in cols.items()}
 
 
-def read_split(cfg: ExperimentConfig, split: str, image_size: int) -> dict[str, np.ndarray]:
-    """{"image" (n, S, S, 3) uint8, "label" (n,), "key" (n,)} of `split` of cfg's shards at
+def read_split(run: Run, split: str, image_size: int) -> dict[str, np.ndarray]:
+    """{"image" (n, S, S, 3) uint8, "label" (n,), "key" (n,)} of `split` of the run's shards at
     `image_size`, sorted by key; read with Ray Data into this process (small few-shot sets)."""
-    ds = build_eval_dataset(at_size(cfg, image_size), split)
+    ds = build_eval_dataset(at_size(run, image_size), split)
     return sorted_by_key([{"image": b["image"], "label": np.asarray(b["label"], np.int64),
                            "key": np.asarray(b["key"]).astype(str)}
-                          for b in ds.iter_batches(batch_size=None, batch_format="numpy")], split, cfg)
+                          for b in ds.iter_batches(batch_size=None, batch_format="numpy")], split, run.cfg)
 
 
-def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "train", *,
+def extract_features(export_dir_or_model, run: Run, split: str = "train", *,
                      concurrency: int = 1, batch_size: int = 64,
                      return_keys: bool = False):
-    """(features (n, R) float32, labels (n,) int64[, keys]) of `split` of cfg's shards, sorted
-    by row key so the result does not depend on Ray's scheduling.
+    """(features (n, R) float32, labels (n,) int64[, keys]) of `split` of the run's shards,
+    sorted by row key so the result does not depend on Ray's scheduling.
 
     Images are resized to the model's own resolution (frozen features: no position-embedding
     resampling). Runs `build_eval_dataset` -> map_batches(FeatureExtractor) on an actor pool of
@@ -91,9 +92,10 @@ def extract_features(export_dir_or_model, cfg: ExperimentConfig, split: str = "t
     """
     import ray  # lazy: ray (the solver needs none)
 
-    cfg = at_size(cfg, model_image_size(export_dir_or_model))
+    run = at_size(run, model_image_size(export_dir_or_model))
+    cfg = run.cfg
     source = export_dir_or_model if isinstance(export_dir_or_model, str) else ray.put(export_dir_or_model)
-    ds = build_eval_dataset(cfg, split).map_batches(
+    ds = build_eval_dataset(run, split).map_batches(
         FeatureExtractor, fn_constructor_kwargs={"source": source, "mean": cfg.data.mean, "std": cfg.data.std},
         batch_size=batch_size, batch_format="numpy", num_cpus=1,
         compute=ray.data.ActorPoolStrategy(size=concurrency))

@@ -17,8 +17,7 @@ import ray
 
 from .. import storage
 from ..console import get_logger
-from ..config import ExperimentConfig
-from ..paths import RunPaths
+from ..config import ExperimentConfig, Run
 from ..tune.fewshot_solver import SHOTS, fewshot_accuracy, num_classes_of, shot_indices
 from .fewshot_features import read_split
 
@@ -34,14 +33,14 @@ MAX_PENDING = 4  # snapshots queued or being scored; a later one is skipped (wit
 FINISH_TIMEOUT_S = 600.0  # at the end of training, the longest wait for the queued ones
 
 
-def dataset_roots(cfg: ExperimentConfig) -> dict[str, str]:
+def dataset_roots(run: Run) -> dict[str, str]:
     """{name: shard dir} of train.fewshot_datasets: an entry with a "/" (a path or URI) is a shard
     dir named by its last part; a bare name is `<work_dir>/shards/<name>` (where `vitp
     preprocess` puts a recipe's shards, e.g. debug_finetune's digits)."""
     out = {}
-    for entry in (e.strip() for e in cfg.train.fewshot_datasets):
+    for entry in (e.strip() for e in run.cfg.train.fewshot_datasets):
         if entry:
-            root = entry if "/" in entry else RunPaths.of(cfg.work_dir).shards(entry)
+            root = entry if "/" in entry else run.paths.shards(entry)
             out[storage.basename(root.rstrip("/"))] = root
     return out
 
@@ -120,9 +119,9 @@ class FewshotActor:
 
     def _rows(self, name: str) -> tuple:
         if name not in self.sets:
-            cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, shards=self.roots[name]))
-            train = read_split(cfg, "train", self.model.image_size)
-            test = read_split(cfg, "val", self.model.image_size)
+            run = Run.of(dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, shards=self.roots[name])))
+            train = read_split(run, "train", self.model.image_size)
+            test = read_split(run, "val", self.model.image_size)
             k = num_classes_of(train["label"], test["label"])
             used = np.unique(np.concatenate(list(shot_indices(train["label"], k, SHOTS, SEEDS).values())))
             self.sets[name] = (train["image"][used], used, train["label"], test["image"], test["label"])
@@ -171,11 +170,11 @@ class FewshotProbes:
     queues the copy on the actor. `poll()` (at log steps) and `finish()` (after the last step)
     log finished results in step order; `close()` ends the actor."""
 
-    def __init__(self, cfg: ExperimentConfig, engine, rank: int, logger=None,
+    def __init__(self, run: Run, engine, rank: int, logger=None,
                  say: Callable[[str], None] = _log.info, ema=None):
-        self.cfg, self.engine, self.rank, self.logger, self.say = cfg, engine, rank, logger, say
+        self.cfg, self.engine, self.rank, self.logger, self.say = run.cfg, engine, rank, logger, say
         self.ema = ema  # train.fewshot_weights=ema: the probes score the weight EMA (ema.WeightEMA)
-        self.roots = dataset_roots(cfg)
+        self.roots = dataset_roots(run)
         self.actor = None
         self.pending: collections.deque = collections.deque()  # (step, ObjectRef) in step order
         self.warned: set[str] = set()

@@ -36,10 +36,11 @@ with quiet_output():
                 return self.model(torch.as_tensor(np.asarray(model_input, dtype=np.float32))).numpy()
 
 
-def register_export(export_dir: str, name: str, tracking_uri: str | None = None,
+def register_export(export_dir: str, name: str, tracking_uri: str,
                     log: Callable[[str], None] = _log.info) -> dict[str, Any]:
-    """Log `export_dir` as a model of the run that trained it and register it under `name`;
-    returns {name, version, model_id, model_uri, run_id}. InputError if it is not an export."""
+    """Log `export_dir` as a model of the run that trained it and register it under `name` in the
+    store at `tracking_uri`; returns {name, version, model_id, model_uri, run_id}. InputError if it is
+    not an export."""
     info = source_info(export_dir)
     if info.kind != "export":
         raise InputError(f"{export_dir}: not an export (no model.safetensors); run `vitp export "

@@ -20,7 +20,7 @@ from ..tracking.values import params_for_mlflow
 log = get_logger(__name__)
 
 # (newest complete checkpoint, its meta.json) of a config's run, or (None, None)
-Where = Callable[[ExperimentConfig], "tuple[Optional[str], Optional[dict[str, Any]]]"]
+Where = Callable[[Run], "tuple[Optional[str], Optional[dict[str, Any]]]"]
 
 
 def changed_settings(stored: dict[str, Any], cfg: ExperimentConfig,
@@ -59,7 +59,7 @@ def run_to_continue(run: Run, where: Where, continuable: tuple[str, ...] = ()
     with its settings hash when its derived name holds a run with other settings; ConfigError
     (one line) when the user named the run."""
     cfg = run.cfg
-    existing, meta = where(cfg)
+    existing, meta = where(run)
     changes = _differences(meta, cfg, continuable)
     if not changes:
         return run, existing, meta
@@ -73,7 +73,7 @@ def run_to_continue(run: Run, where: Where, continuable: tuple[str, ...] = ()
         raise ConfigError(f"{cfg.run_name!r} holds a run with other settings ({_describe(changes)}) and "
                           f"{name_error('its derived name', named)}: choose a --set tracking.run_name=...")
     renamed = Run.of(dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=named)))
-    existing, meta = where(renamed.cfg)
+    existing, meta = where(renamed)
     again = _differences(meta, renamed.cfg, continuable)
     if again:  # only a hash collision, or a run the user named so by hand
         raise ConfigError(f"tracking.run_name={named!r} holds a run with other settings ({existing}: "

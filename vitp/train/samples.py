@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import storage
-from ..config import ExperimentConfig
+from ..config import Run
 from . import checkpoint as ckpt
 
 
@@ -20,10 +20,10 @@ class SampleRecorder:
     are its newest checkpoint's attempt's, then its parent's before F, and so on back to step 0:
     what a resumed run trained on, to compare with an uninterrupted run (benchmarks/soak_checks.py)."""
 
-    def __init__(self, cfg: ExperimentConfig, rank: int, world: int, first_step: int, parent: str | None):
-        self.root = storage.join(ckpt.run_dir(cfg), "samples")
+    def __init__(self, run: Run, rank: int, world: int, first_step: int, parent: str | None):
+        self.root = storage.join(run.dir, "samples")
         self.dir = storage.join(self.root, f"rank_{rank:05d}")
-        self.accum, self.first, self.micro = cfg.parallel.grad_accum, first_step, 0
+        self.accum, self.first, self.micro = run.cfg.parallel.grad_accum, first_step, 0
         self.rank, self.world, self.parent, self.noted = rank, world, parent, False
         self.pending: list[tuple[int, list[str], list[int]]] = []  # (step, keys, epochs)
 

@@ -11,7 +11,7 @@ from typing import Any
 from ray.data import DataContext
 from ray.train import DataConfig
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, Run
 from ..console import get_logger
 from ..data.ingest import build_eval_dataset, build_train_dataset
 from ..storage import through_outages
@@ -46,11 +46,12 @@ class RankStreams(DataConfig):
             if rest else [{} for _ in range(world_size)]
         if "train" in datasets:
             DataContext.get_current().enable_progress_bars = False
-            cfg = ExperimentConfig.from_dict(self.cfg_dict)
+            run = Run.from_dict(self.cfg_dict)
+            cfg = run.cfg
             share = reader_share(cfg, world_size)
             # in Train's controller, at every worker-group start: a store that cannot be reached
             # for a while (an S3 outage) would otherwise end the run, which Train does not retry
-            resume, streams = through_outages(lambda: self._streams(cfg, world_size), f"run {cfg.run_name}'s "
+            resume, streams = through_outages(lambda: self._streams(run, world_size), f"run {cfg.run_name}'s "
                                               "data position and shards", _log.warning)
             for r, ds in enumerate(streams):
                 options = self._resolve_execution_options("train")
@@ -60,9 +61,9 @@ class RankStreams(DataConfig):
         return out
 
     @staticmethod
-    def _streams(cfg: ExperimentConfig, world_size: int):
-        resume = ckpt.data_position(cfg)
-        return resume, [build_train_dataset(cfg, rank=r, world=world_size, resume=resume) for r in range(world_size)]
+    def _streams(run: Run, world_size: int):
+        resume = ckpt.data_position(run)
+        return resume, [build_train_dataset(run, rank=r, world=world_size, resume=resume) for r in range(world_size)]
 
 
 def reader_share(cfg: ExperimentConfig, world: int) -> float:
@@ -84,5 +85,5 @@ class EvalDatasetFactory:
 
     def __call__(self):
         DataContext.get_current().enable_progress_bars = False
-        cfg = ExperimentConfig.from_dict(self.cfg_dict)
-        return through_outages(lambda: build_eval_dataset(cfg), f"run {cfg.run_name}'s eval shards", _log.warning)
+        run = Run.from_dict(self.cfg_dict)
+        return through_outages(lambda: build_eval_dataset(run), f"run {run.name}'s eval shards", _log.warning)

@@ -16,7 +16,7 @@ import ray.train
 from ray.train import CheckpointUploadMode
 
 from .. import storage
-from ..config import ExperimentConfig
+from ..config import Run
 from ..paths import staging_root
 from .staging import clear_dead, new_stage
 from . import checkpoint as ckpt
@@ -72,17 +72,17 @@ class CheckpointWriter:
 
     `write` and `finish` are collectives (every rank calls them at the same steps)."""
 
-    def __init__(self, cfg: ExperimentConfig, engine, rank: int, device, say: Callable[[str], None],
+    def __init__(self, run: Run, engine, rank: int, device, say: Callable[[str], None],
                  log_metrics: Optional[Callable[[dict[str, float], int], None]] = None,
                  mlflow_run_id: Optional[str] = None, ema=None, backlog: Optional[Callable[[], bytes]] = None):
-        self.cfg, self.engine, self.rank, self.device, self.say = cfg, engine, rank, device, say
+        self.run, self.cfg = run, run.cfg
+        self.engine, self.rank, self.device, self.say = engine, rank, device, say
         self.log_metrics, self.mlflow_run_id, self.ema = log_metrics, mlflow_run_id, ema
         self.backlog = backlog  # rank 0: the metric lines MLflow lacks, kept in each checkpoint
         # A worker killed mid-checkpoint leaves its staged copy: every start of the workers clears
         # those of dead processes on its node (staging.py)
         clear_dead()
-        self.staging = os.path.join(staging_root(), cfg.run_name)
-        self.run_dir = ckpt.run_dir(cfg)
+        self.staging = os.path.join(staging_root(), run.name)
         self.attempt = _shared(uuid.uuid4().hex if rank == 0 else None)  # this worker group's, in every marker
         self._idle = threading.Event()
         self._idle.set()
@@ -132,7 +132,7 @@ class CheckpointWriter:
             self._idle.clear()
             try:
                 t0 = time.perf_counter()
-                dest = storage.join(self.run_dir, dir_name)
+                dest = storage.join(self.run.dir, dir_name)
                 storage.upload_dir(local, dest)
                 up.upload_s, up.committed = time.perf_counter() - t0, time.time()
                 # last: now this rank's part counts (with its times: a resume logs a commit it missed)
@@ -167,7 +167,7 @@ class CheckpointWriter:
         if self.log_metrics:
             self.log_metrics({"perf/ckpt_upload_s": worst["upload"], "perf/ckpt_commit_s": worst["commit"],
                               "perf/ckpt_write_mb_s": mb / max(worst["upload"], 1e-9)}, up.step)
-        for name in ckpt.retain(self.cfg):
+        for name in ckpt.retain(self.run):
             self.say(f"retention: removed {name} (train.keep_checkpoints={self.cfg.train.keep_checkpoints}, "
                      f"train.keep_every={self.cfg.train.keep_every})")
 

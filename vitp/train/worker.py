@@ -77,11 +77,11 @@ def _peek_init_logits(engine, stream: Iterator[Batch], logger) -> Iterator[Batch
 
 @dataclass
 class _Rank:
-    """What one Train worker built at its start: the config for the world running now (the recipe's
+    """What one Train worker built at its start: the run for the world running now (the recipe's
     global batch re-derived), its engine, and on rank 0 the MLflow logger."""
 
-    recipe: ExperimentConfig
-    cfg: ExperimentConfig
+    recipe: Run  # as the driver resolved it
+    run: Run  # for this world
     rank: int
     world: int
     device: torch.device
@@ -92,6 +92,10 @@ class _Rank:
     ema: WeightEMA | None = None  # train.ema_decay: this rank's EMA of its fp32 fragments
     resumed_attempt: str | None = None  # the attempt that wrote the checkpoint it resumed from
 
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return self.run.cfg
+
     def say(self, line: str) -> None:
         if self.rank == 0:
             log.info("[%s] %s", self.cfg.run_name, line)
@@ -99,11 +103,12 @@ class _Rank:
 
 def _setup(config: dict[str, Any]) -> _Rank:
     pace_streaming_executor()  # its data pipelines wait, not spin, while training is slower
-    recipe = Run.from_dict(config["cfg"]).cfg  # resolved by the driver: its paths absolute
+    recipe = Run.from_dict(config["cfg"])  # resolved by the driver: its paths absolute
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     set_log_rank(rank)
-    cfg = for_world(recipe, world)  # the recipe's global batch on the workers running now
+    run = Run.of(for_world(recipe.cfg, world))  # the recipe's global batch on the workers running now
+    cfg = run.cfg
     device = device_for(cfg)
     engine, _, _ = build_model_and_engine(cfg, world)
     mlflow = config.get("mlflow") or {}
@@ -114,7 +119,7 @@ def _setup(config: dict[str, Any]) -> _Rank:
         logger = RunLogger.attach(mlflow["uri"], mlflow["run_id"], timeout_s=cfg.tracking.log_timeout_s,
                                   spool_max_mb=cfg.tracking.spool_max_mb)
     ema = WeightEMA(engine, cfg.train.ema_decay) if cfg.train.ema_decay else None  # from the initial weights
-    return _Rank(recipe, cfg, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(cfg),
+    return _Rank(recipe, run, rank, world, device, engine, logger, mlflow.get("run_id"), train_rows_per_epoch(run),
                  ema)
 
 
@@ -129,7 +134,7 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
     all present: a worker killed inside an upload, or after it but before Ray registered the
     checkpoint, leaves a newer one than Ray knows of, or an incomplete one that is never picked."""
     cfg, state, t0 = r.cfg, ckpt.TrainState(dealing=DEALING), time.perf_counter()
-    where = ckpt.latest_complete_checkpoint(cfg)
+    where = ckpt.latest_complete_checkpoint(r.run)
     if where is not None:
         with node_copy(where, _node()) as d:  # one download per node from object storage
             state = load_checkpoint(r.engine, d)
@@ -158,7 +163,7 @@ def _restore(r: _Rank) -> tuple[ckpt.TrainState, float | None]:
 def _announce(r: _Rank, state: ckpt.TrainState, restore_s: float | None) -> None:
     """The batch arithmetic where the world differs from the recipe's, and the parallel layout
     (plus the step resumed from and the restore's seconds) as metrics at the starting step."""
-    p, rp = r.cfg.parallel, r.recipe.parallel
+    p, rp = r.cfg.parallel, r.recipe.cfg.parallel
     if (p.grad_accum, p.micro_batch) != (rp.grad_accum, rp.micro_batch):
         r.say(f"{r.world} worker(s): micro batch {p.micro_batch} x grad_accum {p.grad_accum} x {r.world} = "
               f"global batch {p.global_batch} (as the recipe's {rp.micro_batch} x {rp.grad_accum} x "
@@ -177,14 +182,14 @@ class _Reporter:
 
     def __init__(self, r: _Rank, state: ckpt.TrainState, recorder: SampleRecorder | None):
         self.r, self.recorder = r, recorder
-        self.writer = CheckpointWriter(r.cfg, r.engine, r.rank, r.device, r.say,
+        self.writer = CheckpointWriter(r.run, r.engine, r.rank, r.device, r.say,
                                        r.logger.log_metrics if r.logger else None, r.mlflow_run_id, r.ema,
                                        r.logger.backlog if r.logger else None)
         self.t_start, self.start_step = time.time(), state.step
         self.watch = PreemptionWatch(r.device, r.say)
         self.sampler = SystemSampler() if r.logger and r.cfg.tracking.system_metrics else None
         # train.fewshot_every: weights copied at those steps, scored by an actor off the training path
-        self.probes = FewshotProbes(r.cfg, r.engine, r.rank, r.logger, r.say,
+        self.probes = FewshotProbes(r.run, r.engine, r.rank, r.logger, r.say,
                                     ema=r.ema if r.cfg.train.fewshot_weights == "ema" else None) \
             if r.cfg.train.fewshot_every else None
 
@@ -247,7 +252,7 @@ class _Reporter:
     def restore(self) -> int | None:
         """Non-finite steps in a row: model and optimizer back to the newest complete checkpoint
         (the data goes on from here), its step; None when there is none."""
-        path = ckpt.latest_complete_checkpoint(self.r.cfg)
+        path = ckpt.latest_complete_checkpoint(self.r.run)
         if path is None:
             return None
         with node_copy(path, _node()) as d:
@@ -280,7 +285,7 @@ def train_per_worker(config: dict[str, Any]) -> None:
     # This rank's stream starts right after what it consumed before the restored checkpoint
     # (RankStreams, from the same newest complete checkpoint): nothing is read twice.
     cfg = r.cfg
-    recorder = SampleRecorder(cfg, r.rank, r.world, state.step, r.resumed_attempt) \
+    recorder = SampleRecorder(r.run, r.rank, r.world, state.step, r.resumed_attempt) \
         if cfg.train.record_samples else None
     stream = iter_device_batches(ray.train.get_dataset_shard("train"), cfg.parallel.micro_batch,
                                  r.device, mean=cfg.data.mean, std=cfg.data.std, on_keys=recorder)

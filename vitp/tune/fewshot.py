@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from .. import storage
 from ..config import ExperimentConfig, Run
-from ..data.ingest import dataset_name, shards_dir, shards_name
+from ..config.run import dataset_name, shards_name
 from ..model.weights import SourceInfo, check_source
 from ..train.fewshot_features import extract_features
 from .fewshot_solver import L2, SHOTS, fewshot_accuracy
@@ -33,7 +33,7 @@ def run_fewshot(run: Run, weights: str, tracking: bool = True,
                 concurrency: int = 1) -> dict[str, Any]:
     """Few-shot top-1 of `weights` (export dir, checkpoint or weights file) on `run`'s dataset.
 
-    Features of cfg's train split fit the classifier, its val split scores it. With `tracking`,
+    Features of its train split fit the classifier, its val split scores it. With `tracking`,
     a run `fewshot-<source>-<dataset>` gets params, `fewshot/{k}shot_top1` metrics at the
     source's step, and a `source_run_id` tag when the source's export records one.
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
@@ -41,15 +41,15 @@ def run_fewshot(run: Run, weights: str, tracking: bool = True,
     cfg = run.cfg
     weights = storage.abspath(weights)  # the feature actors run in other working directories
     src = check_source(weights)  # a wrong file fails here, not in the feature actors
-    train_x, train_y = extract_features(weights, cfg, "train", concurrency=concurrency)
-    test_x, test_y = extract_features(weights, cfg, "val", concurrency=concurrency)
+    train_x, train_y = extract_features(weights, run, "train", concurrency=concurrency)
+    test_x, test_y = extract_features(weights, run, "val", concurrency=concurrency)
     acc = fewshot_accuracy(train_x, train_y, test_x, test_y, shots=shots, seeds=seeds, l2=l2)
     metrics = {f"fewshot/{k}shot_top1": v for k, v in acc.items()}
     result: dict[str, Any] = {**metrics, "run_id": None}
     if not tracking:
         return result
 
-    from ..tracking import RunLogger, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+    from ..tracking import RunLogger  # lazy: mlflow (only with tracking)
     from ..tracking.lineage import log_shards
     from ..tracking.values import source_tags
 
@@ -58,9 +58,9 @@ def run_fewshot(run: Run, weights: str, tracking: bool = True,
             **source_tags(f"vitp fewshot {cfg.recipe}")}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
-    with RunLogger.start(resolve_tracking_uri(cfg), cfg.tracking.experiment, name, resume_by_name=False,
+    with RunLogger.start(run.tracking_uri, cfg.tracking.experiment, name, resume_by_name=False,
                          tags=tags, background=True, timeout_s=cfg.tracking.log_timeout_s) as logger:
-        log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
+        log_shards(logger.client, logger.run_id, shards_name(cfg), run.shards, context="eval")
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
                                        "dataset": dataset_name(cfg), "shards": cfg.data.shards,
                                        "source": weights,

@@ -64,7 +64,7 @@ class CheckpointReports(UserCallback):
             os._exit(1)  # the controller; its workers end with it, its placement group is released
 
 
-def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentConfig, trial_id: str) -> Any:
+def train_reporting_checkpoints(train: Callable[[list], Any], run: Run, trial_id: str) -> Any:
     """`train(callbacks)` (a run_training call) in a thread; each of its reports goes to Tune from
     here, with a pointer to the run's checkpoint where the report has one. Returns what `train`
     returns and raises what it raises."""
@@ -86,12 +86,12 @@ def train_reporting_checkpoints(train: Callable[[list], Any], cfg: ExperimentCon
         item = queue.get()
         if item == _END:
             break
-        metrics = {**item["metrics"], EVALUATION: evaluations(int(item["metrics"].get("step", 0)), cfg)}
+        metrics = {**item["metrics"], EVALUATION: evaluations(int(item["metrics"].get("step", 0)), run.cfg)}
         if item["checkpoint"] is None:
             tune.report(metrics)
             continue
-        pointer = {"run_dir": ckpt.run_dir(cfg), "checkpoint": item["checkpoint"],
-                   "step": int(item["metrics"].get("step", 0)), "run_name": cfg.run_name, "trial_id": trial_id}
+        pointer = {"run_dir": run.dir, "checkpoint": item["checkpoint"],
+                   "step": int(item["metrics"].get("step", 0)), "run_name": run.name, "trial_id": trial_id}
         with tempfile.TemporaryDirectory(prefix="vitp-pointer-") as d:
             with open(os.path.join(d, POINTER), "w") as f:
                 json.dump(pointer, f)
@@ -107,7 +107,7 @@ def evaluations(step: int, cfg: ExperimentConfig) -> int:
     return -(-step // cfg.train.eval_every) if cfg.train.eval_every else 0
 
 
-def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: ExperimentConfig,
+def population_trial(scheduler: str, space_values: Mapping[str, Any], run: Run,
                      tags: dict[str, str], parent_run_id: str, trial_id: str):
     """A sweep trial under PBT or HyperBand (run_training's summary): restarted from a pointer, it
     goes on from that checkpoint, or another trial's (the exploit), recorded as tag
@@ -118,16 +118,16 @@ def population_trial(scheduler: str, space_values: Mapping[str, Any], cfg: Exper
     restored = tune.get_checkpoint()
     if restored is not None:
         pointer = read_pointer(restored)
-        copied = continue_from(pointer, cfg)
+        copied = continue_from(pointer, run)
         if copied:
             tags = {**tags, f"pbt.exploit.{pointer['step']}": f"{pointer['run_name']} ({copied})"}
     keys = tuple(mutations(space_values)) if scheduler == "pbt" else ()
-    values = flatten(cfg.to_dict())
+    values = flatten(run.cfg.to_dict())
     return train_reporting_checkpoints(
-        lambda callbacks: run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
+        lambda callbacks: run_training(run, extra_tags=tags, parent_run_id=parent_run_id,
                                        callbacks=callbacks, continuable=keys,
                                        start_metrics={f"pbt/{k}": float(values[k]) for k in keys}),
-        cfg, trial_id)
+        run, trial_id)
 
 
 def read_pointer(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -135,17 +135,17 @@ def read_pointer(checkpoint: Checkpoint) -> dict[str, Any]:
         return json.load(f)
 
 
-def continue_from(pointer: Mapping[str, Any], cfg: ExperimentConfig) -> Optional[str]:
+def continue_from(pointer: Mapping[str, Any], run: Run) -> Optional[str]:
     """At a trial's restart from `pointer` (its own last report after a pause, another trial's
     after an exploit): the pointed-to checkpoint becomes the run's newest. The run's own newer
     checkpoints are deleted; another run's is copied in (checkpoint.adopt). Returns the copied
     checkpoint's source, or None when it was the run's own."""
     source = storage.join(pointer["run_dir"], pointer["checkpoint"])
-    ckpt.fence(cfg, pointer["checkpoint"])  # the paused attempt's later checkpoints, if it writes any
-    if storage.abspath(pointer["run_dir"]) == storage.abspath(ckpt.run_dir(cfg)):
-        ckpt.rewind(cfg, pointer["checkpoint"])
+    ckpt.fence(run, pointer["checkpoint"])  # the paused attempt's later checkpoints, if it writes any
+    if pointer["run_dir"] == run.dir:
+        ckpt.rewind(run, pointer["checkpoint"])
         return None
-    ckpt.adopt(source, cfg)
+    ckpt.adopt(source, run)
     return source
 
 

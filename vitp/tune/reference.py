@@ -10,37 +10,38 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..config import ExperimentConfig, Run
-from ..data.ingest import build_eval_dataset, dataset_name, shards_dir, shards_name
+from ..config import Run
+from ..config.run import dataset_name, shards_name
+from ..data.ingest import build_eval_dataset
 from ..errors import InputError
 
 SOURCE = "pixels"  # the `source` tag of a reference run: what `vitp compare` shows
 MAX_ITER = 2000
 
 
-def _pixels(cfg: ExperimentConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
+def _pixels(run: Run, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(n, S*S*3) float32 in [0, 1], (n,) labels of `split`, in row-key order: the images the
     model is evaluated on (resize + centre crop to data.image_size)."""
     xs, ys, keys = [], [], []
-    for b in build_eval_dataset(cfg, split).iter_batches(batch_size=None, batch_format="numpy"):
+    for b in build_eval_dataset(run, split).iter_batches(batch_size=None, batch_format="numpy"):
         xs.append(b["image"].reshape(len(b["image"]), -1).astype(np.float32) / 255.0)
         ys.append(b["label"])
         keys.append(b["key"].astype(str))
     if not xs:
-        raise InputError(f"split {split!r} of the {dataset_name(cfg)} shards is empty: rerun preprocess")
+        raise InputError(f"split {split!r} of the {dataset_name(run.cfg)} shards is empty: rerun preprocess")
     order = np.argsort(np.concatenate(keys), kind="stable")
     return np.concatenate(xs)[order], np.concatenate(ys)[order]
 
 
-def linear_on_pixels(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Fit on cfg's train split, score on its val split: {"top1", "train_examples", "val_examples"}.
+def linear_on_pixels(run: Run) -> dict[str, Any]:
+    """Fit on the run's train split, score on its val split: {"top1", "train_examples", "val_examples"}.
     Standardised pixels, L2-regularised multinomial logistic regression (scikit-learn defaults)."""
     from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    train_x, train_y = _pixels(cfg, "train")
-    val_x, val_y = _pixels(cfg, "val")
+    train_x, train_y = _pixels(run, "train")
+    val_x, val_y = _pixels(run, "val")
     clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=MAX_ITER))
     clf.fit(train_x, train_y)
     return {"top1": float(np.mean(clf.predict(val_x) == val_y)), "train_examples": len(train_y),
@@ -60,25 +61,25 @@ def run_reference(run: Run, tags: Optional[dict[str, str]] = None,
     run_tags = {"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),
                 "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe, **(tags or {})}
     if tracking:
-        from ..tracking import RunLogger, find_runs, resolve_tracking_uri  # lazy: mlflow (only with tracking)
+        from ..tracking import RunLogger, find_runs  # lazy: mlflow (only with tracking)
         from ..tracking.lineage import log_shards
         from ..tracking.values import source_tags
         from ..tracking.store import quote, tag_filters
 
-        uri = resolve_tracking_uri(cfg)
+        uri = run.tracking_uri
         done = find_runs(uri, cfg.tracking.experiment, " and ".join(
             [f"attributes.run_name = {quote(name)}", "attributes.status = 'FINISHED'",
              *tag_filters(None, run_tags)]), max_results=1)
         if done and "val/top1" in done[0]["metrics"]:
             return {"top1": done[0]["metrics"]["val/top1"], "run_id": done[0]["run_id"], "reused": True}
 
-    result = ray.get(ray.remote(num_cpus=1)(linear_on_pixels).remote(cfg))
+    result = ray.get(ray.remote(num_cpus=1)(linear_on_pixels).remote(run))
     if not tracking:
         return result
     with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False,
                          tags={**run_tags, **source_tags("vitp demo")}, background=True,
                          timeout_s=cfg.tracking.log_timeout_s) as logger:
-        log_shards(logger.client, logger.run_id, shards_name(cfg), shards_dir(cfg), context="eval")
+        log_shards(logger.client, logger.run_id, shards_name(cfg), run.shards, context="eval")
         logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
                                          "image_size": d.image_size, "max_iter": MAX_ITER,
                                          "train_examples": result["train_examples"],

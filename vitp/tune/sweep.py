@@ -24,9 +24,7 @@ from ..config import ConfigError, ExperimentConfig, Run, absolute_paths, field_t
 from ..config.run import PATH_KEYS
 from ..config.files import recipe_label
 from ..names import check_name
-from ..paths import RunPaths
 from ..recipes import RECIPES, check_scoped, overrides_for, with_overrides
-from ..tracking import resolve_tracking_uri
 from ..tracking.store import MLFLOW_OUTAGE_S
 from ..tracking.redact import is_secret_key
 from ..train.staging import clear_dead_everywhere
@@ -71,6 +69,8 @@ class SweepSpec:
     work_dir: str = "work"
     tracking_uri: str = ""
     experiment: str = "vit-pipeline"
+
+    dir: str = ""  # its Tune state: <work_dir>/sweeps/<name>
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -145,7 +145,8 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
             raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
     check_scheduler(spec.scheduler, spec.search, space, spec.perturbation_interval,
                     trial_config(spec, _probes(spec)[0])[0].train.eval_every)
-    spec.tracking_uri = resolve_tracking_uri(base)  # once valid: the default store makes its folder
+    first = Run.of(trial_config(spec, _probes(spec)[0])[0])  # work_dir and tracking as `base`
+    spec.tracking_uri, spec.dir = first.tracking_uri, first.sweep(name)
     return spec
 
 
@@ -161,17 +162,13 @@ def sampled(spec: SweepSpec) -> bool:
                                         for d in parse_space(spec.space).values())
 
 
-def dataset_configs(spec: SweepSpec) -> list[ExperimentConfig]:
-    """One config per distinct shard set the sweep's trials read (to prepare before trials)."""
-    from ..data.ingest import shards_dir  # lazy: pyarrow
-
-    out, seen = [], set()
+def dataset_runs(spec: SweepSpec) -> list[Run]:
+    """One trial run per distinct shard set the sweep's trials read (to prepare before trials)."""
+    out: dict[str, Run] = {}
     for trial in _probes(spec):
-        cfg, _ = trial_config(spec, trial)
-        if shards_dir(cfg) not in seen:
-            seen.add(shards_dir(cfg))
-            out.append(cfg)
-    return out
+        run = Run.of(trial_config(spec, trial)[0])
+        out.setdefault(run.shards, run)
+    return list(out.values())
 
 
 def config_of(spec: SweepSpec, recipe: str) -> ExperimentConfig:
@@ -247,20 +244,23 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     sweep spec and parent run come through tune.with_parameters, so trial configs (what Tune
     shows and stores) hold only the swept values."""
     from ..train.failures import FINAL  # lazy: ray.train internals (as below)
-    from ..train.trainer import run_training  # lazy: torch, deepspeed (only trial processes train)
+    from ..train.report import log_report  # lazy: torch, deepspeed (only trial processes train)
+    from ..train.trainer import run_training
 
     spec = SweepSpec(**spec)
     ctx = tune.get_context()
     cfg, tags = trial_config(spec, trial_params(trial), ctx.get_trial_id())
+    run = Run.of(cfg)
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
         if spec.scheduler in CHECKPOINTED:  # Tune holds the trial's state: pointers to its checkpoints
             with (turn(spec.name, parent_run_id, ctx.get_trial_id(), _log.info) if spec.scheduler == "hyperband"
                   else contextlib.nullcontext()):
-                summary = population_trial(spec.scheduler, spec.space, cfg, tags, parent_run_id, ctx.get_trial_id())
+                summary = population_trial(spec.scheduler, spec.space, run, tags, parent_run_id, ctx.get_trial_id())
         else:
-            summary = run_training(Run.of(cfg), extra_tags=tags, parent_run_id=parent_run_id,
+            summary = run_training(run, extra_tags=tags, parent_run_id=parent_run_id,
                                    callbacks=[EvaluationReports(spec.metric, cfg)])
+        log_report(run, summary)  # attention rollouts of the trial's model
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
         tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
         return
@@ -301,7 +301,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     _keep_credentials_out_of_trial_actors()
-    path = RunPaths.of(spec.work_dir).sweep(spec.name)
+    path = spec.dir
     # Tune keeps its state through the same filesystem (S3 endpoint) as the rest of the pipeline
     fs, inner = storage.filesystem(path)
     if storage.exists(path) and not resume and tune.Tuner.can_restore(inner, storage_filesystem=fs):
