@@ -65,10 +65,23 @@ class Run:
         """This run's checkpoints: <work_dir>/runs/<run name>."""
         return self.paths.run(self.cfg.run_name)
 
+    @property
+    def dataset(self) -> str:
+        """The `dataset` it is tagged with: the source, plus the corpus seed of a synthetic one
+        (another seed is another set of classes)."""
+        d = self.cfg.data
+        return d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")
+
+    @property
+    def shards_name(self) -> str:
+        """The dataset and the part of its train split it reads: `<dataset>[-trainF]`."""
+        fraction = self.cfg.data.train_fraction
+        return self.dataset + (f"-train{fraction:g}" if fraction < 1 else "")
+
     @cached_property
     def shards(self) -> str:
         """Where its shards live: data.shards, or <work_dir>/shards/<shards_name>."""
-        return self.cfg.data.shards or self.paths.shards(shards_name(self.cfg))
+        return self.cfg.data.shards or self.paths.shards(self.shards_name)
 
     @cached_property
     def tracking_uri(self) -> str:
@@ -81,16 +94,3 @@ class Run:
     def sweep(self, name: str) -> str:
         """Sweep `name`'s Tune state: <work_dir>/sweeps/<name>."""
         return self.paths.sweep(name)
-
-
-def shards_name(cfg: ExperimentConfig) -> str:
-    """The dataset and the part of its train split a run reads: `<dataset_name>[-trainF]`."""
-    fraction = cfg.data.train_fraction
-    return dataset_name(cfg) + (f"-train{fraction:g}" if fraction < 1 else "")
-
-
-def dataset_name(cfg: ExperimentConfig) -> str:
-    """The `dataset` a run is tagged with: the source, plus the corpus seed of a synthetic one
-    (another seed is another set of classes)."""
-    d = cfg.data
-    return d.source + (f"-seed{d.synth_seed}" if d.source == "synthetic" and d.synth_seed else "")

@@ -30,14 +30,16 @@ def log_dataset(client: MlflowClient, run_id: str, name: str, source: str, diges
         dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
 
-def log_shards(client: MlflowClient, run_id: str, name: str, root: str, context: str = "train",
-               manifest: dict | None = None) -> None:
-    """The Parquet shards at `root` as a dataset input of `run_id`, their digest taken from the
-    manifest's shard list (same shards, same digest); nothing when there is no manifest. A
-    `manifest` the caller read already is not read again."""
+def shard_manifest(root: str) -> dict | None:
+    """The manifest.json of the shards at `root`; None where there is none."""
     path = storage.join(root, "manifest.json")
-    if manifest is None and storage.exists(path):
-        manifest = storage.read_json(path)
+    return storage.read_json(path) if storage.exists(path) else None
+
+
+def log_shards(client: MlflowClient, run_id: str, name: str, root: str, manifest: dict | None,
+               context: str = "train") -> None:
+    """The Parquet shards at `root` as a dataset input of `run_id`, their digest taken from their
+    `manifest`'s shard list (same shards, same digest); nothing when there is no manifest."""
     if manifest is not None:
         shards = manifest.get("shards")
         digest = hashlib.sha1(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:12]

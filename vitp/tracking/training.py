@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from mlflow.tracking import MlflowClient
+
 from vitp import storage
 from vitp.config import Run
-from vitp.config.run import dataset_name, shards_name
-from vitp.tracking.lineage import log_model_input, log_shards
+from vitp.tracking.lineage import log_model_input, log_shards, shard_manifest
 from vitp.tracking.runs import RunLogger
 from vitp.tracking.store import ERROR_TAG, MLFLOW_OUTAGE_S, get_client, quote, through_mlflow_outages
 from vitp.tracking.values import source_tags
@@ -32,50 +33,50 @@ def open_run(run: Run, meta: Optional[dict[str, Any]], warn: Warn, *, parent_run
 def _open(run: Run, meta, warn: Warn, parent_run_id, extra_tags: dict[str, str], continuable,
           start_metrics) -> RunLogger:
     cfg = run.cfg
-    previous = _run_that_wrote(run.tracking_uri, meta) if meta else None
+    tags = {"recipe": cfg.recipe, "variant": cfg.model.variant, **_source_tags(run, extra_tags),
+            "dataset": run.dataset, "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
+            **extra_tags}
+    previous = _run_that_wrote(get_client(run.tracking_uri), meta) if meta else None
     logger = RunLogger.start(run.tracking_uri, cfg.tracking.experiment, cfg.run_name,
                              run_id=previous.info.run_id if previous else None,
                              parent_run_id=parent_run_id, background=True,
-                             timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb,
-                             tags={"recipe": cfg.recipe, "variant": cfg.model.variant,
-                                   **_source_tags(run, extra_tags), "dataset": dataset_name(cfg),
-                                   "train_fraction": f"{cfg.data.train_fraction:g}", **cfg.tracking.tags,
-                                   **extra_tags})
+                             timeout_s=cfg.tracking.log_timeout_s, spool_max_mb=cfg.tracking.spool_max_mb, tags=tags)
     try:
         logger.log_config(cfg.to_dict(), continued_at=meta["step"] if meta else None, continuable=continuable)
         if start_metrics:
             logger.log_metrics(start_metrics, step=meta["step"] if meta else 0)
-        _log_manifest(logger, run, warn)
-        if extra_tags.get("source_model_id"):  # started from a registered model
-            log_model_input(logger.client, logger.run_id, extra_tags["source_model_id"])
+        _log_inputs(logger, run, extra_tags.get("source_model_id"), warn)
     except BaseException:
         logger.close(timeout_s=0)  # its spool stays for the next try's start
         raise
     return logger
 
 
-def end_trained(logger: RunLogger, run: Run, checkpoint: Optional[str], warn: Warn) -> None:
-    """The run trained to its end (or its pause): tagged with its last checkpoint, ended FINISHED,
-    waiting out an outage for it (trained work is worth it)."""
-    if checkpoint:
+def end_run(logger: RunLogger, run: Run, checkpoint: Optional[str], error: Optional[BaseException],
+            warn: Warn) -> None:
+    """End the MLflow run as its training ended. Trained to its end (or its pause): tagged with its
+    last checkpoint and ended FINISHED, waiting out an outage for it (trained work is worth it).
+    Stopped on `error`: KILLED on Ctrl-C or when it was already ended KILLED from outside (a sweep's
+    scheduler stopping the trial), else FAILED with the error's last line as a tag."""
+    if error is None:
         pause_at = run.cfg.train.pause_at
-        tags = {"checkpoint": checkpoint, **({"vitp.paused_at": str(pause_at)} if pause_at else {})}
-        through_mlflow_outages(lambda: logger.set_tags(tags), "its MLflow run's checkpoint tag", warn)
-    logger.end("FINISHED", timeout_s=MLFLOW_OUTAGE_S)
-
-
-def end_failed(logger: RunLogger, error: BaseException) -> None:
-    """The run stopped on `error`: KILLED on Ctrl-C or when it was already ended KILLED from outside
-    (a sweep's scheduler stopping the trial), else FAILED with the error's last line as a tag."""
-    if isinstance(error, KeyboardInterrupt) or _ended_killed(logger):
-        logger.end("KILLED")
+        status, tags = "FINISHED", {"checkpoint": checkpoint, **({"vitp.paused_at": str(pause_at)} if pause_at else {})}
+    elif isinstance(error, KeyboardInterrupt) or _ended_killed(logger):
+        status, tags = "KILLED", {}
+    else:
+        lines = str(error).strip().splitlines()
+        status, tags = "FAILED", {ERROR_TAG: f"{type(error).__name__}: {lines[-1] if lines else ''}"[:500]}
+    if status == "FINISHED":
+        if checkpoint:
+            through_mlflow_outages(lambda: logger.set_tags(tags), "its MLflow run's checkpoint tag", warn)
+        logger.end(status, timeout_s=MLFLOW_OUTAGE_S)
         return
-    lines = str(error).strip().splitlines()
     try:
-        logger.set_tags({ERROR_TAG: f"{type(error).__name__}: {lines[-1] if lines else ''}"[:500]})
+        if tags:
+            logger.set_tags(tags)
     except Exception:  # noqa: BLE001 - MLflow down too: the run still ends FAILED (or stays spooled)
         pass
-    logger.end("FAILED")
+    logger.end(status)
 
 
 def end_stored(run: Run, meta: dict[str, Any], checkpoint: str, warn: Warn) -> Optional[str]:
@@ -87,34 +88,28 @@ def end_stored(run: Run, meta: dict[str, Any], checkpoint: str, warn: Warn) -> O
 
 
 def _end_stored(run: Run, meta: dict[str, Any], checkpoint: str) -> Optional[str]:
-    uri, cfg = run.tracking_uri, run.cfg
-    found = _run_that_wrote(uri, meta)
-    if found is None and meta.get("copied_from"):
-        found = _run_named(uri, cfg.tracking.experiment, cfg.run_name)
+    cfg, client = run.cfg, get_client(run.tracking_uri)
+    found = _run_that_wrote(client, meta)
+    if found is None and meta.get("copied_from"):  # this run's own, by its name in its experiment
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        named = client.search_runs([exp.experiment_id], f"attributes.run_name = {quote(cfg.run_name)}") if exp else []
+        found = named[0] if named else None
     if found and found.info.status != "FINISHED":
-        logger = RunLogger.start(uri, cfg.tracking.experiment, cfg.run_name, run_id=found.info.run_id)
+        logger = RunLogger.start(run.tracking_uri, cfg.tracking.experiment, cfg.run_name, run_id=found.info.run_id)
         logger.set_tags({"checkpoint": checkpoint})
         logger.end("FINISHED")
     return found.info.run_id if found else None
 
 
-def _run_that_wrote(uri: str, meta: dict[str, Any]):
+def _run_that_wrote(client: MlflowClient, meta: dict[str, Any]):
     """The MLflow run that wrote the checkpoint with this `meta` (so a re-run continues it), or None."""
     run_id = meta.get("mlflow_run_id")
     if not run_id:
         return None
     try:
-        return get_client(uri).get_run(run_id)
+        return client.get_run(run_id)
     except Exception:  # noqa: BLE001 - a different store: start or resume by name instead
         return None
-
-
-def _run_named(uri: str, experiment: str, name: str):
-    """The MLflow run called `name` in `experiment`, or None."""
-    client = get_client(uri)
-    exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], f"attributes.run_name = {quote(name)}") if exp else []
-    return runs[0] if runs else None
 
 
 def _ended_killed(logger: RunLogger) -> bool:
@@ -134,12 +129,13 @@ def _source_tags(run: Run, extra_tags: dict[str, str]) -> dict[str, str]:
     return source_tags(command)
 
 
-def _log_manifest(logger: RunLogger, run: Run, warn: Warn) -> None:
-    """The shards' manifest as an artifact, and the shards as the run's dataset input (named by
-    dataset and train fraction, digest of the manifest: same shards, same digest)."""
-    path = storage.join(run.shards, "manifest.json")
-    manifest = storage.through_outages(lambda: storage.read_json(path) if storage.exists(path) else None,
-                                       f"run {run.name}'s shard manifest", warn)
+def _log_inputs(logger: RunLogger, run: Run, source_model_id: Optional[str], warn: Warn) -> None:
+    """The run's inputs: the registered model it started from (if it did), and its shards (named by
+    dataset and train fraction, digest of the manifest: same shards, same digest), with their
+    manifest as an artifact."""
+    manifest = storage.through_outages(lambda: shard_manifest(run.shards), f"run {run.name}'s shard manifest", warn)
+    if source_model_id:
+        log_model_input(logger.client, logger.run_id, source_model_id)
     if manifest is not None:
         logger.log_dict(manifest, "data/manifest.json")
-        log_shards(logger.client, logger.run_id, shards_name(run.cfg), run.shards, manifest=manifest)
+        log_shards(logger.client, logger.run_id, run.shards_name, run.shards, manifest)

@@ -1,13 +1,15 @@
 """Which run a command continues when a run of its name is already in storage: only one trained
 with the same settings (its MLflow params less the CONTINUABLE keys: steps, workers, ...). A derived
 name (no tracking.run_name) with other settings becomes `<name>-<settings hash>`, so the same
-command always lands on the same run; a name the user chose is refused. Reads storage only.
+command always lands on the same run; a name the user chose is refused. Says which checkpoint a
+run goes on from, or that it has finished. Reads storage only.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import logging
 from typing import Any, Callable, Optional
 
 from ..config import ExperimentConfig, Run
@@ -57,7 +59,41 @@ def run_to_continue(run: Run, where: Where, continuable: tuple[str, ...] = ()
     """(the run to train, its newest complete checkpoint, that checkpoint's meta) for `run`:
     `run` itself when it has no checkpoint or one trained with the same settings; under a name
     with its settings hash when its derived name holds a run with other settings; ConfigError
-    (one line) when the user named the run."""
+    (one line) when the user named the run. Says which it continues, or that it has finished;
+    FileExistsError where train.resume=never and it has checkpoints."""
+    found = _run_to_continue(run, where, continuable)
+    _say(*found)
+    return found
+
+
+def finished(run: Run, meta: Optional[dict[str, Any]]) -> bool:
+    """Whether the checkpoint with this `meta` is the run's last (train.pause_at or train.steps)."""
+    return bool(meta) and meta["step"] >= (run.cfg.train.pause_at or run.cfg.train.steps)
+
+
+def _say(run: Run, existing: Optional[str], meta: Optional[dict[str, Any]]) -> None:
+    cfg = run.cfg
+    if existing and cfg.train.resume == "never":
+        raise FileExistsError(
+            f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
+            "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it")
+    if finished(run, meta):
+        ignored = ignored_settings(meta, cfg)  # a changed setting that this does not use is worth a warning
+        log.log(logging.WARNING if ignored else logging.INFO,
+                "[%s] already %s: %s is step %d of %d; nothing to train%s (raise train.pause_at / "
+                "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
+                cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", existing,
+                meta["step"], cfg.train.steps, f", so {ignored} change nothing" if ignored else "")
+    elif existing:
+        log.info("[%s] continuing from %s (same run name)", cfg.run_name, existing)
+        planned = ((meta.get("config") or {}).get("train") or {}).get("steps")
+        if planned is not None and planned != cfg.train.steps:
+            log.info("[%s] train.steps %s -> %s: the LR schedule is re-planned to end at step %s",
+                     cfg.run_name, planned, cfg.train.steps, cfg.train.steps)
+
+
+def _run_to_continue(run: Run, where: Where, continuable: tuple[str, ...]
+                     ) -> tuple[Run, Optional[str], Optional[dict[str, Any]]]:
     cfg = run.cfg
     existing, meta = where(run)
     changes = _differences(meta, cfg, continuable)

@@ -6,7 +6,6 @@ side is worker.py; the pictures of the trained model are report.py's step; runs 
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import time
@@ -25,11 +24,11 @@ from ..console import get_logger, library_log_level
 from ..data.commands import require_labels
 from ..data.shards import read_manifest
 from ..model.weights import check_source
-from ..tracking.training import end_failed, end_stored, end_trained, open_run
+from ..tracking.training import end_run, end_stored, open_run
 from . import checkpoint as ckpt
 from .controller import Trainer
 from .failures import final_error
-from .rerun import ignored_settings, run_to_continue
+from .rerun import finished, run_to_continue
 from .spools import gather_spools
 from .staging import clear_dead_everywhere
 from .streams import EvalDatasetFactory, RankStreams, train_placeholder
@@ -105,8 +104,10 @@ def _where_it_stands(run: Run) -> tuple[str | None, dict[str, Any] | None]:
 
 def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
                   with_val: bool = True, callbacks: Optional[list] = None):
-    """The TorchTrainer for `run` (not yet started)."""
+    """The TorchTrainer for `run` (not yet started), its storage rid of a checkpoint list Ray Train
+    would refuse to continue from."""
     cfg = run.cfg
+    through_outages(lambda: _forget_removed_checkpoints(run), f"run {run.name}'s checkpoint list", _warn(run))
     # Train propagates the driver's DataContext to the workers: our progress line replaces
     # Ray Data's per-dataset bars, which would otherwise repeat for every epoch and eval pass.
     DataContext.get_current().enable_progress_bars = False
@@ -165,64 +166,38 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     run, existing, meta = run_to_continue(run, lambda r: through_outages(
         lambda: _where_it_stands(r), f"run {r.name}'s shards and checkpoints", _warn(r)), continuable)
     cfg, warn = run.cfg, _warn(run)
-    if existing and cfg.train.resume == "never":
-        raise FileExistsError(
-            f"run {cfg.run_name!r} already has checkpoints ({existing}) and train.resume='never': "
-            "choose a new --set tracking.run_name=..., or use train.resume=auto to continue it"
-        )
-    if meta and meta["step"] >= (cfg.train.pause_at or cfg.train.steps):
-        return _already_finished(run, existing, meta, tracking, t0)
-    if existing:
-        log.info("[%s] continuing from %s (same run name)", cfg.run_name, existing)
-        planned = ((meta.get("config") or {}).get("train") or {}).get("steps")
-        if planned is not None and planned != cfg.train.steps:
-            log.info("[%s] train.steps %s -> %s: the LR schedule is re-planned to end at step %s",
-                     cfg.run_name, planned, cfg.train.steps, cfg.train.steps)
+    if finished(run, meta):  # reported, not trained again (e.g. a sweep driver killed after a trial's
+        # last checkpoint, before Tune recorded the trial as done)
+        run_id = end_stored(run, meta, existing, warn) if tracking else None
+        return TrainSummary(cfg.run_name, run_id, existing, {"step": meta["step"], **meta.get("metrics", {})},
+                            time.time() - t0, already_finished=True)
     logger = None
     if tracking:
         logger = open_run(run, meta, warn, parent_run_id=parent_run_id, extra_tags=extra_tags,
                           continuable=continuable, start_metrics=start_metrics)
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", run.tracking_uri)
-    if existing:
-        through_outages(lambda: _forget_removed_checkpoints(run), f"run {run.name}'s checkpoint list", warn)
     mlflow_info = {"uri": run.tracking_uri, "run_id": logger.run_id} if logger else None
     trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
+    error: BaseException | None = None
     try:
         with _elastic_start_timeout(cfg):
             result = trainer.fit()
-    except BaseException as e:
-        if logger:
-            if not isinstance(e, KeyboardInterrupt):
-                gather_spools(logger.run_id)  # rank 0's unsent metrics, wherever its node was
-            end_failed(logger, e)
-        user_error = final_error(e)
-        if user_error is not None:  # the worker's own one-line error, not Train's wrapper
-            raise user_error from e
-        raise
+    except BaseException as e:  # noqa: BLE001 - its MLflow run is ended first, then it is raised
+        error = e
     finally:
         clear_dead_everywhere()  # staged copies of workers killed mid-upload, on every node
     # Ray names checkpoints inside its filesystem: give them back as the user's path or URI
     checkpoint = (storage.join(run.dir, storage.basename(result.checkpoint.path))
-                  if result.checkpoint else None)
+                  if error is None and result.checkpoint else None)
     if logger:
-        gather_spools(logger.run_id)  # end_trained sends them before it marks the run FINISHED
-        end_trained(logger, run, checkpoint, warn)
+        if not isinstance(error, KeyboardInterrupt):
+            gather_spools(logger.run_id)  # rank 0's unsent metrics, wherever its node was: sent before the end
+        end_run(logger, run, checkpoint, error, warn)
+    if error is not None:
+        user_error = final_error(error)
+        if user_error is not None:  # the worker's own one-line error, not Train's wrapper
+            raise user_error from error
+        raise error
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, dict(result.metrics or {}),
                         time.time() - t0)
-
-
-def _already_finished(run: Run, checkpoint: str, meta: dict[str, Any], tracking: bool, t0: float) -> TrainSummary:
-    """The run's final checkpoint is in storage (e.g. a sweep driver killed after a trial's last
-    checkpoint, before Tune recorded the trial as done): report it instead of training again, its
-    MLflow run ended FINISHED if it was not (tracking.training.end_stored)."""
-    cfg = run.cfg
-    ignored = ignored_settings(meta, cfg)  # a changed setting that this does not use is worth a warning
-    log.log(logging.WARNING if ignored else logging.INFO,
-            "[%s] already %s: %s is step %d of %d; nothing to train%s (raise train.pause_at / "
-            "train.steps to continue it, or choose a new --set tracking.run_name=... to train again)",
-            cfg.run_name, "paused" if meta["step"] < cfg.train.steps else "finished", checkpoint,
-            meta["step"], cfg.train.steps, f", so {ignored} change nothing" if ignored else "")
-    run_id = end_stored(run, meta, checkpoint, _warn(run)) if tracking else None
-    metrics = {"step": meta["step"], **meta.get("metrics", {})}
-    return TrainSummary(cfg.run_name, run_id, checkpoint, metrics, time.time() - t0, already_finished=True)

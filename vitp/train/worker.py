@@ -6,7 +6,6 @@ Runs inside Ray Train; the driver (trainer.py) hands it a config dict. Must not 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 import ray.train
 import torch
 
-from .. import storage
 from ..console import get_logger, set_log_rank
 from ..config import ExperimentConfig, Run, for_world
 from ..data.executor import pace_streaming_executor

@@ -9,7 +9,6 @@ from typing import Any, Sequence
 
 from .. import storage
 from ..config import ExperimentConfig, Run
-from ..config.run import dataset_name, shards_name
 from ..model.weights import SourceInfo, check_source
 from ..train.fewshot_features import extract_features
 from .fewshot_solver import L2, SHOTS, fewshot_accuracy
@@ -50,19 +49,19 @@ def run_fewshot(run: Run, weights: str, tracking: bool = True,
         return result
 
     from ..tracking import RunLogger  # lazy: mlflow (only with tracking)
-    from ..tracking.lineage import log_shards
+    from ..tracking.lineage import log_shards, shard_manifest
     from ..tracking.values import source_tags
 
-    name = f"fewshot-{_source_name(weights, src)}-{dataset_name(cfg)}"
-    tags = {"kind": "fewshot", "source": weights, "dataset": dataset_name(cfg),
+    name = f"fewshot-{_source_name(weights, src)}-{run.dataset}"
+    tags = {"kind": "fewshot", "source": weights, "dataset": run.dataset,
             **source_tags(f"vitp fewshot {cfg.recipe}")}
     if src.mlflow_run_id:
         tags["source_run_id"] = src.mlflow_run_id
     with RunLogger.start(run.tracking_uri, cfg.tracking.experiment, name, resume_by_name=False,
                          tags=tags, background=True, timeout_s=cfg.tracking.log_timeout_s) as logger:
-        log_shards(logger.client, logger.run_id, shards_name(cfg), run.shards, context="eval")
+        log_shards(logger.client, logger.run_id, run.shards_name, run.shards, shard_manifest(run.shards), "eval")
         logger.log_params({"fewshot": {"shots": list(shots), "seeds": seeds, "l2": l2,
-                                       "dataset": dataset_name(cfg), "shards": cfg.data.shards,
+                                       "dataset": run.dataset, "shards": cfg.data.shards,
                                        "source": weights,
                                        "feature_dim": int(train_x.shape[1]),
                                        "train_examples": len(train_y), "test_examples": len(test_y)}})

@@ -11,7 +11,6 @@ from typing import Any, Optional
 import numpy as np
 
 from ..config import Run
-from ..config.run import dataset_name, shards_name
 from ..data.ingest import build_eval_dataset
 from ..errors import InputError
 
@@ -28,7 +27,7 @@ def _pixels(run: Run, split: str) -> tuple[np.ndarray, np.ndarray]:
         ys.append(b["label"])
         keys.append(b["key"].astype(str))
     if not xs:
-        raise InputError(f"split {split!r} of the {dataset_name(run.cfg)} shards is empty: rerun preprocess")
+        raise InputError(f"split {split!r} of the {run.dataset} shards is empty: rerun preprocess")
     order = np.argsort(np.concatenate(keys), kind="stable")
     return np.concatenate(xs)[order], np.concatenate(ys)[order]
 
@@ -56,13 +55,13 @@ def run_reference(run: Run, tags: Optional[dict[str, str]] = None,
     import ray  # lazy: ray
 
     cfg = run.cfg
-    name = f"reference-{SOURCE}-{shards_name(cfg)}"
+    name = f"reference-{SOURCE}-{run.shards_name}"
     d = cfg.data
-    run_tags = {"kind": "reference", "source": SOURCE, "dataset": dataset_name(cfg),
+    run_tags = {"kind": "reference", "source": SOURCE, "dataset": run.dataset,
                 "train_fraction": f"{d.train_fraction:g}", "recipe": cfg.recipe, **(tags or {})}
     if tracking:
         from ..tracking import RunLogger, find_runs  # lazy: mlflow (only with tracking)
-        from ..tracking.lineage import log_shards
+        from ..tracking.lineage import log_shards, shard_manifest
         from ..tracking.values import source_tags
         from ..tracking.store import quote, tag_filters
 
@@ -79,7 +78,7 @@ def run_reference(run: Run, tags: Optional[dict[str, str]] = None,
     with RunLogger.start(uri, cfg.tracking.experiment, name, resume_by_name=False,
                          tags={**run_tags, **source_tags("vitp demo")}, background=True,
                          timeout_s=cfg.tracking.log_timeout_s) as logger:
-        log_shards(logger.client, logger.run_id, shards_name(cfg), run.shards, context="eval")
+        log_shards(logger.client, logger.run_id, run.shards_name, run.shards, shard_manifest(run.shards), "eval")
         logger.log_params({"reference": {"model": "logistic regression on standardised raw pixels",
                                          "image_size": d.image_size, "max_iter": MAX_ITER,
                                          "train_examples": result["train_examples"],
