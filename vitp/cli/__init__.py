@@ -12,7 +12,7 @@ import select
 import sys
 
 from vitp import __version__
-from vitp.cli import cluster, demo, evaluate, experiment
+from vitp.cli import cluster, demo, evaluate, experiment, plan
 from vitp.cli.args import Handler, pick_recipe, recipe_from_run
 from vitp.console import LOG_FORMAT_ENV, LOG_FORMATS, VERBOSE_ENV, quiet_env, quiet_loggers
 from vitp.errors import UserError
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"{log_format_help} (default text; before or after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Handler] = {}
-    for group in (experiment, evaluate, cluster, demo):
+    for group in (plan, experiment, evaluate, cluster, demo):
         handlers.update(group.add_parsers(sub))
     for name, handler in handlers.items():
         sub.choices[name].set_defaults(handler=handler)
