@@ -40,7 +40,7 @@ def test_the_sweep_edge_refuses_what_pbt_cannot_run(tmp_path):
         _spec(tmp_path, "tune.scheduler=pbt", space={"optim.name": ["sgd", "adamw"]})
     with pytest.raises(ConfigError, match=r"acts at evaluations: set train.eval_every"):
         _spec(tmp_path, "tune.scheduler=hyperband", "train.eval_every=0")
-    assert _spec(tmp_path, "tune.scheduler=hyperband", space={"optim.name": ["sgd", "adamw"]}).scheduler == "hyperband"
+    assert _spec(tmp_path, "tune.scheduler=hyperband", space={"optim.name": ["sgd", "adamw"]}).tune.scheduler == "hyperband"
     with pytest.raises(ConfigError, match=r"tune.scheduler"):
         _spec(tmp_path, "tune.scheduler=bohb")  # not offered (docs/transfer.md)
 

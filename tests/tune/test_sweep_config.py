@@ -61,7 +61,7 @@ def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
     for d in spec.configs.values():  # every dataset's recipe got the user's --set and typed changes
         assert d["work_dir"] == f"{tmp_path}/w" and d["train"]["steps"] == 30
         assert d["tune"]["scheduler"] == "asha"
-    assert spec.space["optim.lr"] == [0.5, 0.25] and spec.work_dir == f"{tmp_path}/w"
+    assert spec.tune.space["optim.lr"] == [0.5, 0.25] and spec.work_dir == f"{tmp_path}/w"
 
     cfg, tags = trial_config(spec, {"recipe": "demo_finetune", "source": export_dir, "optim.lr": 0.25})
     assert cfg.recipe == "demo_finetune" and cfg.optim.lr == 0.25 and cfg.model.variant == "mu/4"
@@ -93,16 +93,18 @@ def test_build_spec_validates_every_combination_of_the_grid(tmp_path):
         build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"], extra_space=space)
     ok = build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}"],
                     extra_space={"parallel.zero_stage": [1, 2], "parallel.offload_optimizer": [False, True]})
-    assert ok.space["parallel.zero_stage"] == [1, 2]
+    assert ok.tune.space["parallel.zero_stage"] == [1, 2]
 
 
 def test_a_sweep_saved_without_configs_rebuilds_them_from_its_overrides(tmp_path):
     """A SweepSpec restored from a Tune state that predates `configs` still yields its trials."""
     base = resolve("debug_finetune", [f"work_dir={tmp_path}"], check_paths=False)
     spec = build_spec("s", base, "debug_finetune", [f"work_dir={tmp_path}", "train.steps=30"])
-    old = {k: v for k, v in spec.to_dict().items() if k != "configs"}
-    restored = type(spec)(**old)
-    trial = {k: v[0] for k, v in spec.space.items()}
+    old = {k: v for k, v in spec.to_dict().items() if k not in ("configs", "tune")}
+    old.update(spec.to_dict()["tune"])  # a spec of that time: the search settings at its top level
+    restored = type(spec).from_dict(old)
+    assert restored.tune == spec.tune
+    trial = {k: v[0] for k, v in spec.tune.space.items()}
     assert trial_config(restored, trial)[0].to_dict() == trial_config(spec, trial)[0].to_dict()
 
 
@@ -121,7 +123,7 @@ def test_recipe_prefixed_overrides_reach_that_datasets_trials_only(tmp_path):
     assert set(trials) == {"finetune_cifar10", "finetune_pets"}  # one learning rate, two datasets
     assert (trials["finetune_pets"].data.path, trials["finetune_pets"].train.steps) == (f"{tmp_path}/pets", 5)
     assert (trials["finetune_cifar10"].data.path, trials["finetune_cifar10"].train.steps) == (f"{tmp_path}/c10", 7)
-    restored = type(spec)(**{k: v for k, v in spec.to_dict().items() if k != "configs"})
+    restored = type(spec).from_dict({k: v for k, v in spec.to_dict().items() if k != "configs"})
     assert trial_config(restored, _probes(spec)[1])[0].to_dict() == trial_config(spec, _probes(spec)[1])[0].to_dict()
     with pytest.raises(ConfigError, match=r"finetune_flowers:train.steps=5: the sweep runs no recipe "
                                           r"'finetune_flowers'; its recipes: finetune_cifar10, finetune_pets"):
@@ -181,7 +183,7 @@ def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, 
     base = resolve("debug_finetune", ["work_dir=w"], check_paths=False)
     spec = build_spec("s", base, "debug_finetune", ["work_dir=w"], extra_space={"data.shards": ["a", "b"]},
                       points=[{"train.init_from": "scratch"}])
-    assert spec.work_dir == str(tmp_path / "w") and spec.space["data.shards"] == [str(tmp_path / "a"),
+    assert spec.work_dir == str(tmp_path / "w") and spec.tune.space["data.shards"] == [str(tmp_path / "a"),
                                                                                   str(tmp_path / "b")]
     monkeypatch.chdir("/")
     assert {trial_config(spec, t)[0].data.shards for t in _probes(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}

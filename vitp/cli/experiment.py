@@ -152,7 +152,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     summary = run_sweep(spec, resume=args.resume)
     print(format_table(compare_rows(spec.tracking_uri, spec.experiment, sweep=spec.name)))
     for dataset, best in summary["best"].items():
-        print(f"best on {dataset}: {best['run_name']} {spec.metric} {best['top1']:.4f}")
+        print(f"best on {dataset}: {best['run_name']} {spec.tune.metric} {best['top1']:.4f}")
     if summary["failed"]:
         print(f"{len(summary['failed'])} trial(s) failed:", file=sys.stderr)
         for f in summary["failed"]:

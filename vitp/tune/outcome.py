@@ -30,10 +30,10 @@ def _open_parent(spec, resume: bool) -> RunLogger:
                                    **source_tags(f"vitp sweep {spec.name}")})
     try:
         if not parent.resumed:  # a resumed parent keeps the params of the run that started it
-            parent.log_params({"sweep.space": json.dumps(spec.space), "sweep.search": spec.search,
-                               "sweep.scheduler": spec.scheduler, "sweep.metric": spec.metric,
-                               "sweep.seed": spec.seed, "sweep.startup_trials": spec.startup_trials,
-                               "sweep.num_samples": spec.num_samples, "sweep.base_recipe": spec.base_recipe,
+            parent.log_params({"sweep.space": json.dumps(spec.tune.space), "sweep.search": spec.tune.search,
+                               "sweep.scheduler": spec.tune.scheduler, "sweep.metric": spec.tune.metric,
+                               "sweep.seed": spec.tune.seed, "sweep.startup_trials": spec.tune.startup_trials,
+                               "sweep.num_samples": spec.tune.num_samples, "sweep.base_recipe": spec.base_recipe,
                                "sweep.overrides": json.dumps(spec.overrides)})
         parent.log_dict(spec.to_dict(), "sweep.json")
     except BaseException:
@@ -78,8 +78,8 @@ def summarise(spec, parent, results, seconds: float, log: Callable[[str], None])
               for r in results if r.error or (r.metrics or {}).get(USER_ERROR)]
     what = f"[sweep {spec.name}] its summary"
     best = through_mlflow_outages(lambda: best_trials(spec.tracking_uri, spec.experiment, parent.run_id,
-                                                      spec.metric, spec.mode), what, log)
-    name = spec.metric.replace("/", "_")
+                                                      spec.tune.metric, spec.tune.mode), what, log)
+    name = spec.tune.metric.replace("/", "_")
     # a resumed sweep's parent may hold an earlier summary: log after it, so the newest is latest
     step = parent.last_step + 1
     for dataset, b in best.items():  # metrics are spooled (a background logger): no wait here

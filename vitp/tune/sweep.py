@@ -20,7 +20,8 @@ from ray import tune
 
 from .. import storage
 from ..console import get_logger
-from ..config import ConfigError, ExperimentConfig, Run, absolute_paths, field_type, set_values, validate
+from ..config import (ConfigError, ExperimentConfig, Run, TuneConfig, absolute_paths, field_type, set_values,
+                      validate)
 from ..config.run import PATH_KEYS
 from ..config.files import recipe_label
 from ..names import check_name
@@ -44,36 +45,35 @@ AXES = ("recipe", "source")  # trial keys that are not config fields
 
 @dataclass
 class SweepSpec:
-    """What to sweep: each recipe's resolved config, the grid/choices, and how to schedule it."""
+    """What to sweep: each recipe's resolved config, the space, and how to search and schedule it
+    (`tune`: the base recipe's tune section, its space grown by the datasets and sources swept)."""
 
     name: str
     base_recipe: str
     overrides: list[str]  # the user's --set text, kept for the record (MLflow param sweep.overrides)
-    space: dict[str, Any]  # key -> list of values or a distribution's text (space.py)
-    # explicit trial points, each crossed with `space`: {key: value} dicts (config keys or AXES),
+    tune: TuneConfig  # tune.space: key -> list of values or a distribution's text (space.py)
+    # explicit trial points, each crossed with the space: {key: value} dicts (config keys or AXES),
     # for designs a grid cannot express (e.g. 3 seeds at one data fraction, 1 at the others)
     points: list[dict[str, Any]] = field(default_factory=list)
     # recipe -> config dict (recipe + --set + changes + work_dir); a sweep saved without it is
     # rebuilt from `overrides` (config_of)
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    search: str = "grid"
-    num_samples: int = 1
-    seed: int = 0
-    startup_trials: int = 5
-    scheduler: str = "none"
-    perturbation_interval: int = 0
-    metric: str = "val/top1"
-    mode: str = "max"
-    trial_retries: int = 1
-    max_concurrent_trials: int = 0
     work_dir: str = "work"
     tracking_uri: str = ""
     experiment: str = "vit-pipeline"
-
     dir: str = ""  # its Tune state: <work_dir>/sweeps/<name>
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "tune": dataclasses.asdict(self.tune)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SweepSpec":
+        """The spec `to_dict` gave, or one a Tune state saved before `tune` held the search settings
+        (each at the top level then)."""
+        d = dict(d)
+        if "tune" not in d:
+            d["tune"] = {k: d.pop(k) for k in [f.name for f in dataclasses.fields(TuneConfig)] if k in d}
+        return cls(**{**d, "tune": TuneConfig(**d["tune"])})
 
 
 def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: Sequence[str], *,
@@ -131,19 +131,15 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
         cfg = set_values(with_overrides(recipe, overrides_for(recipe, overrides)),
                          {**(changes or {}), "work_dir": work_dir})
         configs[recipe] = absolute_paths(cfg).to_dict()
-    t = base.tune
     spec = SweepSpec(name=name, base_recipe=base_recipe, overrides=list(overrides), configs=configs,
-                     space=space, points=points, search=t.search, num_samples=t.num_samples, seed=t.seed,
-                     startup_trials=t.startup_trials, scheduler=t.scheduler,
-                     perturbation_interval=t.perturbation_interval, metric=t.metric, mode=t.mode, trial_retries=t.trial_retries,
-                     max_concurrent_trials=t.max_concurrent_trials, work_dir=work_dir,
+                     tune=dataclasses.replace(base.tune, space=space), points=points, work_dir=work_dir,
                      experiment=base.tracking.experiment)
     for trial in _probes(spec):
         try:
             validate(trial_config(spec, trial)[0])
         except ConfigError as e:
             raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
-    check_scheduler(spec.scheduler, spec.search, space, spec.perturbation_interval,
+    check_scheduler(spec.tune.scheduler, spec.tune.search, space, spec.tune.perturbation_interval,
                     trial_config(spec, _probes(spec)[0])[0].train.eval_every)
     first = Run.of(trial_config(spec, _probes(spec)[0])[0])  # work_dir and tracking as `base`
     spec.tracking_uri, spec.dir = first.tracking_uri, first.sweep(name)
@@ -153,13 +149,13 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
 def _probes(spec: SweepSpec) -> list[dict[str, Any]]:
     """The trials validation checks (space.probe_trials: every grid point, each end and the middle of
     every range), each merged with each of spec.points."""
-    return [{**t, **p} for t in probe_trials(parse_space(spec.space)) for p in (spec.points or [{}])]
+    return [{**t, **p} for t in probe_trials(parse_space(spec.tune.space)) for p in (spec.points or [{}])]
 
 
 def sampled(spec: SweepSpec) -> bool:
     """Whether two trials may hold the same values: Tune draws some, or repeats the grid."""
-    return spec.search != "grid" or spec.num_samples > 1 or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
-                                        for d in parse_space(spec.space).values())
+    return spec.tune.search != "grid" or spec.tune.num_samples > 1 or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
+                                        for d in parse_space(spec.tune.space).values())
 
 
 def dataset_runs(spec: SweepSpec) -> list[Run]:
@@ -187,12 +183,12 @@ def trial_config(spec: SweepSpec, trial: dict[str, Any],
     values = {k: v for k, v in trial.items() if k not in AXES}
     values.update({"tracking.experiment": spec.experiment, "tracking.uri": spec.tracking_uri,
                    "tracking.run_name": trial_run_name(spec, trial, trial_id),
-                   "tune.scheduler": spec.scheduler})  # a PBT trial's workers follow its values on restore
+                   "tune.scheduler": spec.tune.scheduler})  # a PBT trial's workers follow its values on restore
     cfg = set_values(cfg, values)
     # where the scheduler pauses or copies trials, a checkpoint at every evaluation, all kept (another
     # trial may copy any); otherwise the recipe's own, so a trial whose node is lost goes on from its
     # newest (only reports with the sweep's metric reach Tune: progress.EvaluationReports)
-    if cfg.train.eval_every and spec.scheduler in CHECKPOINTED:
+    if cfg.train.eval_every and spec.tune.scheduler in CHECKPOINTED:
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint_every=cfg.train.eval_every,
                                                     keep_checkpoints=0))
     return finetune_config(cfg, trial.get("source", "scratch"))
@@ -208,16 +204,16 @@ def trial_run_name(spec: SweepSpec, trial: dict[str, Any], trial_id: str = "") -
     parts.append(recipe.replace("finetune_", ""))
     src = trial.get("source", "scratch")
     parts.append("scratch" if src == "scratch" else "from-" + _short(src))
-    drawn = {k for k, d in parse_space(spec.space).items() if not (isinstance(d, Dist) and d.values)}
+    drawn = {k for k, d in parse_space(spec.tune.space).items() if not (isinstance(d, Dist) and d.values)}
     for k in sorted(trial):
-        if k not in AXES and spec.scheduler != "pbt":
+        if k not in AXES and spec.tune.scheduler != "pbt":
             v = trial[k]  # a swept path names its last two folders, as a source does
             if isinstance(v, str) and "/" in v:
                 v = _short(v)
             elif k in drawn and isinstance(v, float):
                 v = f"{v:.4g}"
             parts.append(f"{k.split('.')[-1]}{v}")
-    if trial_id and (sampled(spec) or spec.scheduler == "pbt"):
+    if trial_id and (sampled(spec) or spec.tune.scheduler == "pbt"):
         parts.append("t" + trial_id.rsplit("_", 1)[-1])
     return "-".join(parts)
 
@@ -247,33 +243,33 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
     from ..train.report import log_report  # lazy: torch, deepspeed (only trial processes train)
     from ..train.trainer import run_training
 
-    spec = SweepSpec(**spec)
+    spec = SweepSpec.from_dict(spec)
     ctx = tune.get_context()
     cfg, tags = trial_config(spec, trial_params(trial), ctx.get_trial_id())
     run = Run.of(cfg)
     tags = {**tags, "sweep": spec.name, "trial_id": ctx.get_trial_id()}
     try:
-        if spec.scheduler in CHECKPOINTED:  # Tune holds the trial's state: pointers to its checkpoints
-            with (turn(spec.name, parent_run_id, ctx.get_trial_id(), _log.info) if spec.scheduler == "hyperband"
+        if spec.tune.scheduler in CHECKPOINTED:  # Tune holds the trial's state: pointers to its checkpoints
+            with (turn(spec.name, parent_run_id, ctx.get_trial_id(), _log.info) if spec.tune.scheduler == "hyperband"
                   else contextlib.nullcontext()):
-                summary = population_trial(spec.scheduler, spec.space, run, tags, parent_run_id, ctx.get_trial_id())
+                summary = population_trial(spec.tune.scheduler, spec.tune.space, run, tags, parent_run_id, ctx.get_trial_id())
         else:
             summary = run_training(run, extra_tags=tags, parent_run_id=parent_run_id,
-                                   callbacks=[EvaluationReports(spec.metric, cfg)])
+                                   callbacks=[EvaluationReports(spec.tune.metric, cfg)])
         log_report(run, summary)  # attention rollouts of the trial's model
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
-        tune.report({spec.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
+        tune.report({spec.tune.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
         return
     if summary.already_finished:  # a resumed sweep: this trial's training had finished before
         tune.report(summary.metrics)
-    if summary.metrics.get(spec.metric) is None:
-        raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.metric}")
+    if summary.metrics.get(spec.tune.metric) is None:
+        raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.tune.metric}")
 
 
 def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
     """Trials that fit at once: each needs its workers' CPUs plus ~1 for the controller/data."""
-    if spec.max_concurrent_trials:
-        return spec.max_concurrent_trials
+    if spec.tune.max_concurrent_trials:
+        return spec.tune.max_concurrent_trials
     cpus = ray.cluster_resources().get("CPU", 1)
     gpus = ray.cluster_resources().get("GPU", 0)
     p = cfg.parallel
@@ -323,12 +319,12 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
     trainable = tune.with_resources(tune.with_parameters(
         finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), {"CPU": 0.01})
-    turns = start_turns(spec.name, parent.run_id, concurrency) if spec.scheduler == "hyperband" else None
-    total = spec.num_samples * grid_size(parse_space(spec.space), spec.search) * (
-        len(spec.points) if spec.points and spec.search == "grid" else 1)
-    progress = SweepProgress(spec.name, total, concurrency, spec.metric, spec.tracking_uri, spec.experiment,
+    turns = start_turns(spec.name, parent.run_id, concurrency) if spec.tune.scheduler == "hyperband" else None
+    total = spec.tune.num_samples * grid_size(parse_space(spec.tune.space), spec.tune.search) * (
+        len(spec.points) if spec.points and spec.tune.search == "grid" else 1)
+    progress = SweepProgress(spec.name, total, concurrency, spec.tune.metric, spec.tracking_uri, spec.experiment,
                              run_name=lambda config, trial_id="": trial_run_name(spec, trial_params(config), trial_id),
-                             scheduler=spec.scheduler, log=log,
+                             scheduler=spec.tune.scheduler, log=log,
                              planned_steps=lambda config: trial_config(spec, trial_params(config))[0].train.steps)
     t0 = time.time()
     try:
@@ -336,28 +332,28 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
             tuner = tune.Tuner.restore(inner, trainable=trainable, resume_unfinished=True,
                                        resume_errored=True, storage_filesystem=fs)
         else:
-            scheduler = scheduler_for(spec.scheduler, mutations(spec.space),
-                                      spec.perturbation_interval or first_trial_cfg.train.eval_every,
-                                      first_trial_cfg.train.steps, spec.seed, first_trial_cfg.train.eval_every)
-            if spec.scheduler == "hyperband":
+            scheduler = scheduler_for(spec.tune.scheduler, mutations(spec.tune.space),
+                                      spec.tune.perturbation_interval or first_trial_cfg.train.eval_every,
+                                      first_trial_cfg.train.steps, spec.tune.seed, first_trial_cfg.train.eval_every)
+            if spec.tune.scheduler == "hyperband":
                 log(f"[sweep {spec.name}] {hyperband_plan(scheduler, total)}")
             tuner = tune.Tuner(
                 trainable,
-                param_space=param_space(spec.space, spec.points, spec.search, spec.seed),
-                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
-                                            num_samples=spec.num_samples,
+                param_space=param_space(spec.tune.space, spec.points, spec.tune.search, spec.tune.seed),
+                tune_config=tune.TuneConfig(metric=spec.tune.metric, mode=spec.tune.mode, scheduler=scheduler,
+                                            num_samples=spec.tune.num_samples,
                                             search_alg=search_algorithm(
-                                                spec.space, spec.points, spec.search, spec.seed,
-                                                spec.startup_trials, spec.metric, spec.mode,
-                                                search_slots(scheduler, spec.search, concurrency)),
+                                                spec.tune.space, spec.points, spec.tune.search, spec.tune.seed,
+                                                spec.tune.startup_trials, spec.tune.metric, spec.tune.mode,
+                                                search_slots(scheduler, spec.tune.search, concurrency)),
                                             # a trial's driver is light; its process and imports
                                             # are not: the next trial reuses them, but only where
                                             # no scheduler stops trials (a stopped trial's process
                                             # must end, its Train run with it)
-                                            reuse_actors=spec.scheduler == "none"),
+                                            reuse_actors=spec.tune.scheduler == "none"),
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage.dirname(inner),
                                           storage_filesystem=fs,
-                                          failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
+                                          failure_config=tune.FailureConfig(max_failures=spec.tune.trial_retries),
                                           callbacks=[progress], verbose=0),
             )
         with CtrlC() as ctrl_c:
