@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from vitp import storage
@@ -98,112 +99,113 @@ def _start_afresh(given: str, paths: RunPaths, log: Callable[[str], None]) -> No
         storage.rmtree(storage.join(work, name), work)
 
 
-def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
-             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
-             objective: str = "classify", changes: dict[str, dict[str, Any]] | None = None) -> dict:
-    """Run the demo's stages; returns what it measured (also written to RESULT_FILE in the work
-    dir). `changes` ({"pretrain": {key: value}, "finetune": {...}}) goes on top of the recipes and
-    --quick's sizes, the "finetune" part to every downstream dataset: a smaller run of the same
-    stages (the e2e suite's)."""
-    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
-    from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
-    from vitp.tracking.compare import compare_rows  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.tracking.seeds import aggregate_rows  # lazy: mlflow (through compare)
-    from vitp.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.tracking.store import get_client, ui_url  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.train.export import export  # lazy: keeps vitp --help fast (torch)
-    from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
-    from vitp.train.report import log_report  # lazy: keeps vitp --help fast (torch)
-    from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
-    from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
-    from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
-    from vitp.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
+@dataclass
+class _Demo:
+    """What the demo runs, resolved once (`plan`), and one method a stage: each stage's work and its
+    lines; `run_demo` puts them in order."""
 
-    t0, changes = time.time(), changes or {}
-    mpp = "-mpp" if objective == "mpp" else ""  # masked patch prediction: the corpus's labels unused
-    given = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
-    work = storage.abspath(given)
-    pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
-                                                      "train.objective": objective,
-                                                      **(QUICK_PRETRAIN if quick else {}),
-                                                      **changes.get("pretrain", {})}), check_paths=False)
-    if fresh:
-        _start_afresh(given, pre.paths, log)
-    ft_changes = {"work_dir": work, **(QUICK_FINETUNE if quick else {}), **changes.get("finetune", {})}
-    stages = Stages(6, log)
-    export_dir = pre.paths.export
-    name = "demo" + mpp + ("-quick" if quick else "")
-    result: dict[str, Any] = {"work_dir": work, "seed": seed, "sweep_name": name}
+    work: str
+    seed: int
+    quick: bool
+    mpp: str  # "-mpp" for masked patch prediction (the corpus's labels unused), else ""
+    pre: Run  # the pre-training
+    ft_changes: dict[str, Any]  # what every downstream run gets on top of its recipe
+    points: list[dict[str, Any]]  # the sweep's trials
+    datasets: list[Run]  # one run per downstream dataset and fraction (reference, shards)
+    log: Callable[[str], None]
 
-    connect_ray(pre.cfg, address)
-    points = _points(seed, quick)
+    @classmethod
+    def plan(cls, quick: bool, work_dir: str | None, seed: int, objective: str,
+             changes: dict[str, dict[str, Any]], log: Callable[[str], None]) -> tuple["_Demo", str]:
+        """The demo's runs, and the work dir as the user gave it (or its default)."""
+        mpp = "-mpp" if objective == "mpp" else ""
+        given = work_dir or ("work/demo" + mpp + (f"-seed{seed}" if seed else "") + ("-quick" if quick else ""))
+        work = storage.abspath(given)
+        pre = Run.resolve(set_values(get_recipe("demo"), {"work_dir": work, "train.seed": seed,
+                                                          "train.objective": objective,
+                                                          **(QUICK_PRETRAIN if quick else {}),
+                                                          **changes.get("pretrain", {})}), check_paths=False)
+        demo = cls(work, seed, quick, mpp, pre, {"work_dir": work, **(QUICK_FINETUNE if quick else {}),
+                                                   **changes.get("finetune", {})}, _points(seed, quick), [], log)
+        demo.datasets = [demo.downstream(r, f) for r, f in dict.fromkeys(
+            [*((p["recipe"], p["data.train_fraction"]) for p in demo.points), (OTHER_DOMAIN, 1.0)])]
+        return demo, given
 
-    def downstream(recipe: str, fraction: float):
-        return Run.resolve(set_values(get_recipe(recipe), {**ft_changes, "data.train_fraction": fraction}),
+    @property
+    def name(self) -> str:
+        """The sweep's name (and its tag on every run of the demo)."""
+        return "demo" + self.mpp + ("-quick" if self.quick else "")
+
+    @property
+    def export_dir(self) -> str:
+        return self.pre.paths.export
+
+    def downstream(self, recipe: str, fraction: float) -> Run:
+        return Run.resolve(set_values(get_recipe(recipe), {**self.ft_changes, "data.train_fraction": fraction}),
                            check_paths=False)
 
-    datasets = [downstream(r, f) for r, f in dict.fromkeys([*((p["recipe"], p["data.train_fraction"])
-                                                             for p in points), (OTHER_DOMAIN, 1.0)])]
-    experiment = datasets[0].cfg.tracking.experiment
+    def corpus(self) -> None:
+        from vitp.data.commands import ensure_shards  # lazy: keeps vitp --help fast (ray, pyarrow)
 
-    def shards() -> None:
-        for run in [pre, *datasets]:
-            ensure_shards(run, log=log)
+        for run in [self.pre, *self.datasets]:
+            ensure_shards(run, log=self.log)
 
-    pc = pre.cfg
-    stages.run("corpus", f"{pc.data.synth_classes} fractal classes x {pc.data.synth_images_per_class} "
-               f"images for pre-training; {len(datasets)} downstream shard sets (reused if present)",
-               shards, required=True)
+    def pretrain(self) -> dict[str, Any]:
+        from vitp.train.export import export  # lazy: keeps vitp --help fast (torch)
+        from vitp.train.registry import register_export  # lazy: keeps vitp --help fast (mlflow)
+        from vitp.train.report import log_report  # lazy: keeps vitp --help fast (torch)
+        from vitp.train.trainer import run_training  # lazy: keeps vitp --help fast (torch, ray)
 
-    def pretrain() -> None:
-        summary = run_training(pre)
-        log_report(pre, summary)
-        export(summary.checkpoint, export_dir)
-        result["pretrain_run_id"] = summary.mlflow_run_id
-        result["model"] = register_export(export_dir, MODEL_NAME + mpp, pre.tracking_uri, log=log)["model_uri"]
+        summary = run_training(self.pre)
+        log_report(self.pre, summary)
+        export(summary.checkpoint, self.export_dir)
+        registered = register_export(self.export_dir, MODEL_NAME + self.mpp, self.pre.tracking_uri, log=self.log)
+        return {"pretrain_run_id": summary.mlflow_run_id, "model": registered["model_uri"]}
 
-    stages.run("pre-training", f"{pc.model.variant} {'masked patch prediction' if mpp else 'classification'} "
-               f"for {pc.train.steps} steps with DeepSpeed "
-               f"ZeRO-{pc.parallel.zero_stage} on {pc.parallel.num_workers} workers, seed {seed} "
-               "(resumes if interrupted), then export and register", pretrain, required=True)
+    def reference(self) -> dict:
+        from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
 
-    def reference() -> dict:
         out = {}
-        for run in datasets:  # one per dataset and fraction: the seeds share it
-            out[(run.cfg.recipe, run.cfg.data.train_fraction)] = run_reference(run, tags={"sweep": name})["top1"]
-        log("[demo]   " + ", ".join(f"{r} {f:.0%}: {v:.3f}" for (r, f), v in out.items()))
+        for run in self.datasets:  # one per dataset and fraction: the seeds share it
+            out[(run.cfg.recipe, run.cfg.data.train_fraction)] = run_reference(run, tags={"sweep": self.name})["top1"]
+        self.log("[demo]   " + ", ".join(f"{r} {f:.0%}: {v:.3f}" for (r, f), v in out.items()))
         return out
 
-    result["reference"] = stages.run("reference", "a linear classifier on the raw pixels (scikit-learn) "
-                                     "of each downstream dataset", reference)
+    def fewshot(self) -> dict:
+        from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
 
-    def fewshot() -> dict:
         out = {}
         for recipe in (MAIN[0], OTHER_DOMAIN):
-            out[recipe] = {k: v for k, v in run_fewshot(downstream(recipe, 1.0), export_dir).items() if k.startswith("fewshot/")}
-            log(f"[demo]   {recipe}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in out[recipe].items()))
+            got = run_fewshot(self.downstream(recipe, 1.0), self.export_dir)
+            out[recipe] = {k: v for k, v in got.items() if k.startswith("fewshot/")}
+            self.log(f"[demo]   {recipe}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in out[recipe].items()))
         return out
 
-    result["fewshot"] = stages.run("few-shot", "linear probes on the frozen pre-trained features "
-                                   "(1/5/10/25 images a class)", fewshot)
+    def sweep(self, stages: "Stages") -> dict | None:
+        from vitp.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
 
-    spec = build_spec(name, datasets[0].cfg, MAIN[0], [], changes=ft_changes, sources=[export_dir, "scratch"],
-                      points=points)
-    resume = storage.exists(storage.join(spec.dir, "tuner.pkl"))
-    sweep = stages.run("sweep", f"Tune: {len(points) * 2} fine-tuning runs, pre-trained vs "
-                       "scratch", lambda: run_sweep(spec, resume=resume, log=log))
-    if sweep and sweep["failed"]:
-        stages.failed.append(f"sweep: {len(sweep['failed'])} trial(s) failed: "
-                             + "; ".join(f"{f['trial']}: {f['error']}" for f in sweep["failed"]))
-    result["sweep"] = sweep
+        spec = build_spec(self.name, self.datasets[0].cfg, MAIN[0], [], changes=self.ft_changes,
+                          sources=[self.export_dir, "scratch"], points=self.points)
+        resume = storage.exists(storage.join(spec.dir, "tuner.pkl"))
+        sweep = stages.run("sweep", f"Tune: {len(self.points) * 2} fine-tuning runs, pre-trained vs "
+                           "scratch", lambda: run_sweep(spec, resume=resume, log=self.log))
+        if sweep and sweep["failed"]:
+            stages.failed.append(f"sweep: {len(sweep['failed'])} trial(s) failed: "
+                                 + "; ".join(f"{f['trial']}: {f['error']}" for f in sweep["failed"]))
+        return sweep
 
-    def report() -> dict:
-        uri = datasets[0].tracking_uri
-        rows = compare_rows(uri, experiment, sweep=name)
+    def results(self, sweep: dict | None) -> dict:
+        from vitp.tracking.compare import compare_rows  # lazy: keeps vitp --help fast (mlflow)
+        from vitp.tracking.plots import log_plot_to_parent, plot_compare, plot_low_data  # lazy (mlflow)
+        from vitp.tracking.seeds import aggregate_rows  # lazy: mlflow (through compare)
+        from vitp.tracking.store import get_client, ui_url  # lazy: keeps vitp --help fast (mlflow)
+
+        uri, experiment = self.datasets[0].tracking_uri, self.datasets[0].cfg.tracking.experiment
+        rows = compare_rows(uri, experiment, sweep=self.name)
         groups = aggregate_rows([{**r, "source": source_label(r.get("source"))} for r in rows])
-        curve = storage.join(work, "low_data.png")
+        curve = storage.join(self.work, "low_data.png")
         plot_low_data([g for g in groups if g["recipe"] == MAIN[0]], curve, label=str)
-        plot = storage.join(work, "compare.png")
+        plot = storage.join(self.work, "compare.png")
         plot_compare(uri, [r for r in rows if r.get("source") != "pixels"], plot)
         if sweep:
             for path in (curve, plot):
@@ -212,14 +214,42 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
         return {"rows": rows, "groups": groups, "plots": [curve, plot], "tracking_uri": uri,
                 "experiment": experiment, "ui_url": ui_url(UI_ADDRESS, exp_id)}
 
-    out = stages.run("results", "seeds table and low-data curve from MLflow", report)
-    result.update(out or {})
-    result.update(seconds=time.time() - t0, timings=stages.timings, failed=stages.failed)
-    from vitp.cli.demo_report import print_summary, record  # the summary block, the result file
 
+def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = None,
+             address: str | None = None, seed: int = 0, log: Callable[[str], None] = print,
+             objective: str = "classify", changes: dict[str, dict[str, Any]] | None = None) -> dict:
+    """Run the demo's stages; returns what it measured (also written to RESULT_FILE in the work
+    dir). `changes` ({"pretrain": {key: value}, "finetune": {...}}) goes on top of the recipes and
+    --quick's sizes, the "finetune" part to every downstream dataset: a smaller run of the same
+    stages (the e2e suite's)."""
+    from vitp.cli.demo_report import print_summary, record  # the summary block, the result file
+    from vitp.cluster.connect import connect_ray  # lazy: keeps vitp --help fast (ray)
+
+    t0 = time.time()
+    demo, given = _Demo.plan(quick, work_dir, seed, objective, changes or {}, log)
+    if fresh:
+        _start_afresh(given, demo.pre.paths, log)
+    result: dict[str, Any] = {"work_dir": demo.work, "seed": seed, "sweep_name": demo.name}
+    connect_ray(demo.pre.cfg, address)
+    stages, pc = Stages(6, log), demo.pre.cfg
+    stages.run("corpus", f"{pc.data.synth_classes} fractal classes x {pc.data.synth_images_per_class} "
+               f"images for pre-training; {len(demo.datasets)} downstream shard sets (reused if present)",
+               demo.corpus, required=True)
+    result.update(stages.run(
+        "pre-training", f"{pc.model.variant} {'masked patch prediction' if demo.mpp else 'classification'} "
+        f"for {pc.train.steps} steps with DeepSpeed ZeRO-{pc.parallel.zero_stage} on {pc.parallel.num_workers} "
+        f"workers, seed {seed} (resumes if interrupted), then export and register", demo.pretrain, required=True))
+    result["reference"] = stages.run("reference", "a linear classifier on the raw pixels (scikit-learn) "
+                                     "of each downstream dataset", demo.reference)
+    result["fewshot"] = stages.run("few-shot", "linear probes on the frozen pre-trained features "
+                                   "(1/5/10/25 images a class)", demo.fewshot)
+    result["sweep"] = sweep = demo.sweep(stages)
+    result.update(stages.run("results", "seeds table and low-data curve from MLflow", lambda: demo.results(sweep))
+                  or {})
+    result.update(seconds=time.time() - t0, timings=stages.timings, failed=stages.failed)
     result["verdict"] = print_summary(result, main=MAIN, margin=MARGIN, quick=quick,
-                                      main_cfg=downstream(*MAIN).cfg)
-    path = storage.join(work, RESULT_FILE)
+                                      main_cfg=demo.downstream(*MAIN).cfg)
+    path = storage.join(demo.work, RESULT_FILE)
     storage.write_bytes(path, json.dumps(record(result, MAIN, quick), indent=1).encode())
     log(f"results: {path}")
     return result
