@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from vitp.data.commands import run_preprocess
-from vitp.data.preprocess import preprocess
+from vitp.data.preprocess import ShardSpec, preprocess
 from vitp.data.shards import read_manifest, verify_checksums
 from vitp.data.catalog import plan_source
 from vitp.config import Run
@@ -143,7 +143,7 @@ def test_bad_input_zoo_nothing_lost(ray_session, tmp_path, capsys):
     csv_path, rows, expect_q = make_zoo(tmp_path)
     plan = plan_source("csv", str(csv_path))
     out = tmp_path / "zoo_shards"
-    res = preprocess(plan, str(out), size=S, val_fraction=0.0, max_pixels=100_000,
+    res = preprocess(plan, str(out), ShardSpec(size=S, val_fraction=0.0, max_pixels=100_000),
                      rows_per_task=2)  # many small tasks: bad rows share blocks with good ones
     assert res["input"] == len(rows) == res["written"] + res["quarantined"]
     assert res["written"] == 8 and res["quarantined"] == 6

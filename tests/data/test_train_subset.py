@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from vitp.data.preprocess import assign_split, in_train_subset, subset_train
+from vitp.data.rows import assign_split, in_train_subset, subset_train
 from vitp.data.synth import class_system, render
 
 KEYS = [f"class_{i % 10}/img_{i:05d}.png" for i in range(4000)]

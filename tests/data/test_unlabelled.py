@@ -15,7 +15,7 @@ from vitp import cli, storage
 from vitp.config import ConfigError, Run, apply_overrides, validate
 from vitp.data.catalog import list_source, plan_source
 from vitp.data.commands import ensure_shards, run_preprocess
-from vitp.data.preprocess import assign_split
+from vitp.data.rows import assign_split
 from vitp.data.shards import read_manifest, verify_checksums
 from vitp.errors import InputError
 from vitp.recipes import debug

@@ -18,7 +18,7 @@ from PIL import Image
 from vitp.data import bounds, catalog, sources
 from vitp.data.commands import run_preprocess
 from vitp.data.decode import max_file_bytes
-from vitp.data.preprocess import process_rows
+from vitp.data.rows import process_rows
 from vitp.errors import InputError
 from vitp.config import Run
 

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..config import Run
 from . import shards as sh
 from .decode import DEFAULT_MAX_PIXELS
-from .preprocess import preprocess
+from .preprocess import ShardSpec, preprocess
 from .catalog import plan_source
 from .synth import foreign_files, generate_corpus
 
@@ -81,14 +81,12 @@ def run_preprocess(run: Run, overwrite: bool = False, out_dir: Optional[str] = N
         log(f"preprocess: warning: the source has {len(plan.classes)} classes but "
             f"data.num_classes={d.num_classes}; labels >= {d.num_classes} will be quarantined "
             f"(set --set data.num_classes={len(plan.classes)})")
-    return preprocess(
-        plan, out, size=d.storage_size, storage_format=d.storage_format,
-        jpeg_quality=d.jpeg_quality, shard_mb=d.shard_mb, val_fraction=d.val_fraction,
-        num_classes=(d.num_classes or None) if labelled else len(plan.classes),
-        overwrite=overwrite, resume=resume,
-        max_pixels=max_pixels, synth_seed=d.synth_seed, train_fraction=d.train_fraction,
-        rows_per_task=rows_per_task,
-        manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
+    spec = ShardSpec(size=d.storage_size, storage_format=d.storage_format, jpeg_quality=d.jpeg_quality,
+                     max_pixels=max_pixels, num_classes=(d.num_classes or None) if labelled else len(plan.classes),
+                     seed=d.synth_seed, val_fraction=d.val_fraction, train_fraction=d.train_fraction,
+                     shard_mb=d.shard_mb)
+    return preprocess(plan, out, spec, overwrite=overwrite, resume=resume, rows_per_task=rows_per_task,
+                      manifest_extra={"path": d.path, "config": {"data": cfg.to_dict()["data"]}}, log=log)
 
 
 def ensure_shards(run: Run, log: Callable[[str], None] = _log.info) -> str:
