@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
 
 # The layers, lowest first: a module may import its own layer, a lower one, and the sinks.
-LAYERS = ("config", "data", "model", "train", "tune", "cluster", "cli")
+LAYERS = ("config", "data", "model", "eval", "train", "tune", "cluster", "cli")
 LAYER_OF_PREFIX = {"vitp.config": "config", "vitp.recipes": "config", "vitp.data": "data",
-                   "vitp.model": "model", "vitp.train": "train", "vitp.tune": "tune",
+                   "vitp.model": "model", "vitp.eval": "eval", "vitp.train": "train", "vitp.tune": "tune",
                    "vitp.cluster": "cluster", "vitp.cli": "cli"}
 # Sinks: importable from every layer; they import only each other (and config, for tracking).
 SINKS = ("vitp.console", "vitp.errors", "vitp.names", "vitp.net", "vitp.paths", "vitp.safe_load",
@@ -35,9 +35,9 @@ SINK_MAY_IMPORT = {"vitp.console": ("vitp.errors", "vitp.tracking.redact"), "vit
                    "vitp.versions": ("vitp.errors",), "vitp.paths": ("vitp.errors", "vitp.storage"),
                    "vitp.tracking": SINKS + ("vitp.config", "vitp.recipes")}
 # The upward edges allowed: validation checks a variant name against the (torch-free) table; the
-# few-shot probes during pre-training solve with the evaluator's own NumPy solver (tune owns it).
+# feature actor of an evaluation consolidates a training checkpoint it is given (train owns that).
 ALLOWED_UPWARD = {("vitp.config.validate", "vitp.model.variants"),
-                  ("vitp.train.fewshot_probe", "vitp.tune.fewshot_solver")}
+                  ("vitp.eval.features", "vitp.train.export")}
 
 TORCH_FREE = ("vitp.console", "vitp.config", "vitp.recipes", "vitp.tracking", "vitp.storage",
               "vitp.errors", "vitp.names", "vitp.net")
@@ -509,8 +509,8 @@ def _layer_problems(g: Graph) -> list[str]:
 
 
 def test_imports_point_down_the_layers():
-    """config -> data -> model -> train -> tune -> cluster -> cli: an import from a lower layer
-    into a higher one fails (one exception: config.validate -> model.variants). Sinks import
+    """config -> data -> model -> eval -> train -> tune -> cluster -> cli: an import from a lower
+    layer into a higher one fails (exceptions: ALLOWED_UPWARD). Sinks import
     only sinks (tracking also config); every layer may import a sink."""
     problems = _layer_problems(graph())
     _none(problems, f"{len(problems)} import(s) against the layer order {' -> '.join(LAYERS)}")

@@ -26,8 +26,8 @@ def check_probes(cfg, summary, digits, weights_of: str = "model") -> None:
     from vitp.tracking.store import get_client
     from vitp.config import Run
     from vitp.train.export import export, load_model
-    from vitp.train.fewshot_features import FeatureExtractor, read_split
-    from vitp.tune.fewshot_solver import fewshot_accuracy
+    from vitp.eval.features import FeatureExtractor, read_split
+    from vitp.eval.solver import fewshot_accuracy
 
     client = get_client(Run.of(cfg).tracking_uri)
     run = client.get_run(summary.mlflow_run_id)

@@ -25,7 +25,7 @@ def test_fewshot_every_is_validated():
 def test_dataset_names_and_paths(tmp_path, monkeypatch):
     """A name is a dataset under <work_dir>/shards; a path is resolved where it was given (the probe
     actor runs in another working directory), a URI kept."""
-    from vitp.train.fewshot_probe import dataset_roots
+    from vitp.eval.probe import dataset_roots
 
     monkeypatch.chdir(tmp_path)
     cfg = resolve("debug", ["work_dir=/w", "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets,mine/flowers"])
@@ -41,7 +41,7 @@ def test_a_probe_of_a_dataset_that_cannot_be_read_is_a_warning_and_training_goes
     from types import SimpleNamespace
 
     from vitp.model.vit import build_vit
-    from vitp.train.fewshot_probe import FewshotProbes
+    from vitp.eval.probe import FewshotProbes
 
     missing = tmp_path / "no-such-shards"
     cfg = resolve("debug", [f"work_dir={tmp_path}", "train.fewshot_every=10", f"train.fewshot_datasets={missing}"])

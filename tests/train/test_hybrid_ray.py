@@ -20,7 +20,7 @@ def test_hybrid_pretrains_finetunes_exports_and_fewshots(tmp_path, debug_shards,
     from vitp.train.report import log_report
     from vitp.train.trainer import run_training
     from vitp.train.transfer import finetune_config
-    from vitp.tune.fewshot import run_fewshot
+    from vitp.eval.fewshot import run_fewshot
 
     import torch
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from vitp.config import ExperimentConfig, ModelConfig, Run
-from vitp.train.fewshot_features import extract_features
-from vitp.tune.fewshot import run_fewshot
-from vitp.tune.fewshot_solver import BIAS_FEATURE, fewshot_accuracy, lsr_accuracy
+from vitp.eval.features import extract_features
+from vitp.eval.fewshot import run_fewshot
+from vitp.eval.solver import BIAS_FEATURE, fewshot_accuracy, lsr_accuracy
 
 # ------------------------------------------------------------------------------- solver
 

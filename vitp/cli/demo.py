@@ -50,7 +50,7 @@ def _points(seed: int, quick: bool) -> list[dict[str, Any]]:
 
 def source_label(source: Any) -> str:
     """How the demo names a run's source: pre-trained, scratch, or the raw-pixel reference."""
-    from vitp.tune.reference import SOURCE  # lazy: keeps vitp --help fast (ray)
+    from vitp.eval.reference import SOURCE  # lazy: keeps vitp --help fast (ray)
 
     text = str(source or "?")
     return {"scratch": "scratch", SOURCE: "linear on raw pixels"}.get(text, "pre-trained")
@@ -163,7 +163,7 @@ class _Demo:
         return {"pretrain_run_id": summary.mlflow_run_id, "model": registered["model_uri"]}
 
     def reference(self) -> dict:
-        from vitp.tune.reference import run_reference  # lazy: keeps vitp --help fast (ray)
+        from vitp.eval.reference import run_reference  # lazy: keeps vitp --help fast (ray)
 
         out = {}
         for run in self.datasets:  # one per dataset and fraction: the seeds share it
@@ -172,7 +172,7 @@ class _Demo:
         return out
 
     def fewshot(self) -> dict:
-        from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
+        from vitp.eval.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch)
 
         out = {}
         for recipe in (MAIN[0], OTHER_DOMAIN):

@@ -23,7 +23,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitp.model.weights import check_source
     run = run_from(args)
     check_source(args.source)  # before Ray starts: a wrong --from fails once, here
-    from vitp.tune.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
+    from vitp.eval.fewshot import run_fewshot  # lazy: keeps vitp --help fast (torch, ray)
 
     on_ray(args, run)
     result = run_fewshot(run, args.source, tracking=not args.no_tracking)

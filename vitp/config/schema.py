@@ -138,7 +138,7 @@ class TrainConfig:
     # labels used (an unlabelled corpus is a valid source); val/top1 is then per corrupted patch
     objective: Literal["classify", "mpp"] = "classify"
     # >0: every N steps a snapshot of the weights is few-shot evaluated off the training path
-    # (train/fewshot_probe.py); metrics fewshot/<dataset>_<k>shot_top1 at the snapshot's step
+    # (eval/probe.py); metrics fewshot/<dataset>_<k>shot_top1 at the snapshot's step
     fewshot_every: int = 0
     # preprocessed shard dirs (path or URI), or names of <work_dir>/shards/<name> (vitp preprocess)
     fewshot_datasets: tuple[str, ...] = ("digits",)

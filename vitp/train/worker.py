@@ -23,7 +23,7 @@ from ..model.vit import build_vit
 from . import checkpoint as ckpt
 from .ema import WeightEMA
 from .engine import device_for, follow_config
-from .fewshot_probe import FewshotProbes
+from ..eval.probe import FewshotProbes
 from .loop import Batch, LoopHooks, build_model_and_engine, run_loop
 from .preempt import PreemptionWatch
 from .restore import load as load_checkpoint, node_copy

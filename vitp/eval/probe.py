@@ -1,6 +1,6 @@
 """Few-shot probes during training: every `train.fewshot_every` steps rank 0 copies the weights
 (gathered under ZeRO-3), puts them in the object store and a low-priority CPU actor scores them
-(fewshot_features, tune's fewshot_solver); the results are logged at the snapshot's step. Must not
+(features.py, solver.py); the results are logged at the snapshot's step. Must not
 make a training step wait on an evaluation, nor let a failed one stop training (it is a warning).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import ray
 from .. import storage
 from ..console import get_logger
 from ..config import ExperimentConfig, Run
-from ..tune.fewshot_solver import SHOTS, fewshot_accuracy, num_classes_of, shot_indices
-from .fewshot_features import read_split
+from .solver import SHOTS, fewshot_accuracy, num_classes_of, shot_indices
+from .features import read_split
 
 _log = get_logger(__name__)
 
@@ -99,7 +99,7 @@ class FewshotActor:
         from threadpoolctl import threadpool_limits  # lazy: the actor only
 
         from ..model.vit import build_vit  # lazy: torch
-        from .fewshot_features import FeatureExtractor
+        from .features import FeatureExtractor
 
         threadpool_limits(1)  # numpy's BLAS in the solver: one thread too
         self.cfg = ExperimentConfig.from_dict(cfg_dict)

@@ -1,7 +1,6 @@
 """Few-shot linear evaluation's solver (paper; big_vision `fewshot_lsr`): closed-form L2-regularised
 least squares from frozen features to one-vs-all targets, over k shots per class x seeds. NumPy
-only: `vitp fewshot` (fewshot.py) and the probes during pre-training (train/fewshot_probe.py, the
-one import from train into tune, declared in tests/test_architecture.py) both call it.
+only: `vitp fewshot` (fewshot.py) and the probes during pre-training (probe.py) both call it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`vitp fewshot`: few-shot linear evaluation of exported weights as its own MLflow run
-`fewshot-<source>-<dataset>`. The solver is fewshot_solver.py, the features
-vitp.train.fewshot_features (both shared with the probes during pre-training). Writes MLflow only through `vitp.tracking`; reads
-sources only through `vitp.model.weights` / `vitp.train.export`.
+`fewshot-<source>-<dataset>`. The solver is solver.py, the features features.py (both shared with
+the probes during pre-training). Writes MLflow only through `vitp.tracking`; reads sources only
+through `vitp.model.weights` / `vitp.train.export`.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Sequence
 from .. import storage
 from ..config import ExperimentConfig, Run
 from ..model.weights import SourceInfo, check_source
-from ..train.fewshot_features import extract_features
-from .fewshot_solver import L2, SHOTS, fewshot_accuracy
+from .features import extract_features
+from .solver import L2, SHOTS, fewshot_accuracy
 
 
 # ------------------------------------------------------------------------ the MLflow run

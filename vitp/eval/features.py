@@ -1,7 +1,7 @@
 """Few-shot evaluation's features: frozen pre-logit features of a shard split (Ray Data), for the
-solver in vitp/tune/fewshot_solver.py. Used by `vitp fewshot` (vitp.tune.fewshot) and by the probe
-during training (fewshot_probe.py). Must not write MLflow, nor know where the weights came from
-beyond a model or an export path.
+solver (solver.py). Used by `vitp fewshot` (fewshot.py) and by the probes during training
+(probe.py). Must not write MLflow, nor know where the weights came from beyond a model or an export
+path (a checkpoint's is consolidated by vitp.train.export, in the actor: the one import up a layer).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class FeatureExtractor:
         import ray  # lazy: ray, torch (in the actor only)
         import torch
 
-        from .export import load_model  # lazy: torch, in the actor only
+        from ..train.export import load_model  # lazy: torch, in the actor only
 
         torch.set_num_threads(threads)  # one actor per CPU: no oversubscription
         if isinstance(source, str):
