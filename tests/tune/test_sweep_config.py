@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vitp.config import ConfigError, ExperimentConfig, validate
+from vitp.config import ConfigError, ExperimentConfig, set_values, validate
 from vitp.errors import InputError
 from vitp.model.vit import ViT
 from vitp.model.weights import write_export
@@ -62,6 +62,12 @@ def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
         assert d["work_dir"] == f"{tmp_path}/w" and d["train"]["steps"] == 30
         assert d["tune"]["scheduler"] == "asha"
     assert spec.tune.space["optim.lr"] == [0.5, 0.25] and spec.work_dir == f"{tmp_path}/w"
+    # the sweep's store and Tune state are the base run's, and every trial logs to that store
+    assert (spec.tracking_uri, spec.dir) == (f"sqlite:///{tmp_path}/w/mlflow.db", f"{tmp_path}/w/sweeps/s")
+    assert {trial_config(spec, t)[0].tracking.uri for t in _probes(spec)} == {spec.tracking_uri}
+    served = build_spec("s", set_values(base, {"tracking.uri": "http://127.0.0.1:5000"}), "debug_finetune", [])
+    assert served.tracking_uri == "http://127.0.0.1:5000"
+    assert {trial_config(served, t)[0].tracking.uri for t in _probes(served)} == {"http://127.0.0.1:5000"}
 
     cfg, tags = trial_config(spec, {"recipe": "demo_finetune", "source": export_dir, "optim.lr": 0.25})
     assert cfg.recipe == "demo_finetune" and cfg.optim.lr == 0.25 and cfg.model.variant == "mu/4"

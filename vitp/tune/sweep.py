@@ -141,8 +141,8 @@ def build_spec(name: str, base: ExperimentConfig, base_recipe: str, overrides: S
             raise ConfigError(f"sweep trial {trial_run_name(spec, trial)}: {e}") from None
     check_scheduler(spec.tune.scheduler, spec.tune.search, space, spec.tune.perturbation_interval,
                     trial_config(spec, _probes(spec)[0])[0].train.eval_every)
-    first = Run.of(trial_config(spec, _probes(spec)[0])[0])  # work_dir and tracking as `base`
-    spec.tracking_uri, spec.dir = first.tracking_uri, first.sweep(name)
+    sweep = Run.of(absolute_paths(base))  # its work_dir and tracking are every trial's
+    spec.tracking_uri, spec.dir = sweep.tracking_uri, sweep.sweep(name)
     return spec
 
 
