@@ -13,7 +13,8 @@ import pytest
 import ray
 import yaml
 
-from vitp.cluster.jobspec import add_overrides, load_spec, parse_entrypoint, resolve_recipes
+from vitp.cluster.entrypoint import add_overrides, parse_entrypoint
+from vitp.cluster.jobspec import load_spec, resolve_recipes
 from vitp.cluster.upload import check_upload_size
 from vitp.errors import ConfigError
 

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from vitp.cluster.doctor import (EXIT_FAILED, PROBE_DIR, Check, _tracking_line, exit_code, probe_storage,
-                                 probe_tracking, storage_fix, timed)
+from vitp.cluster.doctor import EXIT_FAILED, Check, _tracking_line, exit_code, timed
+from vitp.cluster.doctor_storage import PROBE_DIR, probe_storage, probe_tracking, storage_fix
 from vitp.net import free_ports
 from vitp.tracking.server import AuthSettings, start_server
 

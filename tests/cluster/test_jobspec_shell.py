@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vitp.cluster.jobspec import add_overrides, load_spec, parse_entrypoint
+from vitp.cluster.entrypoint import add_overrides, parse_entrypoint
+from vitp.cluster.jobspec import load_spec
 from vitp.errors import ConfigError
 
 from .conftest import ROOT

@@ -1,6 +1,7 @@
 """`vitp doctor`'s check lines: one Check per line, the exit code, a timeout around each check.
 
-Owns the line format and EXIT_FAILED; the checks themselves are doctor.py's and doctor_mlflow.py's.
+Owns the line format, EXIT_FAILED and each check's timeout; the checks themselves are doctor.py's,
+doctor_storage.py's and doctor_mlflow.py's.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Callable
 from vitp.errors import UserError
 
 EXIT_FAILED = 3  # `vitp doctor` when a check fails (a bad recipe or --set: 2, as everywhere)
+TIMEOUTS = {"cluster": 45.0, "storage here": 60.0, "storage on cluster": 240.0, "mlflow": 90.0,
+            "mlflow from cluster": 5.0, "data": 30.0, "all-reduce": 900.0}  # seconds, each check
 
 
 @dataclass

@@ -119,7 +119,8 @@ class FewshotActor:
 
     def _rows(self, name: str) -> tuple:
         if name not in self.sets:
-            run = Run.of(dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, shards=self.roots[name])))
+            data = dataclasses.replace(self.cfg.data, shards=self.roots[name])
+            run = Run.of(dataclasses.replace(self.cfg, data=data))
             train = read_split(run, "train", self.model.image_size)
             test = read_split(run, "val", self.model.image_size)
             k = num_classes_of(train["label"], test["label"])
