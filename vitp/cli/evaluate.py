@@ -38,7 +38,8 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 def _add_fewshot(sub) -> Handler:
     p = sub.add_parser("fewshot", help="few-shot linear evaluation (1/5/10/25 shots, 3 seeds) of weights")
     add_recipe(p)
-    p.add_argument("--from", dest="source", required=True, help="export dir, checkpoint dir or weights file")
+    p.add_argument("--from", dest="source", required=True, type=storage.abspath,
+                   help="export dir, checkpoint dir or weights file")
     add_tracking(p)
     add_address(p)
     return cmd_fewshot

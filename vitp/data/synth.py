@@ -172,8 +172,8 @@ def generate_corpus(num_classes: int, images_per_class: int, image_size: int, se
     """Render the corpus as an ImageFolder tree out_dir/fractal_00000/000000.png in parallel
     with Ray Data; returns {"images", "classes", "out_dir", "fingerprint"}.
 
-    Same arguments -> byte-identical files (PNG encoding is deterministic). out_dir is a path
-    every worker can write (a shared file system on a cluster) or a storage URI; the `synthetic`
+    Same arguments -> byte-identical files (PNG encoding is deterministic). out_dir is an absolute
+    path every worker can write (a shared file system on a cluster) or a storage URI; the `synthetic`
     source needs no corpus at all: preprocess renders it straight into shards.
     """
     import ray  # lazy: ray (render / class_system run without it, in preprocess workers)
@@ -183,7 +183,7 @@ def generate_corpus(num_classes: int, images_per_class: int, image_size: int, se
     n_blocks = blocks or max(1, min(len(rows) // 64, 256))  # ~64 images per task
     ds = ray.data.from_items(rows, override_num_blocks=n_blocks).map_batches(
         _render_batch, batch_size=64, fn_kwargs={"seed": seed, "size": image_size,
-                                                  "out_dir": storage.abspath(out_dir)})
+                                                  "out_dir": out_dir})
     written = sum(len(b["path"]) for b in ds.iter_batches(batch_size=None))
     return {"images": written, "classes": num_classes, "out_dir": out_dir,
             "fingerprint": corpus_fingerprint(num_classes, images_per_class, image_size, seed)}

@@ -24,13 +24,14 @@ def _source_name(weights: str, info: SourceInfo) -> str:
             return ExperimentConfig.from_dict(info.config).run_name
         except ValueError:
             return info.recipe
-    return storage.basename(storage.abspath(weights)) or "weights"
+    return storage.basename(weights.rstrip("/")) or "weights"
 
 
 def run_fewshot(run: Run, weights: str, tracking: bool = True,
                 shots: Sequence[int] = SHOTS, seeds: int = 3, l2: float = L2,
                 concurrency: int = 1) -> dict[str, Any]:
-    """Few-shot top-1 of `weights` (export dir, checkpoint or weights file) on `run`'s dataset.
+    """Few-shot top-1 of `weights` (export dir, checkpoint or weights file: an absolute path or a URI,
+    as the feature actors run in other working directories) on `run`'s dataset.
 
     Features of its train split fit the classifier, its val split scores it. With `tracking`,
     a run `fewshot-<source>-<dataset>` gets params, `fewshot/{k}shot_top1` metrics at the
@@ -38,7 +39,6 @@ def run_fewshot(run: Run, weights: str, tracking: bool = True,
     Returns {"fewshot/{k}shot_top1": top-1, ..., "run_id": MLflow run id or None}.
     """
     cfg = run.cfg
-    weights = storage.abspath(weights)  # the feature actors run in other working directories
     src = check_source(weights)  # a wrong file fails here, not in the feature actors
     train_x, train_y = extract_features(weights, run, "train", concurrency=concurrency)
     test_x, test_y = extract_features(weights, run, "val", concurrency=concurrency)
