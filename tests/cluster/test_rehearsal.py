@@ -525,8 +525,9 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
     proc = _pretrain(rehearsal, common, NODE_LOST_SETTINGS, log)
     try:
         _wait_for(r"checkpoint 40 committed", log, proc)
-        # both workers started (a world other than the recipe's says so), so a rank is off the head to lose:
-        # after the preemption drill this run has started with one (open, docs/testing.md)
+        # both workers started (a world other than the recipe's says so), so a rank is off the head to lose
+        # (after the preemption drill it started with one: Ray's coordinator had not yet seen the node that
+        # joined; vitp/train/controller.py now refreshes its view before a worker group starts)
         assert "[node-lost] 1 worker(s):" not in log.read_text(), _story(log.read_text())[-4000:]
         node = _node_of_a_rank_off_the_head(cluster)  # found before the upload: the state API takes seconds
         s3.proxy.up_rate = 20_000  # bytes/s per connection: the next upload takes tens of seconds

@@ -2,13 +2,15 @@
 
 Owns: the failure policy's use (failures.py decides which errors are final), the storage context
 and Train's checkpoint bookkeeping kept through a store outage, a worker group that retries a start
-a worker died in, an elastic policy that leaves CPUs to the data tasks.
+a worker died in, an elastic policy that leaves CPUs to the data tasks and counts the cluster as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
+import ray
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
@@ -28,6 +30,10 @@ log = get_logger(__name__)
 # CPUs an elastic run leaves free of its workers: one Ray Data read task of the streams that feed
 # them (vitp/train/streams.py) asks for one.
 DATA_CPUS = 1.0
+# While a worker group waits to (re)start, the coordinator's view of the cluster is refreshed at most
+# this often (each refresh lists the nodes and re-reserves every request), each within this timeout.
+FRESH_VIEW_S = 5.0
+FRESH_VIEW_TIMEOUT_S = 10.0
 
 
 class StartsWholeOrRetries(WorkerGroup):
@@ -55,6 +61,23 @@ class LeavesCPUsForData(ElasticScalingPolicy):
     The count is against the live nodes' CPUs: what Ray's coordinator reserves for Train is never
     more than Train asked for, so leaving a CPU of that reservation always cost a worker (the
     rehearsal's 3 + 3 CPUs ran one 2-CPU worker of two)."""
+
+    _view_refreshed = float("-inf")
+
+    def make_decision_for_non_running_worker_group(self):
+        """Before a worker group (re)starts, Ray's coordinator counts against the cluster as it is
+        now: its own view is refreshed every 20 s, so a node that joined just before (or was lost
+        just before) was missing from (or still in) the count. Two drills in a row on the rehearsal
+        cluster started a two-node elastic run with one worker: the coordinator, left by the run
+        before, had not yet seen the node that joined."""
+        now = time.monotonic()
+        if now - self._view_refreshed >= FRESH_VIEW_S:
+            self._view_refreshed = now
+            with contextlib.suppress(Exception):  # best effort: Train's own next read says what it can
+                ray.get(self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                        timeout=FRESH_VIEW_TIMEOUT_S)
+                self._latest_reserved_resources_query_time = float("-inf")  # read the fresh reservation
+        return super().make_decision_for_non_running_worker_group()
 
     def _count_possible_workers(self, reserved_resources) -> int:
         n = super()._count_possible_workers(reserved_resources)
