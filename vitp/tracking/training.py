@@ -5,6 +5,7 @@ The driver (vitp/train/trainer.py) calls these around Ray Train's fit; no torch 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 from mlflow.tracking import MlflowClient
@@ -59,24 +60,18 @@ def end_run(logger: RunLogger, run: Run, checkpoint: Optional[str], error: Optio
     Stopped on `error`: KILLED on Ctrl-C or when it was already ended KILLED from outside (a sweep's
     scheduler stopping the trial), else FAILED with the error's last line as a tag."""
     if error is None:
-        pause_at = run.cfg.train.pause_at
-        status, tags = "FINISHED", {"checkpoint": checkpoint, **({"vitp.paused_at": str(pause_at)} if pause_at else {})}
+        if checkpoint:
+            pause_at = run.cfg.train.pause_at
+            tags = {"checkpoint": checkpoint, **({"vitp.paused_at": str(pause_at)} if pause_at else {})}
+            through_mlflow_outages(lambda: logger.set_tags(tags), "its MLflow run's checkpoint tag", warn)
+        logger.end("FINISHED", timeout_s=MLFLOW_OUTAGE_S)
     elif isinstance(error, KeyboardInterrupt) or _ended_killed(logger):
-        status, tags = "KILLED", {}
+        logger.end("KILLED")
     else:
         lines = str(error).strip().splitlines()
-        status, tags = "FAILED", {ERROR_TAG: f"{type(error).__name__}: {lines[-1] if lines else ''}"[:500]}
-    if status == "FINISHED":
-        if checkpoint:
-            through_mlflow_outages(lambda: logger.set_tags(tags), "its MLflow run's checkpoint tag", warn)
-        logger.end(status, timeout_s=MLFLOW_OUTAGE_S)
-        return
-    try:
-        if tags:
-            logger.set_tags(tags)
-    except Exception:  # noqa: BLE001 - MLflow down too: the run still ends FAILED (or stays spooled)
-        pass
-    logger.end(status)
+        with contextlib.suppress(Exception):  # MLflow down too: the run still ends FAILED (or stays spooled)
+            logger.set_tags({ERROR_TAG: f"{type(error).__name__}: {lines[-1] if lines else ''}"[:500]})
+        logger.end("FAILED")
 
 
 def end_stored(run: Run, meta: dict[str, Any], checkpoint: str, warn: Warn) -> Optional[str]:

@@ -104,10 +104,8 @@ def _where_it_stands(run: Run) -> tuple[str | None, dict[str, Any] | None]:
 
 def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
                   with_val: bool = True, callbacks: Optional[list] = None):
-    """The TorchTrainer for `run` (not yet started), its storage rid of a checkpoint list Ray Train
-    would refuse to continue from."""
+    """The TorchTrainer for `run` (not yet started)."""
     cfg = run.cfg
-    through_outages(lambda: _forget_removed_checkpoints(run), f"run {run.name}'s checkpoint list", _warn(run))
     # Train propagates the driver's DataContext to the workers: our progress line replaces
     # Ray Data's per-dataset bars, which would otherwise repeat for every epoch and eval pass.
     DataContext.get_current().enable_progress_bars = False
@@ -177,6 +175,8 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
                           continuable=continuable, start_metrics=start_metrics)
         log.info("[%s] MLflow run %s (%s) at %s", cfg.run_name, logger.run_id,
                  "resumed" if logger.resumed else "new", run.tracking_uri)
+    if existing:  # a fresh run has no checkpoint list to forget: no read of the store for it
+        through_outages(lambda: _forget_removed_checkpoints(run), f"run {run.name}'s checkpoint list", warn)
     mlflow_info = {"uri": run.tracking_uri, "run_id": logger.run_id} if logger else None
     trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
     error: BaseException | None = None
