@@ -1,27 +1,34 @@
 """A TCP forwarder for tests: a service's port seen through one of its own, counting what passes.
 
 Used as `kubectl port-forward` gives a laptop its own address for an in-cluster service, and in
-front of the S3 server where a test must know the bytes a run downloaded, make uploads slow, or
-cut the service off (`cut`: open connections reset, new ones refused, until `restore`).
+front of the S3 server where a test must know the bytes a run downloaded, make uploads slow (all
+of them, or those to one key: `slow`), or cut the service off (`cut`: open connections reset, new
+ones refused, until `restore`).
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import struct
 import threading
 import time
+
+# an HTTP/1.1 request's first line, at the start of what a client sends (S3 clients do not pipeline)
+_REQUEST = re.compile(rb"[A-Z]+ (\S+) HTTP/1\.[01]\r\n")
 
 
 class PortForward:
     """Forwards 127.0.0.1:`listen_port` (`uri`; 0: a port of its own) to 127.0.0.1:`port`.
     `connections` counts clients, `down` the bytes the service sent them, `up` the bytes they sent
     it; `up_rate` (bytes/s per connection, 0 = unlimited) slows what clients send, as a thin
-    uplink would; `cut()` resets every open connection and refuses new ones until `restore()`."""
+    uplink would, and `slow(part, rate)` only requests whose path has `part` in it; `cut()` resets
+    every open connection and refuses new ones until `restore()`."""
 
     def __init__(self, port: int, listen_port: int = 0, up_rate: float = 0.0):
         self.connections, self.down, self.up, self.up_rate, self._port = 0, 0, 0, up_rate, port
         self.is_cut, self._open = False, set()
+        self._slow_part, self._slow_rate = b"", 0.0
         self._lock = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", listen_port))
         self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -47,12 +54,22 @@ class PortForward:
             threading.Thread(target=self._pipe, args=(near, far, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(far, near, False), daemon=True).start()
 
+    def slow(self, part: str, rate: float) -> None:
+        """Requests whose path contains `part` send at most `rate` bytes/s (per connection) from now
+        on, those already sending included; others are not slowed. `slow("", 0)` ends it."""
+        self._slow_part, self._slow_rate = part.encode(), rate
+
     def _pipe(self, src, dst, upstream: bool) -> None:
+        path = b""  # of the request this client is sending
         try:
             while data := src.recv(65536):
-                if upstream and self.up_rate:
-                    time.sleep(len(data) / self.up_rate)
-                dst.sendall(data)
+                rate = 0.0
+                if upstream:
+                    if request := _REQUEST.match(data):
+                        path = request.group(1)
+                    part = self._slow_part
+                    rate = self.up_rate or (self._slow_rate if part and part in path else 0.0)
+                _send(dst, data, rate)
                 with self._lock:
                     if upstream:
                         self.up += len(data)
@@ -92,6 +109,18 @@ class PortForward:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _send(sock: socket.socket, data: bytes, rate: float) -> None:
+    """Send `data`, at `rate` bytes/s if given, in pieces of a tenth of a second: the peer sees bytes
+    arrive steadily, never a pause that a client's low-speed limit (seconds) takes for a dead link."""
+    if not rate:
+        sock.sendall(data)
+        return
+    piece = max(1, int(rate / 10))
+    for i in range(0, len(data), piece):
+        time.sleep(len(data[i:i + piece]) / rate)
+        sock.sendall(data[i:i + piece])
 
 
 def _reset(sock: socket.socket) -> None:

@@ -583,7 +583,7 @@ def test_a_run_carries_its_locations():
 
 # Where a config is resolved (validated, local paths made absolute): the edges where input enters
 RESOLVING = {"validate", "absolute_paths", "Run.resolve", "recipes.resolve"}
-EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes/", "vitp/tune/sweep.py", "vitp/cluster/jobspec.py",
+EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes/", "vitp/tune/spec.py", "vitp/cluster/jobspec.py",
          "vitp/cluster/entrypoint.py")
 
 

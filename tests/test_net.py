@@ -56,3 +56,28 @@ def test_the_test_forwarder_cuts_a_service_off_and_restores_it():
     finally:
         forward.close()
         server.shutdown()
+
+
+def test_the_test_forwarder_slows_only_the_uploads_to_one_key(s3):
+    """tests/netproxy.py's slow (the node-lost drill holds one checkpoint mid-upload): a PUT to the
+    slowed key is still going after a PUT to another key, started later, has landed; ending the
+    slowing lets it finish."""
+    import threading
+
+    import boto3
+
+    bucket = s3.bucket().removeprefix("s3://")
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    s3.proxy.slow("held/checkpoint", 20_000)  # 400 kB at 20 kB/s: 20 s, unless ended
+    try:
+        slow = threading.Thread(target=client.put_object,
+                                kwargs=dict(Bucket=bucket, Key="held/checkpoint", Body=b"x" * 400_000))
+        slow.start()
+        client.put_object(Bucket=bucket, Key="other/checkpoint", Body=b"y" * 400_000)
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert keys == ["other/checkpoint"], keys
+    finally:
+        s3.proxy.slow("", 0)
+    slow.join(timeout=60)
+    assert not slow.is_alive()
+    assert client.head_object(Bucket=bucket, Key="held/checkpoint")["ContentLength"] == 400_000

@@ -506,8 +506,8 @@ def _node_of_a_rank_off_the_head(cluster) -> int:
 @pytest.mark.timeout(1200)
 def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoint(rehearsal, s3, tmp_path):
     """A node joins (the drill before took one). An elastic two-worker run (2 CPUs each, 3 per node)
-    checkpoints into the bucket through the S3 proxy, slowed after its first checkpoint; while the
-    second uploads, the node of a rank off the head is SIGKILLed, raylet and all. Train goes on
+    checkpoints into the bucket through the S3 proxy, which slows the second checkpoint's uploads; while
+    it uploads, the node of a rank off the head is SIGKILLed, raylet and all. Train goes on
     with the rank left, from the first checkpoint (the newest complete one), never the partial
     one; every step's metric is in MLflow once and the run FINISHED."""
     from mlflow.tracking import MlflowClient
@@ -522,6 +522,9 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
     common = [f"work_dir={work}", f"data.shards={storage.join(work, 'shards')}", "tracking.run_name=node-lost"]
     run_dir = RunPaths(work).run("node-lost")
     log = tmp_path / "pretrain.log"
+    # checkpoint 80's uploads alone go at 20 kB/s per connection, from the start: it is mid-upload however
+    # long finding the node takes, and nothing else (the shards, checkpoint 40) is slowed
+    s3.proxy.slow("checkpoint_00000080", 20_000)
     proc = _pretrain(rehearsal, common, NODE_LOST_SETTINGS, log)
     try:
         _wait_for(r"checkpoint 40 committed", log, proc)
@@ -529,18 +532,17 @@ def test_node_lost_during_an_upload_goes_on_from_the_previous_complete_checkpoin
         # (after the preemption drill it started with one: Ray's coordinator had not yet seen the node that
         # joined; vitp/train/controller.py now refreshes its view before a worker group starts)
         assert "[node-lost] 1 worker(s):" not in log.read_text(), _story(log.read_text())[-4000:]
-        node = _node_of_a_rank_off_the_head(cluster)  # found before the upload: the state API takes seconds
-        s3.proxy.up_rate = 20_000  # bytes/s per connection: the next upload takes tens of seconds
+        node = _node_of_a_rank_off_the_head(cluster)
         _wait_for(r"checkpoint 80: .*uploading in the background", log, proc)
         partial, deadline = storage.join(run_dir, "checkpoint_00000080"), time.time() + 60
         while not storage.exists(partial) and time.time() < deadline:  # its first file to land
             time.sleep(0.2)
         assert storage.exists(partial) and not ckpt.verify(partial)[0], "checkpoint 80 was not mid-upload"
         cluster.kill_node(node)
-        s3.proxy.up_rate = 0
+        s3.proxy.slow("", 0)
         proc.wait(timeout=900)
     finally:
-        s3.proxy.up_rate = 0
+        s3.proxy.slow("", 0)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     text = log.read_text()

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vitp.data import catalog, sources
+from vitp.data import catalog, files, sources
 from vitp.data.commands import run_preprocess, run_synth
 from vitp.config import Run
 
@@ -63,7 +63,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
     lst = catalog.list_source("webdataset", str(tmp_path / "wds"))
     assert [it["label"] for it in lst.items] == [0, 2, -1] and lst.items[2]["error"].startswith("bad_label")
     it = lst.items[0]
-    assert sources.read_bytes(it["path"], it["offset"], it["length"]) == jpeg_bytes((200, 0, 0))
+    assert files.read_bytes(it["path"], it["offset"], it["length"]) == jpeg_bytes((200, 0, 0))
 
     # existing Parquet with image bytes + label
     pq.write_table(pa.table({"image": [jpeg_bytes((0, 0, 200)), b"junk"], "label": [3, 1]}),
@@ -108,7 +108,7 @@ def test_webdataset_parquet_pets_flowers_imagenet_listings(tmp_path):
     # URIs go through pyarrow file systems: a file:// URI lists like the local path
     uri = catalog.list_source("imagenet", "file://" + str(inet))
     assert [it["key"] for it in uri.items] == [it["key"] for it in lst.items]
-    assert sources.read_bytes(uri.items[0]["path"]) == (inet / "train" / "n01" / "x_train.JPEG").read_bytes()
+    assert files.read_bytes(uri.items[0]["path"]) == (inet / "train" / "n01" / "x_train.JPEG").read_bytes()
 
 
 @pytest.mark.ray

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vitp.data import bounds, catalog, sources
+from vitp.data import bounds, catalog, files, sources
 from vitp.data.commands import run_preprocess
 from vitp.data.decode import max_file_bytes
 from vitp.data.rows import process_rows
@@ -195,7 +195,7 @@ def test_image_bytes_are_bounded_before_reading(tmp_path):
 
 def test_metadata_reads_are_bounded_and_one_line(tmp_path, monkeypatch):
     (tmp_path / "labels.csv").write_text("path,label\n" + "a.png,0\n" * 200)
-    monkeypatch.setattr(sources, "METADATA_BYTES", 1000)
+    monkeypatch.setattr(files, "METADATA_BYTES", 1000)
     with pytest.raises(InputError, match=r"labels.csv: \d+ bytes, more than the 1000 allowed for a dataset's metadata"):
         catalog.list_source("csv", str(tmp_path / "labels.csv"))
     monkeypatch.undo()

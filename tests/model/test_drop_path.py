@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from vitp.model.vit import Block, ViT, drop_path, drop_path_rates
+from vitp.model.layers import Block, drop_path, drop_path_rates
+from vitp.model.vit import ViT
 
 
 def test_rates_rise_linearly_from_zero_to_the_last_block():

@@ -177,7 +177,7 @@ def test_values_the_schema_allowed_but_nothing_can_use_are_refused(key, value, s
 def test_a_sweep_checks_its_tune_section_and_space_values(tmp_path, override, space, says):
     """The sweep's edge (build_spec) validates every probe trial, tune.* included, before Ray starts."""
     from vitp.recipes import with_overrides
-    from vitp.tune.sweep import build_spec
+    from vitp.tune.spec import build_spec
 
     overrides = [f"work_dir={tmp_path}/w", override]
     with pytest.raises(ConfigError) as e:

@@ -11,7 +11,7 @@ from vitp.recipes import resolve
 from vitp.train import checkpoint as ckpt
 from vitp.tune.population import (EVALUATION, LAST_EVALUATION, continue_from, evaluations, hyperband_plan,
                                   mutations, scheduler_for, search_slots)
-from vitp.tune.sweep import build_spec, trial_config, trial_run_name
+from vitp.tune.spec import build_spec, trial_config, trial_run_name
 from vitp.config import Run
 
 

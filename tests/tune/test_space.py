@@ -10,7 +10,7 @@ from vitp.config import ConfigError
 from vitp.recipes import resolve
 from vitp.tune.search import OptunaSpace, check_search, fold_cases, search_algorithm
 from vitp.tune.space import Dist, When, grid_size, is_expression, parse, parse_space, probe_trials
-from vitp.tune.sweep import _probes, build_spec, trial_run_name
+from vitp.tune.spec import build_spec, probes, trial_run_name
 
 
 def test_each_form_parses_to_its_distribution_and_probes_its_ends_and_middle():
@@ -101,7 +101,7 @@ def test_a_range_that_reaches_a_bad_value_fails_at_the_sweep_edge(tmp_path):
     base = resolve("debug_finetune", [f"work_dir={tmp_path}"], check_paths=False)
     spec = build_spec("s", base, "debug_finetune", [], extra_space={"optim.lr": "loguniform(1e-4, 1e-1)",
                                                                     "train.steps": "randint(10, 20)"})
-    assert {t["train.steps"] for t in _probes(spec)} == {10, 19}
+    assert {t["train.steps"] for t in probes(spec)} == {10, 19}
     with pytest.raises(ConfigError, match=r"(?s)sweep trial .*lr-0\.5.*optim\.lr=-0\.5"):
         build_spec("s", base, "debug_finetune", [], extra_space={"optim.lr": "uniform(-0.5, 0.5)"})
     with pytest.raises(ConfigError, match="(?s)train.steps.*expected an integer"):

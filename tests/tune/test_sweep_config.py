@@ -12,7 +12,7 @@ from vitp.model.vit import ViT
 from vitp.model.weights import write_export
 from vitp.recipes import overrides_for, resolve, with_overrides
 from vitp.train.transfer import finetune_config
-from vitp.tune.sweep import _probes, build_spec, dataset_runs, trial_config
+from vitp.tune.spec import build_spec, dataset_runs, probes, trial_config
 
 
 @pytest.fixture
@@ -64,10 +64,10 @@ def test_build_spec_typed_trials_validated_once(tmp_path, export_dir):
     assert spec.tune.space["optim.lr"] == [0.5, 0.25] and spec.work_dir == f"{tmp_path}/w"
     # the sweep's store and Tune state are the base run's, and every trial logs to that store
     assert (spec.tracking_uri, spec.dir) == (f"sqlite:///{tmp_path}/w/mlflow.db", f"{tmp_path}/w/sweeps/s")
-    assert {trial_config(spec, t)[0].tracking.uri for t in _probes(spec)} == {spec.tracking_uri}
+    assert {trial_config(spec, t)[0].tracking.uri for t in probes(spec)} == {spec.tracking_uri}
     served = build_spec("s", set_values(base, {"tracking.uri": "http://127.0.0.1:5000"}), "debug_finetune", [])
     assert served.tracking_uri == "http://127.0.0.1:5000"
-    assert {trial_config(served, t)[0].tracking.uri for t in _probes(served)} == {"http://127.0.0.1:5000"}
+    assert {trial_config(served, t)[0].tracking.uri for t in probes(served)} == {"http://127.0.0.1:5000"}
 
     cfg, tags = trial_config(spec, {"recipe": "demo_finetune", "source": export_dir, "optim.lr": 0.25})
     assert cfg.recipe == "demo_finetune" and cfg.optim.lr == 0.25 and cfg.model.variant == "mu/4"
@@ -125,12 +125,12 @@ def test_recipe_prefixed_overrides_reach_that_datasets_trials_only(tmp_path):
             "finetune_pets:train.steps=5"]
     base = with_overrides("finetune_cifar10", overrides_for("finetune_cifar10", sets))  # as `vitp sweep` does
     spec = build_spec("t", base, "finetune_cifar10", sets, recipes=["finetune_cifar10", "finetune_pets"])
-    trials = {t["recipe"]: trial_config(spec, t)[0] for t in _probes(spec)}
+    trials = {t["recipe"]: trial_config(spec, t)[0] for t in probes(spec)}
     assert set(trials) == {"finetune_cifar10", "finetune_pets"}  # one learning rate, two datasets
     assert (trials["finetune_pets"].data.path, trials["finetune_pets"].train.steps) == (f"{tmp_path}/pets", 5)
     assert (trials["finetune_cifar10"].data.path, trials["finetune_cifar10"].train.steps) == (f"{tmp_path}/c10", 7)
     restored = type(spec).from_dict({k: v for k, v in spec.to_dict().items() if k != "configs"})
-    assert trial_config(restored, _probes(spec)[1])[0].to_dict() == trial_config(spec, _probes(spec)[1])[0].to_dict()
+    assert trial_config(restored, probes(spec)[1])[0].to_dict() == trial_config(spec, probes(spec)[1])[0].to_dict()
     with pytest.raises(ConfigError, match=r"finetune_flowers:train.steps=5: the sweep runs no recipe "
                                           r"'finetune_flowers'; its recipes: finetune_cifar10, finetune_pets"):
         build_spec("t", base, "finetune_cifar10", ["finetune_flowers:train.steps=5"],
@@ -148,7 +148,7 @@ def test_build_spec_points_are_crossed_with_the_space_and_checked(tmp_path, expo
     points.append({"recipe": "demo_finetune", "data.train_fraction": 1.0, "train.seed": 0})
     spec = build_spec("s", base, "demo_fractals", [], changes={"work_dir": str(tmp_path)},
                       sources=[export_dir, "scratch"], points=points)
-    trials = _probes(spec)
+    trials = probes(spec)
     assert len(trials) == 6
     assert sorted((t["recipe"], t["train.seed"], t["source"]) for t in trials) == sorted(
         (p["recipe"], p["train.seed"], s) for p in points for s in (export_dir, "scratch"))
@@ -177,7 +177,7 @@ def test_a_sweep_of_an_experiment_file_in_a_folder_names_its_trials_by_the_files
     exp.write_text(f"recipe: debug_finetune\nwork_dir: {tmp_path}/w\ntrain: {{steps: 30}}\n")
     base = with_overrides(str(exp))
     spec = build_spec("s", base, str(exp), [], extra_space={"optim.lr": [0.5]})
-    (trial,) = _probes(spec)
+    (trial,) = probes(spec)
     cfg, _ = trial_config(spec, trial)
     assert cfg.tracking.run_name == "s-lr-scratch-lr0.5" and cfg.train.steps == 30
 
@@ -192,7 +192,7 @@ def test_swept_path_values_are_made_absolute_where_the_sweep_is_built(tmp_path, 
     assert spec.work_dir == str(tmp_path / "w") and spec.tune.space["data.shards"] == [str(tmp_path / "a"),
                                                                                   str(tmp_path / "b")]
     monkeypatch.chdir("/")
-    assert {trial_config(spec, t)[0].data.shards for t in _probes(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}
+    assert {trial_config(spec, t)[0].data.shards for t in probes(spec)} == {str(tmp_path / "a"), str(tmp_path / "b")}
 
 
 def test_only_reports_with_the_sweeps_metric_reach_tune():

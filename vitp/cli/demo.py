@@ -182,7 +182,8 @@ class _Demo:
         return out
 
     def sweep(self, stages: "Stages") -> dict | None:
-        from vitp.tune.sweep import build_spec, run_sweep  # lazy: keeps vitp --help fast (ray)
+        from vitp.tune.spec import build_spec  # lazy: keeps vitp --help fast (ray)
+        from vitp.tune.sweep import run_sweep
 
         spec = build_spec(self.name, self.datasets[0].cfg, MAIN[0], [], changes=self.ft_changes,
                           sources=[self.export_dir, "scratch"], points=self.points)

@@ -132,7 +132,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       typed_changes(args))
     from vitp.tracking.compare import compare_rows, format_table  # lazy: keeps vitp --help fast (mlflow)
     from vitp.tune.space import is_expression
-    from vitp.tune.sweep import AXES, build_spec, dataset_runs, run_sweep  # lazy: keeps vitp --help fast (ray)
+    from vitp.tune.spec import AXES, build_spec, dataset_runs  # lazy: keeps vitp --help fast (ray)
+    from vitp.tune.sweep import run_sweep
 
     space: dict = {}
     for item in args.space:

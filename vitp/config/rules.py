@@ -40,7 +40,7 @@ def _drill(key: str, value: Any) -> str | None:
 
 def _space_keys(key: str, value: Any) -> str | None:
     """tune.space: a mapping of config keys; its values are parsed and every probe trial validated by the
-    sweep (tune/sweep.py build_spec), where they are used."""
+    sweep (tune/spec.py build_spec), where they are used."""
     if not isinstance(value, dict):
         return f"{key}={value!r}: expected a mapping (JSON object)"
     for k in value:

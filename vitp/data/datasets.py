@@ -14,7 +14,8 @@ from ..errors import InputError
 from ..safe_load import load_data_pickle
 from ..storage import is_uri, join
 from .bounds import Fence, label_text_problem, outside_error, parse_index
-from .sources import Listing, item, natural_order, read_bytes
+from .files import read_bytes
+from .sources import Listing, item, natural_order
 
 
 def csv_list(csv_path: str, allow_outside_root: bool = False) -> Listing:

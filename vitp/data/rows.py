@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 from ..storage import filesystem, join, open_input
 from . import shards as sh
 from .decode import DecodeError, decode_image, encode_jpeg, resize_center_crop
-from .sources import image_column, read_image
+from .files import read_image
+from .sources import image_column
 from .synth import class_system, render
 
 # process_rows keeps these item columns and adds the stored image (or why there is none)

@@ -14,10 +14,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import InputError
-from ..storage import filesystem, is_uri, join, open_input
-from .bounds import (CLS_BYTES, MAX_CLASSES, METADATA_BYTES, BoundedTarInfo, label_text_problem,
-                     local_entries, local_walk, parquet_group_problem, parse_index, read_bounded)
-from .decode import DecodeError, max_file_bytes
+from ..storage import filesystem, join, open_input
+from .bounds import (CLS_BYTES, MAX_CLASSES, BoundedTarInfo, label_text_problem, parquet_group_problem,
+                     parse_index)
+from .files import child_dirs, entries, file_type, files_with, list_files
 from .synth import class_name
 
 # An item is one input: a dict with exactly these keys (the columns of the preprocess dataset).
@@ -74,70 +74,6 @@ class Plan:
     decode_early: bool = False
 
 
-# ------------------------------------------------------------------------ file systems
-
-
-def read_bytes(path: str, offset: int = -1, length: int = -1) -> bytes:
-    """The bytes of a metadata file (labels CSV, annotations, a CIFAR batch), or of
-    [offset, offset+length); OSError if it cannot be read, InputError above METADATA_BYTES."""
-    try:
-        return read_bounded(path, offset, length, METADATA_BYTES)
-    except DecodeError as e:
-        raise InputError(f"{path}: {e} for a dataset's metadata file; check that data.path "
-                         "names the dataset's own files") from None
-
-
-def read_image(path: str, offset: int, length: int, max_pixels: int) -> bytes:
-    """An image file's bytes, DecodeError("too_large") before reading more than an image within
-    `max_pixels` can hold (decode.max_file_bytes)."""
-    try:
-        return read_bounded(path, offset, length, max_file_bytes(max_pixels))
-    except DecodeError as e:
-        raise DecodeError(e.reason, f"{e} for an image within the pixel limit {max_pixels} "
-                                    "(raise max_pixels if genuine)") from None
-
-
-def list_files(root: str, fence: str = "", allow_outside: bool = False) -> list[tuple[str, str, str]]:
-    """All non-hidden files under root, sorted: (relative path, readable path/URI, error). On a
-    local disk a symlink out of `fence` (default: root) is one entry with its outside_root error
-    and is not followed (bounds.local_walk); object stores have no links."""
-    fs, base = filesystem(root)
-    info = fs.get_file_info(base)
-    if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{root}: does not exist; set data.path to the corpus directory")
-    if isinstance(fs, pafs.LocalFileSystem):
-        fence_in = filesystem(fence or root)[1]
-        out = [(rel, join(root, rel) if is_uri(root) else path, err)
-               for rel, path, err in local_walk(base, fence_in, allow_outside)]
-        return sorted(out)
-    out = []
-    for fi in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
-        rel = os.path.relpath(fi.path, base).replace(os.sep, "/")
-        if fi.type == pafs.FileType.File and not any(part.startswith(".") for part in rel.split("/")):
-            out.append((rel, join(root, rel), ""))
-    return sorted(out)
-
-
-def _info_type(path: str) -> pafs.FileType:
-    fs, base = filesystem(path)
-    return fs.get_file_info(base).type
-
-
-def _entries(root: str, fence: str, allow_outside: bool) -> list[tuple[str, bool, str]]:
-    """(name, is a directory, error) of root's non-hidden entries (bounds.local_entries)."""
-    fs, base = filesystem(root)
-    if isinstance(fs, pafs.LocalFileSystem):
-        return local_entries(base, filesystem(fence or root)[1], allow_outside)
-    return sorted((fi.base_name, fi.type == pafs.FileType.Directory, "")
-                  for fi in fs.get_file_info(pafs.FileSelector(base)) if not fi.base_name.startswith(".")
-                  and fi.type in (pafs.FileType.File, pafs.FileType.Directory))
-
-
-def _child_dirs(root: str, fence: str = "", allow_outside: bool = False) -> list[str]:
-    """The class directories: a directory link out of `fence` is none (the top unit lists it)."""
-    return [n for n, is_dir, err in _entries(root, fence, allow_outside) if is_dir and not err]
-
-
 # ----------------------------------------------------------------------------- sources
 
 
@@ -152,7 +88,7 @@ def _folder_units(root: str, split: str, classes: list[str], key_prefix: str, un
     common = {"root": root, "split": split, "prefix": key_prefix, "images_only": unlabelled,
               "fence": fence or root, "allow_outside": allow_outside}
     units = [{"kind": "top", "label": 0 if unlabelled else -1, "error": top_error, **common}]
-    for d in _child_dirs(root, fence or root, allow_outside):
+    for d in child_dirs(root, fence or root, allow_outside):
         label = 0 if unlabelled else index.get(d, -1)
         units.append({"kind": "dir", "dir": d, "label": label, **common,
                       "error": "" if label >= 0 else f"bad_label: class directory {d!r} is not in the class map"})
@@ -168,7 +104,7 @@ def _expand_folder(u: dict) -> list[dict]:
     fence, allow = u.get("fence", u["root"]), u.get("allow_outside", False)
     if u["kind"] == "top":  # the files here, and every link out of the root (directories too)
         return [item(u["prefix"] + f, u["label"], u["split"], join(u["root"], f), error=err or u["error"])
-                for f, is_dir, err in _entries(u["root"], fence, allow)
+                for f, is_dir, err in entries(u["root"], fence, allow)
                 if err or (not is_dir and keep(f))]
     d = join(u["root"], u["dir"])
     return [item(f"{u['prefix']}{u['dir']}/{rel}", u["label"], u["split"], path, error=err or u["error"])
@@ -180,7 +116,7 @@ def imagefolder_plan(root: str, split: str = "", classes: Optional[list[str]] = 
     """root/<class>/<file...>: every non-hidden file is an input (non-images get quarantined).
     The driver lists the class directories; one Ray task lists each of them. Symlinks that
     lead out of root are quarantined (outside_root) unless `allow_outside_root`."""
-    classes = classes if classes is not None else _child_dirs(root, root, allow_outside_root)
+    classes = classes if classes is not None else child_dirs(root, root, allow_outside_root)
     if not classes:
         raise FileNotFoundError(f"{root}: no class directories; expected root/<class>/<image>")
     return Plan(list(classes), _folder_units(root, split, classes, key_prefix,
@@ -195,7 +131,7 @@ def unlabelled_plan(root: str, allow_outside_root: bool = False) -> Plan:
     (IMAGE_EXTS) at any depth is an input of class 0, key = its path under root. Listed like an
     ImageFolder: the driver lists the top directory, a Ray task each child directory. The
     manifest records `labelled: false` (see `require_labels`)."""
-    if _info_type(root) != pafs.FileType.Directory:
+    if file_type(root) != pafs.FileType.Directory:
         raise FileNotFoundError(f"{root}: not a directory; set data.path to the folder of images")
     return Plan([UNLABELLED], _folder_units(root, "", [], "", unlabelled=True,
                                             allow_outside=allow_outside_root), info={"labelled": False})
@@ -214,13 +150,6 @@ def natural_order(names: set[str]) -> list[str]:
         return sorted(names)
 
 
-def _files_with(root: str, ext: str, allow_outside: bool = False) -> list[tuple[str, str, str]]:
-    """(rel, path, error) of the `ext` files under root, and of every link out of it."""
-    if root.endswith(ext):
-        return [(os.path.basename(root), root, "")]
-    return [(rel, p, err) for rel, p, err in list_files(root, root, allow_outside) if rel.endswith(ext) or err]
-
-
 def image_column(names: list[str]) -> Optional[str]:
     return "image" if "image" in names else ("bytes" if "bytes" in names else None)
 
@@ -230,7 +159,7 @@ def parquet_plan(root: str, allow_outside_root: bool = False) -> Plan:
     the files; a Ray task per file reads its key and label columns (never the images), and the
     images are read by row group where they are decoded."""
     units = [{"kind": "parquet", "path": p, "rel": rel, "error": err}
-             for rel, p, err in _files_with(root, ".parquet", allow_outside_root)]
+             for rel, p, err in files_with(root, ".parquet", allow_outside_root)]
     return Plan(None, units, label_order="natural", decode_early=True)
 
 
@@ -264,7 +193,7 @@ def webdataset_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """WebDataset .tar shards: members key.jpg / key.png (image) + key.cls (class index text).
     A Ray task per tar reads its headers and .cls members; images are read by byte range."""
     units = [{"kind": "tar", "path": p, "rel": rel, "error": err}
-             for rel, p, err in _files_with(root, ".tar", allow_outside_root)]
+             for rel, p, err in files_with(root, ".tar", allow_outside_root)]
     return Plan(None, units, label_order="range")
 
 
@@ -305,10 +234,10 @@ def imagenet_plan(root: str, allow_outside_root: bool = False) -> Plan:
     """ImageNet as ImageFolder: train/<wnid>/*.JPEG -> train, val/<wnid>/*.JPEG -> val; the
     class map comes from train's wnids (sorted). A split directory that leads out of root is
     refused (InputError), links below it quarantined (as imagefolder_plan)."""
-    for name, _, err in _entries(root, root, allow_outside_root):
+    for name, _, err in entries(root, root, allow_outside_root):
         if name in ("train", "val") and err:
             raise InputError(err.partition(": ")[2])
-    classes = _child_dirs(join(root, "train"), root, allow_outside_root)
+    classes = child_dirs(join(root, "train"), root, allow_outside_root)
     units = [u for split in ("train", "val") for u in _folder_units(
         join(root, split), split, classes, f"{split}/", fence=root, allow_outside=allow_outside_root)]
     return Plan(classes, units, official_split=True)

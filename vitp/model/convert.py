@@ -1,8 +1,8 @@
 """Weights from elsewhere: official ViT `.npz`, timm and Hugging Face state dicts <-> our naming.
 
-Owns the key maps and tensor re-layouts and inferring the variant from tensor shapes; our export
-format itself is read and written by `weights.py`. Must not know about Ray or DeepSpeed, and never
-downloads from the internet: sources are local files or storage URIs (vitp.storage).
+Owns timm's key map, inferring the variant from tensor shapes, and import/export; the .npz re-layouts
+are in convert_npz.py, HF's in convert_hf.py, hybrids' in convert_hybrid.py, our format in weights.py.
+No Ray or DeepSpeed; never downloads: sources are local files or storage URIs (vitp.storage).
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import math
 import re
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 from safetensors.torch import save
 
@@ -21,12 +20,12 @@ from ..config import ExperimentConfig
 from ..errors import InputError
 from .convert_hf import backbone, from_hf
 from .convert_hybrid import f32 as _t
-from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, resnet_from_npz, timm_to_ours, vit_rows
+from .convert_hybrid import hybrid_layout, hybrid_variant, ours_to_timm, timm_to_ours, vit_rows
+from .convert_npz import load_npz, npz_state_dict
 from .variants import VARIANTS, decode_variant
 from .loading import resample_pos_embed
 from .vit import build_vit
-from .weights import (CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_config, read_weights,
-                      write_export)
+from .weights import CONFIG, IMPORT_FORMATS, WEIGHT_FILES, WEIGHTS, read_weights, write_export
 
 StateDict = dict[str, torch.Tensor]
 
@@ -80,109 +79,10 @@ def infer_info(sd: Mapping[str, torch.Tensor], heads: Optional[int] = None) -> d
     }
 
 
-# --------------------------------------------------------------------------------------
-# Official google-research/vision_transformer (and big_vision) .npz
-# --------------------------------------------------------------------------------------
-
-# The two JAX layouts name the sub-modules of an encoder block differently.
-_JAX_BLOCK_NAMES = {
-    "official": {"ln1": "LayerNorm_0", "mha": "MultiHeadDotProductAttention_1",
-                 "ln2": "LayerNorm_2", "mlp": "MlpBlock_3"},
-    "big_vision": {"ln1": "LayerNorm_0", "mha": "MultiHeadDotProductAttention_0",
-                   "ln2": "LayerNorm_1", "mlp": "MlpBlock_0"},
-}
-
-
-def _load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
-    if isinstance(src, Mapping):
-        return {k: np.asarray(v) for k, v in src.items()}
-    import zipfile
-
-    with storage.local_copy(src) as local:
-        with open(local, "rb") as f:
-            if f.read(6)[:2] != b"PK":  # an .npz is a zip archive of .npy files
-                raise InputError(f"{src}: not an .npz file (no zip header); is it the right file, "
-                                 "and is the download complete?")
-        try:
-            with np.load(local, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        except ValueError as e:
-            if "pickle" not in str(e):
-                raise InputError(f"{src}: not a readable .npz ({e})") from None
-            raise InputError(f"{src}: holds pickled Python objects, which are never loaded (loading "
-                             "them could run code): an official ViT .npz holds arrays only") from None
-        except (OSError, EOFError, zipfile.BadZipFile) as e:
-            raise InputError(f"{src}: not a readable .npz ({e}); is the download complete?") from None
-
-
 def from_official_npz(npz: str | Mapping[str, Any]) -> tuple[StateDict, dict[str, Any]]:
-    """Official ViT `.npz` (path or {key: array}) -> (state dict in our naming, info).
-
-    Accepts the vision_transformer layout (optionally under `opt/target/`), its hybrids (ResNet
-    `conv_root`, `block{s}/unit{u}/...`) and big_vision's unscanned one (`params/`,
-    `pos_embedding` at the top). Re-layouts: conv kernel HWIO (P,P,C,D)
-    -> OIHW (D,C,P,P); per-head q/k/v kernels (D,H,d) -> one fused (3D, D) qkv weight; out kernel
-    (H,d,D) -> (D, H*d); Dense kernels (in, out) -> Linear weights (out, in).
-    """
-    w = _load_npz(npz)
-    roots = [k[: -len("embedding/kernel")] for k in w if k.endswith("embedding/kernel")]
-    if not roots:
-        raise InputError("no 'embedding/kernel' in the .npz: not an official ViT checkpoint "
-                       f"(first keys: {sorted(w)[:5]})")
-    p = min(roots, key=len)  # "" | "opt/target/" | "params/" | "params/img/"
-    layout = "big_vision" if f"{p}pos_embedding" in w else "official"
-    pos_key = f"{p}pos_embedding" if layout == "big_vision" else f"{p}Transformer/posembed_input/pos_embedding"
-    if f"{p}Transformer/encoderblock/LayerNorm_0/scale" in w:
-        raise InputError("this .npz stores scanned (stacked) encoder blocks: re-save it unscanned "
-                         "(Transformer/encoderblock_{i}/...) before importing")
-    if f"{p}cls" not in w:
-        raise InputError("the .npz has no class token ('cls'): only classifier='token' ViTs are "
-                         "supported (global-average-pool checkpoints are not)")
-    names = _JAX_BLOCK_NAMES[layout]
-
-    def get(key: str) -> np.ndarray:
-        try:
-            return w[p + key]
-        except KeyError:
-            raise InputError(f"{p + key!r} missing from the .npz ({layout} layout): the checkpoint "
-                           "is incomplete or not a ViT") from None
-
-    sd: StateDict = {
-        "patch_embed.proj.weight": _t(get("embedding/kernel").transpose(3, 2, 0, 1)),  # (D, C, P, P)
-        "patch_embed.proj.bias": _t(get("embedding/bias")),
-        "cls_token": _t(get("cls")),  # (1, 1, D)
-        "pos_embed": _t(w[pos_key]),  # (1, N+1, D)
-        **resnet_from_npz([k[len(p):] for k in w if k.startswith(p)], get),  # hybrids
-    }
-    depth = len({int(m.group(1)) for k in w if (m := re.match(re.escape(p) + r"Transformer/encoderblock_(\d+)/", k))})
-    heads = None
-    for i in range(depth):
-        b, o = f"Transformer/encoderblock_{i}/", f"blocks.{i}."
-        mha = f"{b}{names['mha']}/"
-        q = get(mha + "query/kernel")  # (D, H, d)
-        D, heads, d = q.shape
-        # Linear weight rows are output features in (head, dim) order, which matches our
-        # reshape(B, N, 3, H, d) of the fused projection.
-        sd[o + "attn.qkv.weight"] = _t(np.concatenate(
-            [get(f"{mha}{n}/kernel").reshape(D, heads * d).T for n in ("query", "key", "value")]))
-        sd[o + "attn.qkv.bias"] = _t(np.concatenate(
-            [get(f"{mha}{n}/bias").reshape(heads * d) for n in ("query", "key", "value")]))
-        sd[o + "attn.proj.weight"] = _t(get(mha + "out/kernel").reshape(heads * d, D).T)  # (D, H*d)
-        sd[o + "attn.proj.bias"] = _t(get(mha + "out/bias"))
-        for ours, theirs in (("norm1", names["ln1"]), ("norm2", names["ln2"])):
-            sd[f"{o}{ours}.weight"] = _t(get(f"{b}{theirs}/scale"))
-            sd[f"{o}{ours}.bias"] = _t(get(f"{b}{theirs}/bias"))
-        for j in (0, 1):
-            sd[f"{o}mlp.fc{j + 1}.weight"] = _t(get(f"{b}{names['mlp']}/Dense_{j}/kernel").T)
-            sd[f"{o}mlp.fc{j + 1}.bias"] = _t(get(f"{b}{names['mlp']}/Dense_{j}/bias"))
-    sd["norm.weight"] = _t(get("Transformer/encoder_norm/scale"))
-    sd["norm.bias"] = _t(get("Transformer/encoder_norm/bias"))
-    if f"{p}pre_logits/kernel" in w:
-        sd["pre_logits.0.weight"] = _t(get("pre_logits/kernel").T)  # (R, D)
-        sd["pre_logits.0.bias"] = _t(get("pre_logits/bias"))
-    if f"{p}head/kernel" in w:
-        sd["head.weight"] = _t(get("head/kernel").T)  # (K, R)
-        sd["head.bias"] = _t(get("head/bias"))
+    """Official ViT `.npz` (path or {key: array}) -> (state dict in our naming, info): convert_npz.py
+    re-lays the tensors out, the variant is inferred from their shapes."""
+    sd, layout, heads = npz_state_dict(load_npz(npz))
     info = infer_info(sd, heads=heads)
     info["format"] = f"npz-{layout}"
     return sd, info
@@ -247,7 +147,7 @@ def _read_any(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if not storage.exists(path):
         raise InputError(f"{path}: no such file")
     if path.endswith(".npz"):
-        return _load_npz(path), side
+        return load_npz(path), side
     if not path.endswith(WEIGHT_FILES):
         raise InputError(f"{path}: unknown weights format; use .npz (official), .safetensors, "
                          ".pt/.pth or .bin (timm / Hugging Face / ours)")

@@ -14,7 +14,7 @@ from typing import Any
 _WHERE = {
     "find_runs": "compare", "metric_history": "compare",
     "REDACTED": "redact", "redact": "redact",
-    "ParamConflictError": "runs", "RunLogger": "runs", "params_for_mlflow": "values",
+    "ParamConflictError": "params", "RunLogger": "runs", "params_for_mlflow": "values",
     "ServerHandle": "server", "start_server": "server",
     "StaleRun": "stale", "mark_stale_runs": "stale",
     "PARENT_TAG": "store", "TrackingError": "store", "get_client": "store",

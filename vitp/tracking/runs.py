@@ -1,7 +1,7 @@
 """MLflow runs: resume by id or name, step-deduplicated metrics (optionally spooled off-thread), status.
 
-An explicit MlflowClient, never mlflow's global active run (Train rank 0 and Tune trial drivers log from
-one process); client from store.py, spool from spool.py, param and tag strings from values.py. No torch
+An explicit MlflowClient, not mlflow's global active run (rank 0 and trial drivers log from one process);
+client: store.py, spool: spool.py, param strings: values.py, what a resume may change: params.py. No torch
 or ray. A SIGKILLed process leaves its run RUNNING: the next start() resumes it, or stale.py marks it KILLED.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from vitp import storage
+from vitp.tracking.params import check_conflicts, continued
 from vitp.tracking.redact import redact
 from vitp.tracking.spool import HEARTBEAT_TAG, MetricSender
 from vitp.tracking.spoolfile import METRICS_PER_BATCH, SPOOL_MAX_MB, add_leftover, has_leftovers
@@ -29,15 +30,6 @@ log = logging.getLogger(__name__)
 
 ATTEMPT_TAG = "vitp.attempt"  # 1 for a fresh run, +1 on each resume: shows how often it restarted
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
-# Params a finished run may be continued with a new value of (`vitp pretrain ... --set train.steps=N`).
-# Keys a resumed run may change: its length, and the worker count (resume at another world
-# size keeps the global batch; micro batch and accumulation follow it).
-CONTINUABLE = ("train.steps", "train.pause_at", "parallel.num_workers", "parallel.min_workers", "parallel.grad_accum",
-               "parallel.micro_batch")
-
-class ParamConflictError(TrackingError, ValueError):
-    """A resumed run already holds a different value for a param (MLflow params are immutable)."""
-
 
 # --------------------------------------------------------------------------------------
 # The run logger
@@ -209,13 +201,8 @@ class RunLogger:
         wanted = params_for_mlflow(params)
         existing = self.client.get_run(self.run_id).data.params
         if continued_at is not None:
-            for key in CONTINUABLE + tuple(continuable):
-                if key in wanted and key in existing and existing[key] != wanted[key]:
-                    value = wanted.pop(key)
-                    recorded = {v for k, v in existing.items() if k.startswith(f"{key}.continued_at_")}
-                    if value not in recorded:
-                        wanted[f"{key}.continued_at_{continued_at}"] = value
-        self._check_conflicts(wanted, existing)
+            wanted = continued(wanted, existing, continued_at, continuable)
+        check_conflicts(self.run_id, self.run_name, wanted, existing)
         new = [Param(k, v) for k, v in wanted.items() if k not in existing]
         for batch in chunks(new, PARAMS_PER_BATCH):
             try:
@@ -224,7 +211,7 @@ class RunLogger:
                 if unreachable(e):
                     raise
                 # Another attempt of the same run logged in between: re-check, report ours.
-                self._check_conflicts(wanted, self.client.get_run(self.run_id).data.params)
+                check_conflicts(self.run_id, self.run_name, wanted, self.client.get_run(self.run_id).data.params)
                 raise TrackingError(f"logging params to run {self.run_id}: {e.message}") from e
         return wanted
 
@@ -235,19 +222,6 @@ class RunLogger:
         logged = self.log_params(cfg_dict, continued_at=continued_at, continuable=continuable)
         self.log_dict(cfg_dict, "config.json")
         return logged
-
-    def _check_conflicts(self, wanted: dict[str, str], existing: dict[str, str]) -> None:
-        conflicts = [(k, existing[k], v) for k, v in wanted.items() if k in existing and existing[k] != v]
-        if not conflicts:
-            return
-        lines = "\n".join(f"  {k}: logged {old!r}, now {new!r}" for k, old, new in conflicts[:10])
-        more = f"\n  ... and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
-        raise ParamConflictError(
-            f"MLflow run {self.run_id} ({self.run_name!r}) already has different values for "
-            f"{len(conflicts)} param(s):\n{lines}{more}\n"
-            "MLflow params cannot change. To run with the new values start a new run "
-            "(e.g. --set tracking.run_name=<new name>); to resume this run use its original config."
-        )
 
     # ---------------------------------------------------------------- metrics
     def log_metrics(self, metrics: dict[str, float], step: int) -> int:

@@ -13,7 +13,7 @@ from vitp.console import duration
 from vitp.tracking.compare import best_per_dataset
 from vitp.tracking.store import get_client
 
-AXES = ("recipe", "source")  # a sweep's trial keys that are not config params (vitp.tune.sweep.AXES)
+AXES = ("recipe", "source")  # a sweep's trial keys that are not config params (vitp.tune.spec.AXES)
 
 
 def best_so_far(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

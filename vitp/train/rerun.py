@@ -16,7 +16,7 @@ from ..config import ExperimentConfig, Run
 from ..console import get_logger
 from ..errors import ConfigError
 from ..names import name_error
-from ..tracking.runs import CONTINUABLE
+from ..tracking.params import CONTINUABLE
 from ..tracking.values import params_for_mlflow
 
 log = get_logger(__name__)
