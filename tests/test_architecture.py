@@ -582,13 +582,13 @@ def test_a_run_carries_its_locations():
 
 
 # Where a config is resolved (validated, local paths made absolute): the edges where input enters
-RESOLVING = {"validate", "absolute_paths", "Run.resolve", "recipes.resolve"}
+RESOLVING = {"validate", "absolute_paths", "Run.resolve", "recipes.resolve", "storage.abspath", "abspath"}
 EDGES = ("vitp/cli/", "vitp/config/", "vitp/recipes/", "vitp/tune/spec.py", "vitp/cluster/jobspec.py",
          "vitp/cluster/entrypoint.py")
 
 
 def test_a_run_is_resolved_only_at_the_edges():
-    """validate / absolute_paths / Run.resolve are called where input enters (the CLI, the config
+    """validate / absolute_paths / Run.resolve / abspath are called where input enters (the CLI, the config
     package, recipes, a sweep's spec, a job spec); training, few-shot, data and the workers take the Run they are
     given (Run.of / Run.from_dict), so none of them validates or re-absolutises again."""
     root = Path(__file__).resolve().parents[1] / "vitp"

@@ -44,7 +44,7 @@ def check_probes(cfg, summary, digits, weights_of: str = "model") -> None:
 
     # The last snapshot is the final checkpoint's model: its features (the FeatureExtractor
     # `vitp fewshot`'s actors run, here in this process on the same rows; that the actor pool gives
-    # the same features is tests/tune/test_fewshot.py's) and the solver give the same accuracies
+    # the same features is tests/eval/test_fewshot.py's) and the solver give the same accuracies
     # (a float32 feature may move in its last bits between batchings, which can flip one test
     # prediction, rarely).
     if weights_of == "ema":

@@ -59,7 +59,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def _add_import(sub) -> Handler:
     p = sub.add_parser("import", help="convert official .npz / timm / Hugging Face ViT weights to ours")
-    p.add_argument("source", help="a .npz, .safetensors, .pt or .bin file")
+    p.add_argument("source", type=storage.abspath, help="a .npz, .safetensors, .pt or .bin file")
     p.add_argument("--out", required=True, help="export directory to write (model.safetensors + config.json)")
     p.add_argument("--format", default="auto", choices=IMPORT_FORMATS, metavar="FORMAT",
                    help="one of %(choices)s: npz = the paper's official JAX checkpoints, ours = an "

@@ -169,7 +169,8 @@ def detect_format(keys) -> str:
 
 def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Optional[int] = None,
                    num_classes: Optional[int] = None) -> str:
-    """Convert `src` (official .npz, timm, HF or our weights) into an export dir at `out_dir`.
+    """Convert `src` (official .npz, timm, HF or our weights; an absolute path or URI, recorded as
+    the export's source) into an export dir at `out_dir`.
 
     `fmt` is one of IMPORT_FORMATS: "auto" detects npz / hf / timm from the keys (our naming is
     read as timm's, a superset); "ours" takes the tensors as they are.
@@ -239,7 +240,7 @@ def import_weights(src: str, out_dir: str, fmt: str = "auto", image_size: Option
                          f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
 
     return write_export(out_dir, model.state_dict(), cfg.to_dict(),
-                        {"source": storage.abspath(src), "format": info["format"], "imported": info,
+                        {"source": src, "format": info["format"], "imported": info,
                          "notes": notes})
 
 

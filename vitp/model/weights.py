@@ -43,7 +43,7 @@ class SourceInfo:
     (None if nothing is stored), `step` the training step it records (0 if none).
     """
 
-    path: str  # "scratch", or the source as given made absolute (URIs unchanged)
+    path: str  # "scratch", or the source as given (the CLI and a sweep's spec make it absolute)
     kind: str
     config: Optional[dict[str, Any]] = None
     mlflow_run_id: Optional[str] = None
@@ -82,7 +82,7 @@ def source_info(source: str) -> SourceInfo:
         return SourceInfo(path="scratch", kind="scratch")
     if not storage.exists(source):
         raise _missing(source)
-    path = storage.abspath(source)
+    path = source
     if storage.isdir(path):
         d = path
         kind = ("export" if storage.exists(storage.join(d, WEIGHTS)) else

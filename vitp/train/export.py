@@ -99,10 +99,11 @@ def class_names(cfg_dict: dict | None) -> list[str] | None:
 
 def export(checkpoint_dir: str, out_dir: str, weights_of: str = "model") -> str:
     """Write `out_dir/model.safetensors` and `out_dir/config.json` (with the class names, when the
-    training shards still say them); returns out_dir. `weights_of`: "model" or its "ema"."""
+    training shards still say them, and `checkpoint_dir` as its source: an absolute path or URI, as
+    the CLI resolves it); returns out_dir. `weights_of`: "model" or its "ema"."""
     sd = consolidate(checkpoint_dir, weights_of)
     meta = ckpt.read_meta(checkpoint_dir)
-    facts = {"step": meta["step"], "source": storage.abspath(checkpoint_dir),
+    facts = {"step": meta["step"], "source": checkpoint_dir,
              "mlflow_run_id": meta.get("mlflow_run_id"), **({"weights": "ema"} if weights_of == "ema" else {})}
     classes = class_names(meta.get("config"))
     if classes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .. import storage
 from ..config import ExperimentConfig, set_values
 from ..model.weights import check_source
 
@@ -33,7 +32,7 @@ def finetune_config(cfg: ExperimentConfig, source: str, *,
     if not cfg.tracking.run_name:
         tail = "scratch" if scratch else "from-" + (info.recipe if info.recipe is not None else "weights")
         cfg = set_values(cfg, {"tracking.run_name": f"{cfg.run_name}-{tail}"})
-    tags = {"source": "scratch" if scratch else storage.abspath(source),
+    tags = {"source": "scratch" if scratch else info.path,
             "source_kind": "scratch" if scratch else "weights"}
     if info.mlflow_run_id:
         tags["source_run_id"] = info.mlflow_run_id

@@ -183,7 +183,7 @@ def test_digits_fewshot_pretrained_beats_random_and_logs_to_mlflow(digits_cfg, t
         # feature in its last bits and, rarely, one prediction
         assert out[f"fewshot/{k}shot_top1"] == pytest.approx(table["pretrained"][k], abs=1 / len(vy))
     runs = find_runs(Run.of(digits_cfg).tracking_uri, digits_cfg.tracking.experiment,
-                     f"attributes.run_name = 'fewshot-fewshot_test-pico8-synthetic-digits'")
+                     "attributes.run_name = 'fewshot-fewshot_test-pico8-synthetic-digits'")
     assert [r["run_id"] for r in runs] == [out["run_id"]]
     run = runs[0]
     assert run["status"] == "FINISHED" and run["tags"]["source_run_id"] == "abc123"
