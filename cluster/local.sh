@@ -112,13 +112,17 @@ stop_cluster() {
     [ "$alive" = 0 ] && break
     sleep 0.5
   done
-  local stuck=()
+  local stuck=() left=""
   for pid in $pids; do
-    if [ -n "$(ps -o pid= -g "$pid" 2>/dev/null)" ]; then stuck+=("$pid"); fi
+    if [ -n "$(ps -o pid= -g "$pid" 2>/dev/null)" ]; then
+      stuck+=("$pid")
+      # what was left, by program name (e.g. raylet, gcs_server, ray::IDLE), for the message
+      left="$left; $pid: $(ps -o comm= -g "$pid" 2>/dev/null | sort | uniq -c | awk '{printf "%s%s", sep, $2 " x" $1; sep=", "}')"
+    fi
     kill -KILL -- "-$pid" 2>/dev/null || true
   done
   if [ ${#stuck[@]} -gt 0 ]; then
-    echo "cluster/local.sh: node process group(s) ${stuck[*]} still ran 20 s after SIGTERM: killed" >&2
+    echo "cluster/local.sh: node process group(s) ${stuck[*]} still ran 20 s after SIGTERM (${left#; }): killed" >&2
   fi
   rm -f "$pidfile"
   echo "stopped local Ray cluster ($state_dir)"

@@ -26,8 +26,8 @@ def s3_environment(port: int) -> dict[str, str]:
 
 class S3Server:
     """moto_server, reached through `proxy` (tests/netproxy.py) on the port chosen in pytest_configure:
-    a test can count the bytes a run downloaded (`proxy.down`) or slow its uploads (`proxy.up_rate`, or one key's: `proxy.slow`).
-    `bucket()` makes a fresh bucket."""
+    a test can count the bytes a run downloaded (`proxy.down`) or slow its uploads (`proxy.up_rate`,
+    or one key's: `proxy.slow`). `bucket()` makes a fresh bucket."""
 
     def __init__(self, log_dir):
         self.endpoint = os.environ["AWS_ENDPOINT_URL"]

@@ -63,6 +63,7 @@ def test_the_test_forwarder_slows_only_the_uploads_to_one_key(s3):
     slowed key is still going after a PUT to another key, started later, has landed; ending the
     slowing lets it finish."""
     import threading
+    import time
 
     import boto3
 
@@ -72,7 +73,10 @@ def test_the_test_forwarder_slows_only_the_uploads_to_one_key(s3):
     try:
         slow = threading.Thread(target=client.put_object,
                                 kwargs=dict(Bucket=bucket, Key="held/checkpoint", Body=b"x" * 400_000))
+        sent, deadline = s3.proxy.up, time.time() + 60
         slow.start()
+        while s3.proxy.up < sent + 10_000 and time.time() < deadline:  # it is under way
+            time.sleep(0.05)
         client.put_object(Bucket=bucket, Key="other/checkpoint", Body=b"y" * 400_000)
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
         assert keys == ["other/checkpoint"], keys
