@@ -77,9 +77,10 @@ browser:
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not long" $(XDIST) $(PYTEST_ARGS)
 
-# The inner loop (~70 s): config, model, data decoding, storage, tracking on SQLite, CLI parsing; no
-# Ray (tests using a Ray fixture are marked `ray` by tests/conftest.py), nothing marked slow (tests on
-# the real MLflow server are, by the same hook).
+# The inner loop (about 66 s on 2 cores, docs/testing.md): config, model, data decoding, storage,
+# tracking on SQLite, CLI parsing; no Ray (tests using a Ray fixture are marked `ray` by
+# tests/conftest.py), nothing marked slow (tests on the real MLflow server are, by the same hook,
+# and tests that wait out a store cut-off in real time).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" $(XDIST) $(PYTEST_ARGS)
 

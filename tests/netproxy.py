@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Callable
 
 # an HTTP/1.1 request's first line, at the start of what a client sends (S3 clients do not pipeline)
 _REQUEST = re.compile(rb"[A-Z]+ (\S+) HTTP/1\.[01]\r\n")
@@ -59,22 +60,26 @@ class PortForward:
         on, those already sending included; others are not slowed. `slow("", 0)` ends it."""
         self._slow_part, self._slow_rate = part.encode(), rate
 
+    def _rate(self, path: bytes) -> float:
+        """Bytes/s a client may send now in a request for `path` (0: unlimited)."""
+        part = self._slow_part
+        return self.up_rate or (self._slow_rate if part and part in path else 0.0)
+
+    def _count(self, upstream: bool, n: int) -> None:
+        with self._lock:
+            if upstream:
+                self.up += n
+            else:
+                self.down += n
+
     def _pipe(self, src, dst, upstream: bool) -> None:
         path = b""  # of the request this client is sending
         try:
             while data := src.recv(65536):
-                rate = 0.0
-                if upstream:
-                    if request := _REQUEST.match(data):
-                        path = request.group(1)
-                    part = self._slow_part
-                    rate = self.up_rate or (self._slow_rate if part and part in path else 0.0)
-                _send(dst, data, rate)
-                with self._lock:
-                    if upstream:
-                        self.up += len(data)
-                    else:
-                        self.down += len(data)
+                if upstream and (request := _REQUEST.match(data)):
+                    path = request.group(1)
+                _send(dst, data, (lambda: self._rate(path)) if upstream else (lambda: 0.0),
+                      lambda n: self._count(upstream, n))
         except OSError:
             pass
         finally:
@@ -111,16 +116,18 @@ class PortForward:
         self._sock.close()
 
 
-def _send(sock: socket.socket, data: bytes, rate: float) -> None:
-    """Send `data`, at `rate` bytes/s if given, in pieces of a tenth of a second: the peer sees bytes
-    arrive steadily, never a pause that a client's low-speed limit (seconds) takes for a dead link."""
-    if not rate:
-        sock.sendall(data)
-        return
-    piece = max(1, int(rate / 10))
-    for i in range(0, len(data), piece):
-        time.sleep(len(data[i:i + piece]) / rate)
-        sock.sendall(data[i:i + piece])
+def _send(sock: socket.socket, data: bytes, rate: Callable[[], float], sent: Callable[[int], None]) -> None:
+    """Send `data` at `rate()` bytes/s (read again for each piece: a change applies at once; 0 =
+    unlimited), in pieces of a tenth of a second: the peer sees bytes arrive steadily, never a
+    pause that a client's low-speed limit (seconds) takes for a dead link. `sent(n)` after each."""
+    while data:
+        now = rate()
+        size = max(1, int(now / 10)) if now else len(data)
+        piece, data = data[:size], data[size:]
+        if now:
+            time.sleep(len(piece) / now)
+        sock.sendall(piece)
+        sent(len(piece))
 
 
 def _reset(sock: socket.socket) -> None:

@@ -69,13 +69,13 @@ def test_the_test_forwarder_slows_only_the_uploads_to_one_key(s3):
 
     bucket = s3.bucket().removeprefix("s3://")
     client = boto3.client("s3", endpoint_url=s3.endpoint)
-    s3.proxy.slow("held/checkpoint", 20_000)  # 400 kB at 20 kB/s: 20 s, unless ended
+    s3.proxy.slow("held/checkpoint", 20_000)  # 200 kB at 20 kB/s: 10 s, unless ended
     try:
         slow = threading.Thread(target=client.put_object,
-                                kwargs=dict(Bucket=bucket, Key="held/checkpoint", Body=b"x" * 400_000))
+                                kwargs=dict(Bucket=bucket, Key="held/checkpoint", Body=b"x" * 200_000))
         sent, deadline = s3.proxy.up, time.time() + 60
         slow.start()
-        while s3.proxy.up < sent + 10_000 and time.time() < deadline:  # it is under way
+        while s3.proxy.up < sent + 1_000 and time.time() < deadline:  # it is under way
             time.sleep(0.05)
         client.put_object(Bucket=bucket, Key="other/checkpoint", Body=b"y" * 400_000)
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
@@ -84,4 +84,4 @@ def test_the_test_forwarder_slows_only_the_uploads_to_one_key(s3):
         s3.proxy.slow("", 0)
     slow.join(timeout=60)
     assert not slow.is_alive()
-    assert client.head_object(Bucket=bucket, Key="held/checkpoint")["ContentLength"] == 400_000
+    assert client.head_object(Bucket=bucket, Key="held/checkpoint")["ContentLength"] == 200_000

@@ -140,6 +140,7 @@ def test_an_elastic_run_takes_every_worker_that_leaves_a_cpu(ray_session, tmp_pa
     assert result.error is None and result.metrics["world"] == 2, result.metrics
 
 
+@pytest.mark.slow  # waits out a 12 s cut-off
 def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     """S3 cut off for 12 s (tests/netproxy.py) as Train's controller makes the run's storage
     context (a marker file written to the store): it tries again, says so, and the context is made
@@ -157,6 +158,7 @@ def test_the_controller_makes_its_storage_through_a_store_cut_off(s3):
     assert storage.listdir(storage.join(root, "cut"))  # its marker file is in the bucket
 
 
+@pytest.mark.slow  # waits out two 6 s cut-offs
 def test_trains_checkpoint_bookkeeping_waits_out_a_store_cut_off(s3):
     """Train's checkpoint manager reads its snapshot as the controller is made and writes it after
     each checkpoint; S3 cut off for 6 s at each (the eighth seed-1 soak's pre-training ended as a
