@@ -71,18 +71,17 @@ def _missing(path: str) -> InputError:
     return InputError(f"{path}: no such file or directory; give {_SOURCES}, or 'scratch'")
 
 
-def source_info(source: str) -> SourceInfo:
-    """Kind, stored config, MLflow run id and step of `source`; InputError if it does not exist.
+def source_info(path: str) -> SourceInfo:
+    """Kind, stored config, MLflow run id and step of the source `path`; InputError if it does not exist.
 
     The JSON beside the weights is read as is: `config.json` (an export's config + `_export`)
     first, else a checkpoint's `meta.json` (`config`, `mlflow_run_id`, `step`); a weights file
     reads the files in its own directory.
     """
-    if source == "scratch":
+    if path == "scratch":
         return SourceInfo(path="scratch", kind="scratch")
-    if not storage.exists(source):
-        raise _missing(source)
-    path = source
+    if not storage.exists(path):
+        raise _missing(path)
     if storage.isdir(path):
         d = path
         kind = ("export" if storage.exists(storage.join(d, WEIGHTS)) else
