@@ -87,7 +87,7 @@ test-fast: $(STAMP)
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m "e2e and not gpu and not long" $(PYTEST_ARGS)
 
-# The tests marked long (about 50 minutes on 2 cores, docs/testing.md): the unit-level ones on the xdist workers,
+# The tests marked long (about 30 minutes on 2 cores, docs/testing.md): the unit-level ones on the xdist workers,
 # then the end-to-end ones one at a time. Run before resolving work that touches what they test.
 test-long: $(STAMP) browser
 	$(BIN)/python -m pytest -m "long and not gpu and not e2e" $(XDIST) $(PYTEST_ARGS)
