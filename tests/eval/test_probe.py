@@ -25,7 +25,8 @@ def test_dataset_names_and_paths(tmp_path, monkeypatch):
     from vitp.eval.probe import dataset_roots
 
     monkeypatch.chdir(tmp_path)
-    cfg = resolve("debug", ["work_dir=/w", "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets,mine/flowers"])
+    cfg = resolve("debug", ["work_dir=/w",
+                            "train.fewshot_datasets=digits, s3://b/shards/cifar10/,/x/pets,mine/flowers"])
     assert dataset_roots(Run.of(cfg)) == {"digits": "/w/shards/digits", "cifar10": "s3://b/shards/cifar10/",
                                           "pets": "/x/pets", "flowers": str(tmp_path / "mine" / "flowers")}
 

@@ -137,8 +137,8 @@ def probes(spec: SweepSpec) -> list[dict[str, Any]]:
 
 def sampled(spec: SweepSpec) -> bool:
     """Whether two trials may hold the same values: Tune draws some, or repeats the grid."""
-    return spec.tune.search != "grid" or spec.tune.num_samples > 1 or any(not (isinstance(d, Dist) and d.kind in ("list", "grid"))
-                                        for d in parse_space(spec.tune.space).values())
+    listed = all(isinstance(d, Dist) and d.kind in ("list", "grid") for d in parse_space(spec.tune.space).values())
+    return spec.tune.search != "grid" or spec.tune.num_samples > 1 or not listed
 
 
 def dataset_runs(spec: SweepSpec) -> list[Run]:
