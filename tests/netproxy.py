@@ -73,13 +73,13 @@ class PortForward:
                 self.down += n
 
     def _pipe(self, src, dst, upstream: bool) -> None:
-        path = b""  # of the request this client is sending
+        path = b""  # of the request this client is sending (read by `rate` as it changes)
+        rate = (lambda: self._rate(path)) if upstream else (lambda: 0.0)
         try:
             while data := src.recv(65536):
                 if upstream and (request := _REQUEST.match(data)):
                     path = request.group(1)
-                _send(dst, data, (lambda: self._rate(path)) if upstream else (lambda: 0.0),
-                      lambda n: self._count(upstream, n))
+                _send(dst, data, rate, lambda n: self._count(upstream, n))
         except OSError:
             pass
         finally:
