@@ -196,3 +196,5 @@ def test_turns_go_to_the_lowest_trial_asking_and_come_back_when_a_lease_lapses(m
     assert not book.ask("t_00004")
     now[0] += turns.SETTLE_S
     assert book.ask("t_00004")
+    book.give_back("t_00004")
+    assert book.ask("t_00003")  # resumed after its pause: it had a turn, so it does not settle again

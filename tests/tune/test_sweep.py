@@ -120,8 +120,8 @@ def _mark_trials_pending(sweep_dir) -> int:
     return changed
 
 
-@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and PBT "
-                         "ones)")
+@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna, PBT and "
+                         "HyperBand ones)")
 @pytest.mark.e2e
 def test_sweep_two_datasets_kill_and_resume(tmp_path, server, ray_session, digits_shards):
     from vitp.tracking.compare import best_per_dataset, compare_rows, format_table
@@ -479,8 +479,6 @@ def test_pbt_copies_the_better_trials_checkpoint_into_the_worse_and_records_the_
         assert len(steps) == len(set(steps)) and max(steps) == 20, (r.info.run_name, sorted(steps))
 
 
-@pytest.mark.long(reason="a sweep beyond CI's (the CLI chain's, the rehearsal's, the ASHA, Optuna and PBT "
-                         "ones): 112 s, past make test-e2e's budget")
 @pytest.mark.e2e
 def test_hyperband_pauses_a_trial_at_its_rung_resumes_the_better_and_stops_the_worse(
         tmp_path, server, ray_session, digits_shards):

@@ -13,15 +13,16 @@ import ray
 
 LEASE_S = 20.0  # a turn not renewed for this long is free again (its driver is gone)
 RENEW_S = 4.0  # how often a driver renews its turn while it trains, and asks for one while it waits
-SETTLE_S = 2 * RENEW_S  # a trial asks this long before its turn: the trials starting with it ask too
+SETTLE_S = 2 * RENEW_S  # a trial asks this long before its first turn: the trials starting with it ask too
 
 
 class TurnBook:
     """`size` turns; `ask(trial)` grants one to the lowest-numbered trial asking, once it has asked
-    for SETTLE_S (True once held), `renew(trial)` keeps it, `give_back(trial)` frees it."""
+    for SETTLE_S or has held a turn before (a paused trial resumed: the trials that started with it
+    asked long since), True once held; `renew(trial)` keeps it, `give_back(trial)` frees it."""
 
     def __init__(self, size: int):
-        self.size, self.held, self.asking = size, {}, {}
+        self.size, self.held, self.asking, self.had = size, {}, {}, set()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -35,9 +36,10 @@ class TurnBook:
         now = time.monotonic()
         first = self.asking.get(trial, (now, now))[0]
         self.asking[trial] = (first, now)
-        if len(self.held) < self.size and trial == min(self.asking) and now - first >= SETTLE_S:
+        if len(self.held) < self.size and trial == min(self.asking) and (now - first >= SETTLE_S or trial in self.had):
             del self.asking[trial]
             self.held[trial] = time.monotonic()
+            self.had.add(trial)
             return True
         return False
 
