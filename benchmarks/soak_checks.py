@@ -3,7 +3,6 @@ name, what was checked, and the violations found (none is the pass)."""
 from __future__ import annotations
 
 import functools
-import json
 import re
 import subprocess
 import sys

@@ -2,7 +2,7 @@
 
 Used as `kubectl port-forward` gives a laptop its own address for an in-cluster service, and in
 front of the S3 server where a test must know the bytes a run downloaded, make uploads slow (all
-of them, or those to one key: `slow`), or cut the service off (`cut`: open connections reset, new
+of them, or those to one key: `slow`), drop the requests to one key (`drop`), or cut the service off (`cut`: open connections reset, new
 ones refused, until `restore`).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class PortForward:
     def __init__(self, port: int, listen_port: int = 0, up_rate: float = 0.0):
         self.connections, self.down, self.up, self.up_rate, self._port = 0, 0, 0, up_rate, port
         self.is_cut, self._open = False, set()
-        self._slow_part, self._slow_rate = b"", 0.0
+        self._slow_part, self._slow_rate, self._drop_part = b"", 0.0, b""
         self._lock = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", listen_port))
         self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -60,6 +60,11 @@ class PortForward:
         on, those already sending included; others are not slowed. `slow("", 0)` ends it."""
         self._slow_part, self._slow_rate = part.encode(), rate
 
+    def drop(self, part: str) -> None:
+        """From now on a request whose path contains `part` has its connection reset as it starts,
+        every try of it: a write the store never gets (`drop("")` ends it)."""
+        self._drop_part = part.encode()
+
     def _rate(self, path: bytes) -> float:
         """Bytes/s a client may send now in a request for `path` (0: unlimited)."""
         part = self._slow_part
@@ -79,6 +84,9 @@ class PortForward:
             while data := src.recv(65536):
                 if upstream and (request := _REQUEST.match(data)):
                     path = request.group(1)
+                    if self._drop_part and self._drop_part in path:
+                        _reset(src)
+                        return
                 _send(dst, data, rate, lambda n: self._count(upstream, n))
         except OSError:
             pass

@@ -148,3 +148,26 @@ def test_a_driver_checking_its_shards_waits_out_a_store_cut_off(debug_shards, s3
     finally:
         logging.getLogger("vitp.data.commands").removeHandler(heard)
     assert any("the shards at" in line and "storage unreachable" in line for line in said), said
+
+
+def test_a_copy_whose_part_upload_the_store_never_got_raises_and_names_the_file(s3, tmp_path):
+    """pyarrow's copy_files only logs a failed part upload (as the stream is destroyed) and returns
+    with the file missing from the bucket: a checkpoint's marker, written next, then vouched for a
+    file that was not there. copy_dir lists both sides and raises, naming it (a transient error,
+    which `through_outages` tries again); once the store takes the writes, the copy goes through."""
+    import pytest
+
+    src = tmp_path / "checkpoint"
+    (src / "state").mkdir(parents=True)
+    (src / "meta.json").write_bytes(b"{}")
+    (src / "state" / "optim.pt").write_bytes(os.urandom(5000))
+    dest = storage.join(s3.bucket(), "checkpoint")
+    s3.proxy.drop("optim.pt?partNumber")  # the upload starts; its part never reaches the store
+    try:
+        with pytest.raises(storage.IncompleteCopy, match=r"1 of 2 file\(s\) did not arrive whole \(state/optim\.pt\)"):
+            storage.upload_dir(str(src), dest)
+    finally:
+        s3.proxy.drop("")
+    assert storage.file_sizes(dest) == {"meta.json": 2}
+    assert storage.upload_dir(str(src), dest) == 5002
+    assert storage.file_sizes(dest) == {"meta.json": 2, "state/optim.pt": 5000}

@@ -37,18 +37,26 @@ def has_credentials(path: str) -> bool:
     return bool(_USERINFO.match(path or ""))
 
 
+# Seconds an S3 request may go without progress before the client takes it for failed. The AWS
+# SDK's 3 s failed every part upload whose last bytes took longer than that to leave the node's
+# socket buffer (a 1 MB part at 100 KB/s: 10 s), on every try; boto3 and the AWS CLI wait 60 s.
+S3_STALL_S = 30.0
+
+
 def _s3(bucket_uri: str) -> pafs.FileSystem:
     """An S3 filesystem for `s3://bucket`, with the endpoint of AWS_ENDPOINT_URL(_S3) if set
-    (MinIO, moto, Ceph...): http:// endpoints are spoken to without TLS."""
+    (MinIO, moto, Ceph...; http:// endpoints are spoken to without TLS), else in the bucket's own
+    region (as pyarrow's from_uri finds it)."""
     import pyarrow.fs as pafs
 
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if not endpoint:
-        return pafs.FileSystem.from_uri(bucket_uri)[0]
+        return pafs.S3FileSystem(region=pafs.resolve_s3_region(bucket_uri.split("://", 1)[1]),
+                                 request_timeout=S3_STALL_S)
     scheme, _, host = endpoint.partition("://")
     region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
     return pafs.S3FileSystem(endpoint_override=host.rstrip("/"), scheme=scheme or "https",
-                             region=region)
+                             region=region, request_timeout=S3_STALL_S)
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
@@ -256,16 +264,29 @@ def rmtree(path: str, root: str) -> None:
         fs.delete_file(inner)
 
 
+class IncompleteCopy(OSError):
+    """A copy that reported success while files did not arrive whole: pyarrow's `copy_files` drops
+    an S3 write's error (it is only logged as the stream is destroyed), e.g. a part upload the SDK
+    gave up on after its 3-second low-speed window. Transient: `through_outages` tries it again."""
+
+
 def copy_dir(src: str, dest: str) -> int:
     """Copy the files under `src` to `dest` (each a path or URI, the two may differ); returns bytes
-    copied, as listed on the local side when there is one (no second listing of a bucket)."""
+    copied. Both sides are listed afterwards and every file of `src` must be at `dest` with its
+    size, else IncompleteCopy names what is missing: a caller that writes a completion marker next
+    (a checkpoint) writes it only over files that are there."""
     import pyarrow.fs as pafs
 
     src_fs, src_inner = filesystem(src)
     dest_fs, dest_inner = filesystem(dest)
     dest_fs.create_dir(dest_inner, recursive=True)
     pafs.copy_files(src_inner, dest_inner, source_filesystem=src_fs, destination_filesystem=dest_fs)
-    return sum(file_sizes(src if is_uri(dest) and not is_uri(src) else dest).values())
+    sent, arrived = file_sizes(src), file_sizes(dest)
+    wrong = sorted(rel for rel, size in sent.items() if arrived.get(rel) != size)
+    if wrong:
+        raise IncompleteCopy(f"copying {src} to {dest}: {len(wrong)} of {len(sent)} file(s) did not arrive whole "
+                             f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}): the store dropped a write")
+    return sum(sent.values())
 
 
 def upload_dir(local_dir: str, dest: str) -> int:

@@ -11,20 +11,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.long(reason="a benchmark's smoke run or torch.compile on CPU; CI runs the checkpoint I/O "
-                         "benchmark")
+@pytest.mark.long_cases("12-streams", reason="the bigger load; CI runs 4 streams")
 @pytest.mark.e2e
-def test_postgresql_backed_mlflow_stores_every_point_of_many_streams_once(tmp_path):
+@pytest.mark.parametrize("ranks,trials,steps,rounds", [pytest.param(2, 2, 10, 1, id="4-streams"),
+                                                       pytest.param(4, 8, 40, 2, id="12-streams")])
+def test_postgresql_backed_mlflow_stores_every_point_of_many_streams_once(tmp_path, ranks, trials, steps, rounds):
     results, out = tmp_path / "RESULTS.md", tmp_path / "load.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "tracking_load.py"), "--ranks", "4", "--trials", "8",
-           "--steps", "40", "--rate", "10", "--rounds", "2", "--round-steps", "5", "--json", str(out),
-           "--results", str(results)]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "tracking_load.py"), "--ranks", str(ranks),
+           "--trials", str(trials), "--steps", str(steps), "--rate", "10", "--rounds", str(rounds),
+           "--round-steps", "5", "--json", str(out), "--results", str(results)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["backend"] == "postgresql" and r["streams"] == 12
-    assert r["sent"] == 4 * 40 * 20 + 8 * 40 * 8 == r["stored"] and r["wrong"] == [] and r["undrained"] == 0, r
-    assert r["posts"] >= r["streams"] and 0 < r["post_p50_s"] <= r["post_p99_s"]
+    assert r["backend"] == "postgresql" and r["streams"] == ranks + trials
+    # 20 keys a step for a rank, 8 for a trial
+    assert r["sent"] == ranks * steps * 20 + trials * steps * 8 == r["stored"] and r["wrong"] == [], r
+    assert r["undrained"] == 0 and r["posts"] >= r["streams"] and 0 < r["post_p50_s"] <= r["post_p99_s"]
     assert r["steps_per_s"]["logging"] > 0 and r["steps_per_s"]["not logging"] > 0
     text = results.read_text()
-    assert "tracking_load.py --ranks 4" in text and f"| {r['sent']} | {r['stored']} | 0 |" in text
+    assert f"tracking_load.py --ranks {ranks}" in text and f"| {r['sent']} | {r['stored']} | 0 |" in text

@@ -121,8 +121,7 @@ print("SPOOL " + json.dumps({"run_id": logger.run_id, "dir": spool_dir, "gathere
 '''
 
 
-@pytest.mark.long(reason="a long fault drill; CI kills the rehearsal's worker mid-run and resumes from the "
-                         "bucket")
+@pytest.mark.e2e  # a job on the cluster the e2e tests above start
 def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_node_cluster, tmp_path):
     """Rank 0 on the worker node spooled steps 1-5 and died before sending them (its spool is in
     that node's TMPDIR, which the driver on the head cannot see): the driver gathers it through a

@@ -327,6 +327,40 @@ class _FailureLog:
         return FailureLog()
 
 
+def test_a_checkpoint_uploads_while_training_goes_on(tmp_path, shards, s3):
+    """work_dir on the S3 server, the first checkpoint's uploads slowed by its proxy: the loop is
+    blocked only for the snapshot to the node's disk; the next steps train (and are logged) while
+    the checkpoint uploads, and its marker, written last, says when it was committed. Its timings
+    are logged at its step (perf/ckpt_*). CI's form of the driver-restart drill's slow uploads."""
+    from vitp import storage
+    from vitp.tracking.store import get_client
+    from vitp.train import checkpoint as ckpt
+    from vitp.train.trainer import run_training
+
+    work = storage.join(s3.bucket(), "vit")
+    cfg = resolve("debug", [f"work_dir={work}", f"data.shards={shards}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                            "parallel.num_workers=1", "train.steps=20", "train.log_every=5", "train.eval_every=0",
+                            "train.checkpoint_every=10", "train.keep_checkpoints=2"])
+    # bytes/s a connection: the 1 MB optimizer state takes 10 s, most of it after the file has left
+    # the client for the socket's buffer (no progress it can see: storage.S3_STALL_S)
+    s3.proxy.slow("checkpoint_00000010", 100_000)
+    try:
+        summary = run_training(Run.of(cfg))
+    finally:
+        s3.proxy.slow("", 0)
+    first = storage.join(work, "runs", cfg.run_name, "checkpoint_00000010")
+    assert ckpt.verify(first) == (True, "complete") and ckpt.verify(summary.checkpoint) == (True, "complete")
+    committed = storage.read_json(storage.join(first, "complete", "rank_00000.json"))["committed"]
+    client = get_client(Run.of(cfg).tracking_uri)
+    losses = {m.step: m.timestamp / 1000 for m in client.get_metric_history(summary.mlflow_run_id, "train/loss")}
+    assert sorted(losses) == [5, 10, 15, 20]
+    assert losses[15] < committed, (losses, committed)  # step 15 trained before checkpoint 10 was in the bucket
+    timings = {key: dict(_history(cfg, summary.mlflow_run_id, key)) for key in
+               ("perf/ckpt_blocked_s", "perf/ckpt_upload_s", "perf/ckpt_commit_s", "perf/ckpt_mb")}
+    assert all(sorted(t) == [10, 20] for t in timings.values()), timings
+    assert timings["perf/ckpt_blocked_s"][10] < timings["perf/ckpt_upload_s"][10], timings
+
+
 @pytest.mark.long_cases("2", reason="two workers; CI runs the same with one")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_users_mistake_in_a_worker_is_not_retried(tmp_path, shards, workers):

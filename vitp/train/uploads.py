@@ -17,10 +17,13 @@ from ray.train import CheckpointUploadMode
 
 from .. import storage
 from ..config import Run
+from ..console import get_logger
 from ..paths import staging_root
 from .staging import clear_dead, new_stage
 from . import checkpoint as ckpt
 from .step import all_reduce_max, all_reduce_sum
+
+_log = get_logger(__name__)
 
 
 def report_metrics(metrics: dict[str, Any]) -> None:
@@ -128,12 +131,14 @@ class CheckpointWriter:
                 "perf/ckpt_blocked_s": slowest["blocked"]}
 
     def _upload_fn(self, local: str, marker: dict[str, Any], up: Upload):
-        def upload(checkpoint, dir_name: str):  # in Ray Train's upload thread (which retries it)
+        def upload(checkpoint, dir_name: str):  # in Ray Train's upload thread: an error ends the worker
             self._idle.clear()
             try:
                 t0 = time.perf_counter()
                 dest = storage.join(self.run.dir, dir_name)
-                storage.upload_dir(local, dest)
+                # a write the store dropped or a store cut off: tried again (storage.IncompleteCopy)
+                storage.through_outages(lambda: storage.upload_dir(local, dest), f"[{self.cfg.run_name}] rank "
+                                        f"{self.rank}'s upload of checkpoint {up.step}", _log.warning)
                 up.upload_s, up.committed = time.perf_counter() - t0, time.time()
                 # last: now this rank's part counts (with its times: a resume logs a commit it missed)
                 ckpt.write_marker(dest, {**marker, "started": up.started, "upload_s": up.upload_s,
