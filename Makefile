@@ -26,6 +26,10 @@ BIN   := $(VENV)/bin
 # ops (about a minute, inside whichever run loads one first). vitp/train/engine.py uses this
 # folder whenever it exists.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch-extensions
+# pytest keeps the test modules it rewrote (assertion messages) as bytecode only where Python may
+# write bytecode: with PYTHONDONTWRITEBYTECODE set, as on some machines, every run rewrites all of
+# them again (5 of `make test-fast`'s 10 s of collection on each worker). Empty = writing allowed.
+export PYTHONDONTWRITEBYTECODE :=
 # One stamp per torch build: another TORCH_VERSION or TORCH_INDEX_URL (a CUDA wheel index) installs again.
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)$(if $(TORCH_INDEX_URL),-$(subst /,_,$(subst :,_,$(TORCH_INDEX_URL))),)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
