@@ -2,8 +2,8 @@
 
 Used as `kubectl port-forward` gives a laptop its own address for an in-cluster service, and in
 front of the S3 server where a test must know the bytes a run downloaded, make uploads slow (all
-of them, or those to one key: `slow`), drop the requests to one key (`drop`), or cut the service off (`cut`: open connections reset, new
-ones refused, until `restore`).
+of them, or those to one key: `slow`), drop the requests to one key (`drop`), or cut the service
+off (`cut`: open connections reset, new ones refused, until `restore`).
 """
 from __future__ import annotations
 

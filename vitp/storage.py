@@ -266,8 +266,8 @@ def rmtree(path: str, root: str) -> None:
 
 class IncompleteCopy(OSError):
     """A copy that reported success while files did not arrive whole: pyarrow's `copy_files` drops
-    an S3 write's error (it is only logged as the stream is destroyed), e.g. a part upload the SDK
-    gave up on after its 3-second low-speed window. Transient: `through_outages` tries it again."""
+    the error of an S3 part upload that failed (a broken connection, a stall past S3_STALL_S): it
+    is only logged as the stream is destroyed. Transient: `through_outages` tries it again."""
 
 
 def copy_dir(src: str, dest: str) -> int:
