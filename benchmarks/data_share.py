@@ -1,16 +1,18 @@
 """What Ray's autoscaling coordinator gives concurrent Ray Data executions beside Train runs, and
 whether such executions run. The question behind it: two 2-CPU sweep trials on two 3-CPU nodes
-had their data starve once (docs/testing.md).
+had their data starve (docs/testing.md). The answer: each trial's driver asked for 0.01 CPU, so no
+node had a whole CPU left for a read task; `--driver-cpus 0.01` shows it, `--driver-cpus 0` not.
 
 Run (from the repository root):
 
-  .venv/bin/python benchmarks/data_share.py --nodes 3,3 --trials 2
+  .venv/bin/python benchmarks/data_share.py --nodes 3,3 --trials 2 [--driver-cpus 0.01]
 
 1. Offline, Ray's own coordinator class (`_AutoscalingCoordinatorActor`, built in this process on
    planted nodes of `--nodes` CPUs): each trial's Train run asks for one `--worker-cpus` bundle at
    high priority, then each trial's data stream asks for a share of what is left (as Ray Data's
    executions do). Printed: what each is reserved, per node.
-2. Live, the same layout on a local Ray (a 0-CPU head and a node per `--nodes` entry): a
+2. Live, the same layout on a local Ray (a 0-CPU head and a node per `--nodes` entry): an actor of
+   `--driver-cpus` per trial, spread over the nodes (as Tune placed the trials' drivers), then a
    placement group and a high-priority coordinator request per trial hold its Train CPUs, then one
    Ray Data execution per trial reads 40 blocks through a 0.2 s map at once. Printed: whether each
    finished, and in how long (`--timeout` seconds at most).
@@ -18,6 +20,7 @@ Run (from the repository root):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 
@@ -41,7 +44,8 @@ def offline(cpus: list[float], trials: int, worker_cpus: float) -> dict[str, dic
             for t in range(trials) for who in (f"train-{t}", f"data-{t}")}
 
 
-def live(cpus: list[float], trials: int, worker_cpus: float, timeout: float) -> dict[int, float | None]:
+def live(cpus: list[float], trials: int, worker_cpus: float, driver_cpus: float,
+         timeout: float) -> dict[int, float | None]:
     import ray
     from ray.cluster_utils import Cluster
     from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import ResourceRequestPriority
@@ -55,6 +59,8 @@ def live(cpus: list[float], trials: int, worker_cpus: float, timeout: float) -> 
     cluster.wait_for_nodes()
     done: dict[int, float | None] = {t: None for t in range(trials)}
     try:
+        if driver_cpus:  # the trials' drivers' share, one a node (Tune's trial groups landed so)
+            ray.get(placement_group([{"CPU": driver_cpus}] * trials, strategy="STRICT_SPREAD").ready(), timeout=60)
         groups = [placement_group([{"CPU": worker_cpus}], strategy="STRICT_PACK") for _ in range(trials)]
         ray.get([g.ready() for g in groups], timeout=60)
         for t in range(trials):
@@ -75,12 +81,14 @@ def live(cpus: list[float], trials: int, worker_cpus: float, timeout: float) -> 
         threads = [threading.Thread(target=stream, args=(t,), daemon=True) for t in range(trials)]
         for th in threads:
             th.start()
+        deadline = time.time() + timeout
         for th in threads:
-            th.join(timeout=timeout)
+            th.join(timeout=max(0.0, deadline - time.time()))
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-    return done
+        with contextlib.suppress(Exception):  # a stream that never ended is still reading
+            ray.shutdown()
+            cluster.shutdown()
+    return dict(done)
 
 
 def main() -> None:
@@ -88,12 +96,13 @@ def main() -> None:
     p.add_argument("--nodes", default="3,3", help="CPUs of each worker node, comma-separated")
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--worker-cpus", type=float, default=2.0, help="each trial's Train bundle")
+    p.add_argument("--driver-cpus", type=float, default=0.0, help="each trial driver's CPU share")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args()
     cpus = [float(c) for c in args.nodes.split(",")]
     for who, reserved in offline(cpus, args.trials, args.worker_cpus).items():
         print(f"coordinator, offline: {who} reserved CPUs {reserved}")
-    for t, seconds in live(cpus, args.trials, args.worker_cpus, args.timeout).items():
+    for t, seconds in live(cpus, args.trials, args.worker_cpus, args.driver_cpus, args.timeout).items():
         print(f"live: trial {t}'s data " + (f"finished in {seconds:.1f} s" if seconds is not None
                                             else f"did not finish in {args.timeout:.0f} s"))
 

@@ -9,7 +9,6 @@ import time
 import urllib.request
 import uuid
 
-from vitp.net import free_port
 
 from netproxy import PortForward
 

@@ -2,7 +2,6 @@
 spec validation, recipe resolution, secret masking and the working_dir upload limit; and that
 the Kubernetes manifests, launchers and Dockerfile hold together when applied."""
 import json
-import os
 import re
 import subprocess
 import sys

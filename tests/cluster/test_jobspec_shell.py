@@ -2,7 +2,6 @@
 driver does) and the KubeRay submitter's `bash -ce` command, with a stub `vitp` / `ray` on PATH
 that records its argv, so nothing heavy runs. No Ray cluster."""
 import json
-import os
 import re
 import shlex
 import shutil

@@ -1,13 +1,12 @@
 """A real two-node local Ray cluster: a failing job's exit status and error, that the nodes share
 no directory (working dir, TMPDIR, Ray temp dir) but do share the environment they started in,
-that a metric spool left on the worker node reaches MLflow through the driver, and that a real
+that a metric spool left on the worker node reaches MLflow through the driver, that two 2-CPU
+sweep trials train side by side on two 3-CPU nodes, and that a real
 Train run whose rank 0 runs on the worker node and is killed before its last send loses no step;
 that a vitp driver joining the cluster removes the placement groups an ended vitp job left; that
 two nodes added at once each get directories of their own.
 A pre-training job through `vitp submit --follow`, one Train worker per node, its MLflow run
 FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with a worker killed."""
-import os
-
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -135,6 +134,40 @@ def test_a_spool_left_on_another_node_reaches_mlflow_before_the_run_ends(two_nod
     history = sorted((m.step, m.value) for m in mlflow.get_metric_history(seen["run_id"], "train/loss"))
     assert history == [(step, 1.0 / step) for step in range(1, 6)]
     assert mlflow.get_run(seen["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.e2e  # a sweep on the cluster the e2e tests above start
+def test_two_trials_of_two_cpus_each_train_side_by_side_on_two_three_cpu_nodes(two_node_cluster, tmp_path):
+    """A sweep of two trials, each one 2-CPU Train worker, on two 3-CPU nodes: one trial trains on
+    each node and reads its data with the CPU that node has left. Each trial's driver asked for a
+    token 0.01 CPU, so a node with a driver had 0.99 CPU left, no 1-CPU read task of either trial
+    could run anywhere, and the sweep hung on "Cluster resources are not enough to run any task"."""
+    import subprocess
+
+    def sets(items):
+        return [a for item in items for a in ("--set", item)]
+
+    gcs = f"127.0.0.1:{two_node_cluster.port}"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = [f"work_dir={tmp_path}/work"]
+    r = vitp("preprocess", "debug_finetune", "--address", gcs, *sets(common))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    settings = ["parallel.num_workers=1", "parallel.cpus_per_worker=2", "parallel.global_batch=16",
+                "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=30", "train.log_every=10",
+                "train.eval_every=0", "train.checkpoint_every=0", "tune.max_concurrent_trials=2"]
+    try:
+        r = vitp("sweep", "debug_finetune", "--name", "side-by-side", "--address", gcs, "--tracking-uri", uri,
+                 "--space", "optim.lr=0.03,0.1", *sets(common + settings), timeout=420)
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        pytest.fail(f"the sweep did not end in {e.timeout:.0f} s:\n{out[-3000:]}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Cluster resources are not enough" not in r.stdout + r.stderr
+    mlflow = MlflowClient(uri)
+    runs = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()], "tags.sweep = 'side-by-side'")
+    trials = [run for run in runs if run.data.tags.get("mlflow.parentRunId")]
+    assert len(trials) == 2 and all(run.info.status == "FINISHED" for run in trials), \
+        [(run.info.run_name, run.info.status) for run in trials]
 
 
 # The run's checkpoint interval; MLflow goes down once rank 0 has logged SENT_BEFORE_OUTAGE steps.

@@ -595,10 +595,9 @@ def test_node_lost_under_a_tune_trial_resumes_it_from_its_checkpoint_and_the_swe
     from mlflow.tracking import MlflowClient
 
     cluster = rehearsal.cluster
-    # the cluster it was written for: the head and two worker nodes (the rehearsal's own and this one). The
-    # drills before it drain one node and lose another; on the head and one worker node, the two trials'
-    # Train workers leave one CPU a node, and their data streams got none ("Cluster resources are not
-    # enough to run any task", 2026-12-07): a shape this drill is not about
+    # the cluster it was written for: the head and two worker nodes (the rehearsal's own and this one); the
+    # drills before it drain one node and lose another. (On the head and one worker node, the two trials'
+    # data got no CPU while their drivers took 0.01 CPU a node: test_local_cluster.py's side-by-side test.)
     cluster.add_node()
     while _alive_nodes(cluster) < 3:
         cluster.add_node()

@@ -54,7 +54,7 @@ def test_a_value_outside_its_rule_is_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError) as e:
         validate(plant(debug(), key, value), check_paths=False)
     lines = str(e.value).splitlines()[1:]
-    assert any(line.startswith(f"  - {key}") or line.startswith(f"  - tune.space key") for line in lines), str(e.value)
+    assert any(line.startswith(f"  - {key}") or line.startswith("  - tune.space key") for line in lines), str(e.value)
 
 
 @pytest.mark.parametrize("key, value", _cases("inside"))

@@ -118,7 +118,6 @@ def make_zoo(tmp_path):
     exif = Image.Exif()
     exif[0x0112] = 6
     save(Image.fromarray(rot), z / "rotated.jpg", "JPEG", quality=98, exif=exif.tobytes())
-    jpg = (z / "good.png").read_bytes()
     full = z / "full.jpg"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(full)
     (z / "truncated.jpg").write_bytes(full.read_bytes()[:600])
@@ -160,7 +159,7 @@ def test_bad_input_zoo_nothing_lost(ray_session, tmp_path, capsys):
     logged = capsys.readouterr().out.strip().splitlines()[-1]  # a log line: time, level, rank
     summary = TEXT_LOG_PREFIX.sub("", logged)
     assert summary != logged and " INFO [driver] " in logged
-    assert summary.startswith(f"wrote 8 images in 1 shards") and "quarantined 6:" in summary
+    assert summary.startswith("wrote 8 images in 1 shards") and "quarantined 6:" in summary
     assert "truncated=1" in summary and "images/s" in summary
 
     m = read_manifest(str(out))

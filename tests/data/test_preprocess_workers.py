@@ -74,7 +74,7 @@ def test_counts_reconcile_and_shards_do_not_depend_on_workers_or_layout(ray_sess
                              rows_per_task=2, log=lambda s: None)
     finally:
         ctx.execution_options.resource_limits = saved
-    many = run_preprocess(Run.of(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
+    run_preprocess(Run.of(make_cfg(tmp_path, source="imagefolder", path=str(corpus),
                                    shards=str(tmp_path / "many"), **data)), log=lambda s: None)
 
     # nothing lost: every input is written or quarantined, for the reason it has

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vitp.data import catalog, files, sources
+from vitp.data import catalog, files
 from vitp.data.commands import run_preprocess, run_synth
 from vitp.config import Run
 

@@ -125,7 +125,7 @@ def numpy_resnet(w, img, layers):
     def conv(x, name, stride=1):
         k = w[name + "/kernel"]
         k = (k - k.mean(axis=(0, 1, 2))) / (k.std(axis=(0, 1, 2)) + 1e-5)
-        kh, cin, cout = k.shape[0], k.shape[2], k.shape[3]
+        kh, cout = k.shape[0], k.shape[3]
         B, H, W, _ = x.shape
         oh = -(-H // stride)
         pad = max((oh - 1) * stride + kh - H, 0)

@@ -66,6 +66,12 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
         raise RuntimeError(f"trial {cfg.run_name} finished without reporting {spec.tune.metric}")
 
 
+# A trial's driver only waits on its Train run, so it asks for no CPU: Tune needs a non-empty
+# bundle, and a token CPU share (0.01) left 0.99 CPU on each node a driver sat on, so no 1-CPU
+# read task of any trial's data stream could run there (two trials on two 3-CPU nodes hung).
+TRIAL_DRIVER_RESOURCES = {"CPU": 0, "memory": 256 * 2**20}
+
+
 def max_concurrent(spec: SweepSpec, cfg: ExperimentConfig) -> int:
     """Trials that fit at once: each needs its workers' CPUs plus ~1 for the controller/data."""
     if spec.tune.max_concurrent_trials:
@@ -116,9 +122,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     log(f"[sweep {spec.name}] parent MLflow run {parent.run_id}; {concurrency} concurrent trial(s); "
         f"storage {path}")
 
-    # the driver only waits on its Train run; a token CPU share keeps Tune from packing it at 0
     trainable = tune.with_resources(tune.with_parameters(
-        finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), {"CPU": 0.01})
+        finetune_trial_driver_fn, spec=spec.to_dict(), parent_run_id=parent.run_id), TRIAL_DRIVER_RESOURCES)
     turns = start_turns(spec.name, parent.run_id, concurrency) if spec.tune.scheduler == "hyperband" else None
     total = spec.tune.num_samples * grid_size(parse_space(spec.tune.space), spec.tune.search) * (
         len(spec.points) if spec.points and spec.tune.search == "grid" else 1)
