@@ -11,17 +11,15 @@ Run (from the repository root):
    planted nodes of `--nodes` CPUs): each trial's Train run asks for one `--worker-cpus` bundle at
    high priority, then each trial's data stream asks for a share of what is left (as Ray Data's
    executions do). Printed: what each is reserved, per node.
-2. Live, the same layout on a local Ray (a 0-CPU head and a node per `--nodes` entry): an actor of
-   `--driver-cpus` per trial, spread over the nodes (as Tune placed the trials' drivers), then a
+2. Live, the same layout on a local Ray (a 0-CPU head and a node per `--nodes` entry):
+   `--driver-cpus` per trial held on each node (as Tune placed the trials' drivers), then a
    placement group and a high-priority coordinator request per trial hold its Train CPUs, then one
-   Ray Data execution per trial reads 40 blocks through a 0.2 s map at once. Printed: whether each
+   Ray Data execution per trial, in an actor in that group, reads 40 blocks through a 0.2 s map. Printed: whether each
    finished, and in how long (`--timeout` seconds at most).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import threading
 import time
 
 
@@ -51,14 +49,26 @@ def live(cpus: list[float], trials: int, worker_cpus: float, driver_cpus: float,
     from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import ResourceRequestPriority
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import DefaultAutoscalingCoordinator
     from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Reader:  # a trial's Train worker: its stream runs in the worker, in the trial's group
+        def read(self) -> float:
+            def slow(batch):
+                time.sleep(0.2)
+                return batch
+
+            t0 = time.time()
+            for _ in ray.data.range(400, override_num_blocks=40).map_batches(slow).iter_batches(batch_size=10):
+                pass
+            return time.time() - t0
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for c in cpus:
-        cluster.add_node(num_cpus=c)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    done: dict[int, float | None] = {t: None for t in range(trials)}
     try:
+        for c in cpus:
+            cluster.add_node(num_cpus=c)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
         if driver_cpus:  # the trials' drivers' share, one a node (Tune's trial groups landed so)
             ray.get(placement_group([{"CPU": driver_cpus}] * trials, strategy="STRICT_SPREAD").ready(), timeout=60)
         groups = [placement_group([{"CPU": worker_cpus}], strategy="STRICT_PACK") for _ in range(trials)]
@@ -67,28 +77,13 @@ def live(cpus: list[float], trials: int, worker_cpus: float, driver_cpus: float,
             DefaultAutoscalingCoordinator(f"train-{t}").request_resources(
                 [{"CPU": worker_cpus}], expire_after_s=600, priority=ResourceRequestPriority.HIGH)
         time.sleep(1)
-
-        def slow(batch):
-            time.sleep(0.2)
-            return batch
-
-        def stream(t: int) -> None:
-            t0 = time.time()
-            for _ in ray.data.range(400, override_num_blocks=40).map_batches(slow).iter_batches(batch_size=10):
-                pass
-            done[t] = time.time() - t0
-
-        threads = [threading.Thread(target=stream, args=(t,), daemon=True) for t in range(trials)]
-        for th in threads:
-            th.start()
-        deadline = time.time() + timeout
-        for th in threads:
-            th.join(timeout=max(0.0, deadline - time.time()))
-    finally:
-        with contextlib.suppress(Exception):  # a stream that never ended is still reading
-            ray.shutdown()
-            cluster.shutdown()
-    return dict(done)
+        reads = [Reader.options(scheduling_strategy=PlacementGroupSchedulingStrategy(g)).remote().read.remote()
+                 for g in groups]
+        ray.wait(reads, num_returns=len(reads), timeout=timeout)
+        return {t: ray.get(r) if ray.wait([r], timeout=0)[0] else None for t, r in enumerate(reads)}
+    finally:  # a stream that never ended is in an actor: the cluster goes with it
+        ray.shutdown()
+        cluster.shutdown()  # (it also removes the address it wrote to /tmp/ray/ray_current_cluster)
 
 
 def main() -> None:

@@ -319,7 +319,7 @@ def main():
     labels = [int(os.path.basename(os.path.dirname(f))[1:]) for f in files]
     loads = [os.getloadavg()[0]]
 
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     DataContext.get_current().enable_progress_bars = False
     base = get_recipe("debug")

@@ -42,7 +42,7 @@ def one_mode(args) -> dict:
     from vitp.config import Run
     from vitp.train.trainer import run_training
 
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     shards = os.path.join(args.workdir, "shards")
     if not os.path.exists(os.path.join(shards, "manifest.json")):
         run_preprocess(Run.of(resolve("debug", [f"data.shards={shards}"])), log=lambda s: None)

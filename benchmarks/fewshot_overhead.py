@@ -76,7 +76,7 @@ def main() -> int:
     from vitp.storage import exists, join
 
     work = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="fewshot-bench-"))
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     ray.data.DataContext.get_current().enable_progress_bars = False
     base = resolve("debug", [f"work_dir={work}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
                              "train.eval_every=0", "train.checkpoint_every=0", f"parallel.zero_stage={args.zero}",

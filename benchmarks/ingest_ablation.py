@@ -53,7 +53,7 @@ def main():
     shards = os.path.join(args.workdir, "shards-uint8")
     manifest = read_manifest(shards)  # a clear error if data_throughput.py has not run there
     torch.set_num_threads(1)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
              object_store_memory=2 * 1024 ** 3 if args.memory_check else None)
     DataContext.get_current().enable_progress_bars = False
     base = get_recipe("debug")

@@ -109,7 +109,7 @@ def child(a: argparse.Namespace) -> None:
     from ray._private import worker as ray_worker
     from vitp.data.commands import run_preprocess
     from vitp.recipes import debug
-    ray.init(num_cpus=a.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=a.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     cfg = debug()  # the debug recipe with this corpus and 16 px storage
     cfg = dataclasses.replace(cfg, work_dir=a.out, data=dataclasses.replace(

@@ -70,7 +70,7 @@ def main():
 
     work = args.workdir or tempfile.mkdtemp(prefix="vitp-bench-")
     corpus = corpus_in(work, args.images, args.classes)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     DataContext.get_current().enable_progress_bars = False
     torch.set_num_threads(1)  # the consuming process: the --cpus cores are the workers'
     base = get_recipe("debug")

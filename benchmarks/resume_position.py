@@ -72,7 +72,7 @@ def main() -> int:
     from vitp.recipes import resolve
 
     work = args.workdir or tempfile.mkdtemp(prefix="resume-bench-")
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     ray.data.DataContext.get_current().enable_progress_bars = False
     cfg = resolve("debug", [f"work_dir={work}", f"data.synth_images_per_class={args.images_per_class}",
                             "parallel.num_workers=1", f"parallel.micro_batch={args.batch}",

@@ -36,7 +36,7 @@ def _one_setting(args: argparse.Namespace) -> None:
     from vitp.config import Run
     from vitp.train.trainer import run_training
 
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     root = tempfile.mkdtemp(prefix="vitp-overhead-")
     run_preprocess(Run.of(resolve("debug", [f"data.shards={root}/shards"])), log=lambda s: None)
     warmup = min(args.steps, with_overrides("debug").optim.warmup_steps)  # --steps below it is valid

@@ -239,7 +239,7 @@ def run_ray(args, peak: float, peak_source: str) -> dict[str, Any]:
     started = False
     t_start = time.perf_counter()
     if not ray.is_initialized():
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=args.verbose,
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=args.verbose,
                  logging_level="WARNING")
         started = True
     storage = tempfile.mkdtemp(prefix="bench-ray-")

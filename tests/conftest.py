@@ -61,13 +61,16 @@ def _durations() -> dict[str, float]:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray with 4 logical CPUs, started once and shut down at the end of the run."""
+    """A local Ray with 4 logical CPUs, started once and shut down at the end of the run. Always a
+    new one: without address="local", ray.init connects to the cluster named in
+    /tmp/ray/ray_current_cluster, which a script using ray.cluster_utils that did not end cleanly
+    leaves behind (every e2e test that takes this fixture then errored)."""
     import ray
     from ray.data import DataContext
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=True, logging_level="WARNING")
         started = True
     DataContext.get_current().enable_progress_bars = False  # quiet logs
