@@ -153,7 +153,7 @@ def test_two_trials_of_two_cpus_each_train_side_by_side_on_two_three_cpu_nodes(t
     r = vitp("preprocess", "debug_finetune", "--address", gcs, *sets(common))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     settings = ["parallel.num_workers=1", "parallel.cpus_per_worker=2", "parallel.global_batch=16",
-                "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=30", "train.log_every=10",
+                "parallel.micro_batch=16", "parallel.grad_accum=1", "train.steps=10", "train.log_every=5",
                 "train.eval_every=0", "train.checkpoint_every=0", "tune.max_concurrent_trials=2"]
     try:
         r = vitp("sweep", "debug_finetune", "--name", "side-by-side", "--address", gcs, "--tracking-uri", uri,
