@@ -14,8 +14,8 @@ Run (from the repository root):
 2. Live, the same layout on a local Ray (a 0-CPU head and a node per `--nodes` entry):
    `--driver-cpus` per trial held on each node (as Tune placed the trials' drivers), then a
    placement group and a high-priority coordinator request per trial hold its Train CPUs, then one
-   Ray Data execution per trial, in an actor in that group, reads 40 blocks through a 0.2 s map. Printed: whether each
-   finished, and in how long (`--timeout` seconds at most).
+   Ray Data execution per trial, in an actor in that group, reads 40 blocks through a 0.2 s map.
+   Printed: whether each finished, and in how long (`--timeout` seconds at most).
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def live(cpus: list[float], trials: int, worker_cpus: float, driver_cpus: float,
         time.sleep(1)
         reads = [Reader.options(scheduling_strategy=PlacementGroupSchedulingStrategy(g)).remote().read.remote()
                  for g in groups]
-        ray.wait(reads, num_returns=len(reads), timeout=timeout)
-        return {t: ray.get(r) if ray.wait([r], timeout=0)[0] else None for t, r in enumerate(reads)}
+        ready, _ = ray.wait(reads, num_returns=len(reads), timeout=timeout)
+        return {t: ray.get(r) if r in ready else None for t, r in enumerate(reads)}
     finally:  # a stream that never ended is in an actor: the cluster goes with it
         ray.shutdown()
         cluster.shutdown()  # (it also removes the address it wrote to /tmp/ray/ray_current_cluster)

@@ -23,6 +23,11 @@ def vitp_env(env=None) -> dict[str, str]:
     return {**base, **(env or {})}
 
 
+def sets(items: list[str]) -> list[str]:
+    """KEY=VALUE items as `vitp` arguments: --set KEY=VALUE each."""
+    return [a for item in items for a in ("--set", item)]
+
+
 def vitp(*args, env=None, timeout=600):
     """Run `vitp ...` with this interpreter (the venv), returning the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "vitp.cli", *args], cwd=ROOT, env=vitp_env(env),

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from localcluster import LOCAL_SH, ROOT, LocalCluster, vitp, vitp_env  # noqa: F401  (tests/localcluster.py)
+from localcluster import LOCAL_SH, ROOT, LocalCluster, sets, vitp, vitp_env  # noqa: F401  (tests/localcluster.py)
 from netproxy import PortForward  # noqa: F401  (tests/netproxy.py; the cluster tests import it from here)
 
 @pytest.fixture(scope="module")

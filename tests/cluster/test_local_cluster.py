@@ -10,7 +10,7 @@ FINISHED: the rehearsal's stage 2 (tests/cluster/test_rehearsal.py), on S3, with
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import vitp
+from .conftest import sets, vitp
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -143,9 +143,6 @@ def test_two_trials_of_two_cpus_each_train_side_by_side_on_two_three_cpu_nodes(t
     token 0.01 CPU, so a node with a driver had 0.99 CPU left, no 1-CPU read task of either trial
     could run anywhere, and the sweep hung on "Cluster resources are not enough to run any task"."""
     import subprocess
-
-    def sets(items):
-        return [a for item in items for a in ("--set", item)]
 
     gcs = f"127.0.0.1:{two_node_cluster.port}"
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -27,7 +27,7 @@ from vitp import recipes, storage
 from vitp.cluster.jobspec import load_spec
 from vitp.data.synth import render
 
-from .conftest import ROOT, vitp, vitp_env
+from .conftest import ROOT, sets, vitp, vitp_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
@@ -58,10 +58,6 @@ LOCAL_ONLY = ("*.parquet", "meta.json", "*.safetensors", "checkpoint_*")
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def sets(items: list[str]) -> list[str]:
-    return [a for item in items for a in ("--set", item)]
 
 
 def submit(rehearsal, spec: str, overrides: list[str], env=None, timeout=900):
