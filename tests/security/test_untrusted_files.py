@@ -3,6 +3,7 @@ unpickling would create a file is refused with one line naming it, and the file 
 
 Each planted file is first shown to work: a plain unpickle of it does create the file, so a
 loader that stopped refusing would fail these tests."""
+import functools
 import json
 import os
 import pickle
@@ -189,6 +190,37 @@ def test_data_pickles_hold_numbers_only():
         load_data_pickle(pickle.dumps({b"data": np.array([1, "a"], dtype=object)}), "f")
     with pytest.raises(InputError, match=r"^f: not a readable python pickle"):
         load_data_pickle(b"\x80\x02}q\x00", "f")  # cut short
+
+
+def _shared_nesting(levels: int, width: int) -> bytes:
+    """A pickle of `levels` lists, each holding the one below `width` times: a few hundred bytes
+    (the memo refers back), width^levels paths for a walk that does not remember what it visited."""
+    x: list = []
+    for _ in range(levels):
+        x = [x] * width
+    return pickle.dumps({b"data": x}, protocol=2)
+
+
+@pytest.mark.timeout(60)  # without a bounded walk each of these never returns
+@pytest.mark.parametrize("data, says", [
+    (b"]q\x00h\x00a.", "a list or dict in it holds itself or appears twice"),  # l = []; l.append(l)
+    (_shared_nesting(12, 16), "a list or dict in it holds itself or appears twice"),
+    (pickle.dumps({b"labels": list(range(1_000_001))}, protocol=2), "holds more than 1,000,000 values"),
+    (pickle.dumps(functools.reduce(lambda x, _: [x], range(40), []), protocol=2), "nested more than 16 levels"),
+], ids=["itself", "shared-nesting", "too-many", "too-deep"])
+def test_a_data_pickle_that_would_walk_forever_is_refused(data, says):
+    with pytest.raises(InputError, match=rf"^batch: {says}") as e:
+        load_data_pickle(data, "batch")
+    assert "\n" not in str(e.value)
+
+
+def test_a_cyclic_cifar_batch_is_refused_by_the_listing(tmp_path):
+    from vitp.data.datasets import cifar
+
+    root = _cifar10(tmp_path / "cyclic", {b"label_names": [b"a"] * 10})
+    (root / "data_batch_3").write_bytes(b"]q\x00h\x00a.")
+    with pytest.raises(InputError, match=r"data_batch_3: a list or dict in it holds itself"):
+        cifar(str(root), "cifar10")
 
 
 def test_weights_only_blocks_a_loader_that_asks_for_code_and_restores_the_environment(tmp_path, monkeypatch):

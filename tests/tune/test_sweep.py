@@ -238,22 +238,55 @@ def _trial_failures(sweep_dir) -> dict[str, int]:
     return {trial["experiment_tag"]: meta["num_failures"] for trial, meta in _saved_trials(sweep_dir)}
 
 
+def _planted_exports(root, unfit_key: str, bad_dtype: str) -> tuple[str, str]:
+    """Two exports of the debug recipe (sound config.json) whose weights fail in a worker with
+    the planted text in the error: one holds a single tensor named `unfit_key` (it does not fit the
+    model: a ValueError, a fault that is retried), one a header whose dtype is `bad_dtype`
+    (safetensors repeats it: the weights cannot be read, an InputError, a user's mistake)."""
+    import json
+    import struct
+
+    import torch
+
+    from vitp.model.weights import write_export
+    from vitp.recipes import with_overrides
+
+    unfit, damaged = root / "unfit-export", root / "damaged-export"
+    write_export(str(unfit), {unfit_key: torch.zeros(2)}, with_overrides("debug").to_dict(), {"step": 4})
+    write_export(str(damaged), {"pos_embed": torch.zeros(2)}, with_overrides("debug").to_dict(), {"step": 4})
+    header = json.dumps({"pos_embed": {"dtype": bad_dtype, "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (damaged / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    return str(unfit), str(damaged)
+
+
 @pytest.mark.e2e
 def test_a_fault_is_retried_and_a_users_mistake_is_not(tmp_path, server, ray_session, digits_shards):
-    """CI's form of the next test, two trials: a fault (model.num_classes=5 on 10-class digits:
-    labels past the head, inside training) is retried tune.trial_retries times; a user's mistake
-    (a damaged source, an InputError in the workers) ends its trial on its first attempt. Both end
-    FAILED with what went wrong, and the sweep exits 1."""
+    """CI's form of the next test, two trials: a fault (weights that do not fit the model, a
+    ValueError inside training) is retried tune.trial_retries times; a user's mistake (a damaged
+    source, an InputError in the workers) ends its trial on its first attempt. Both end FAILED with
+    what went wrong, and the sweep exits 1. Each error carries a token-shaped secret (the weights
+    file's text, repeated by the error): no trace of it under the work dir, where Tune keeps its
+    state, errors and (now off) result files, nor in the MLflow runs."""
+    import secrets
+    import string
+
     from vitp.tracking.store import get_client
 
-    damaged = _damaged_export(tmp_path / "damaged-export")
-    args = ["sweep", "debug_finetune", "--name", "s-fail", f"--set=work_dir={_work(tmp_path, digits_shards)}",
-            "--tracking-uri", server.uri, "--from", "scratch", "--from", damaged, "--space", "optim.lr=0.1",
-            "--set=model.num_classes=5", "--set=tune.trial_retries=1", *SHORT]
+    def token(prefix: str) -> str:
+        return prefix + "".join(secrets.choice(string.ascii_letters) for _ in range(34))
+
+    planted = {"unfit": token("hf_"), "damaged": token("ghp_")}
+    (tmp_path / "from").mkdir()
+    unfit, damaged = _planted_exports(tmp_path / "from", planted["unfit"], planted["damaged"])
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["sweep", "debug_finetune", "--name", "s-fail", f"--set=work_dir={_work(work, digits_shards)}",
+            "--tracking-uri", server.uri, "--from", unfit, "--from", damaged, "--space", "optim.lr=0.1",
+            "--set=tune.trial_retries=1", *SHORT]
     proc = _vitp(args, _env(ray_session))
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 1 and "2 trial(s) failed" in log, log[-4000:]
-    failures = _trial_failures(tmp_path / "sweeps" / "s-fail")  # Tune's own count of failed attempts
+    failures = _trial_failures(work / "sweeps" / "s-fail")  # Tune's own count of failed attempts
     assert sorted(("damaged-export" in tag, n) for tag, n in failures.items()) == [(False, 2), (True, 0)], failures
     client = get_client(server.uri)
     rows = _children(server.uri, "s-fail")
@@ -261,6 +294,12 @@ def test_a_fault_is_retried_and_a_users_mistake_is_not(tmp_path, server, ray_ses
     for row in rows:
         error = client.get_run(row["run_id"]).data.tags["vitp.error"]
         assert ("not a readable weights file" in error) == (row["source"] == damaged), error
+        assert not any(s in error for s in planted.values()), error
+    assert list((work / "sweeps" / "s-fail").rglob("error.txt"))  # the fault's, written by Tune
+    for path in (p for p in work.rglob("*") if p.is_file() and "shards" not in p.parts):
+        data = path.read_bytes()
+        assert not [s for s in planted.values() if s.encode() in data or s.encode().hex().encode() in data], path
+    assert not list(work.rglob("progress.csv")) + list(work.rglob("result.json")) + list(work.rglob("events.out*"))
 
 
 @pytest.mark.long(reason="four trials, one finishing beside the failures; CI runs the two failures "

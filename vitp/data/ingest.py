@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..config import Run
 from ..config.augreg import randaug_of
@@ -21,6 +21,7 @@ from . import shards as sh
 from .position import RankStream, Segment, current_segment, with_world
 from .augment import augment_rows
 from .decode import decode_stored, resize_center_crop
+from .parquet import open_parquet
 
 
 def train_rows_per_epoch(run: Run) -> int:
@@ -48,6 +49,27 @@ def plan_units(root: str, split: str, manifest: dict, unit_rows: int = UNIT_ROWS
     return units
 
 
+_CHECKED: set[tuple[str, str]] = set()  # (shards, split) whose every file passed, in this process
+
+
+def check_shard_files(root: str, split: str, manifest: dict) -> None:
+    """Every shard file of `split` passes the schema check (parquet.py) before a Ray task reads a
+    row: a refusal raised here, in the worker, ends the run at once with its own line, where one
+    raised in a read task would reach the worker wrapped and be retried as a fault. Footers only,
+    16 at a time; each read task checks its file again as it opens it (_read_unit)."""
+    if (root, split) in _CHECKED:
+        return
+
+    def one(s: dict) -> None:
+        path = join(root, s["file"])
+        with (open_input(path) if is_uri(path) else pa.OSFile(path)) as f:
+            open_parquet(f, path, sh.SHARD_COLUMNS)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, manifest["shards"].get(split, [])))
+    _CHECKED.add((root, split))
+
+
 def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
     """Rows [start, stop) of a shard -> numpy columns height, width, label, key, and image:
     for uint8 shards an (n, H, W, 3) view of the Parquet page buffer when every row is a raw
@@ -56,7 +78,7 @@ def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
     Arrow's own reader."""
     path, a, b = unit
     with (open_input(path) if is_uri(path) else pa.OSFile(path)) as f:
-        pf = pq.ParquetFile(f)
+        pf = open_parquet(f, path, sh.SHARD_COLUMNS)
         md = pf.metadata
         groups, first, row = [], None, 0
         for g in range(md.num_row_groups):
@@ -65,7 +87,8 @@ def _read_unit(unit: tuple, storage_format: str = "uint8") -> dict:
                 groups.append(g)
                 first = row if first is None else first
             row += n
-        t = pf.read_row_groups(groups) if groups else pa.table({})
+        ours = [n for n in sh.SHARD_COLUMNS if n in pf.schema_arrow.names]  # what the schema check covered
+        t = pf.read_row_groups(groups, columns=ours) if groups else pa.table({})
     t = t.slice(a - (first or 0), b - a)
     out = {n: t.column(n).to_numpy(zero_copy_only=False) for n in t.column_names if n != "image"}
     if "image" in t.column_names:
@@ -174,6 +197,7 @@ def _stream(run: Run, split: str, start_epoch: int, num_epochs: Optional[int], t
     elif unit_rows is None:
         unit_rows = default_unit_rows(rows_per_epoch, world)
     units = plan_units(root, split, manifest, unit_rows)
+    check_shard_files(root, split, manifest)
     if not units:
         raise InputError(f"{root}: manifest lists no {split} shards ({manifest['counts']}); "
                          "check data.val_fraction or the source")

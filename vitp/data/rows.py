@@ -13,13 +13,14 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from ..errors import InputError
 from ..storage import filesystem, join, open_input
 from . import shards as sh
 from .decode import DecodeError, decode_image, encode_jpeg, resize_center_crop
 from .files import read_image
-from .sources import image_column
+from .parquet import open_parquet
+from .sources import SOURCE_COLUMNS, image_column
 from .synth import class_system, render
 
 # process_rows keeps these item columns and adds the stored image (or why there is none)
@@ -123,12 +124,13 @@ def _attach_parquet_images(rows: list[dict]) -> None:
             wanted.setdefault((r["path"], r["row_group"]), []).append(r)
     for (path, g), rs in wanted.items():
         try:
-            with open_input(path) as f:
-                pf = pq.ParquetFile(f)
+            with open_input(path) as f:  # checked again: the file may have changed since its listing
+                pf = open_parquet(f, path, SOURCE_COLUMNS)
                 col = pf.read_row_group(g, columns=[image_column(pf.schema_arrow.names)]).column(0)
-        except OSError as e:
+        except (OSError, InputError) as e:
+            why = f"cannot read {path} ({e.__class__.__name__}: {e})" if isinstance(e, OSError) else str(e)
             for r in rs:
-                r["error"] = f"unreadable: cannot read {path} ({e.__class__.__name__}: {e})"
+                r["error"] = f"unreadable: {why}"
             continue
         for r in rs:
             img = col[r["row"]].as_py()

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..storage import file_sizes, filesystem, join, rmtree
+from .parquet import open_parquet
 
 SHARD_SCHEMA = pa.schema([
     ("image", pa.binary()),   # uint8: H*W*3 raw bytes (row-major HWC); jpeg: the JPEG file
@@ -26,6 +27,10 @@ SHARD_SCHEMA = pa.schema([
 ])
 QUARANTINE_SCHEMA = pa.schema([("path", pa.string()), ("reason", pa.string()),
                                ("detail", pa.string()), ("key", pa.string())])
+# What a reader checks a shard or quarantine part for before reading a row (parquet.open_parquet):
+# shards may come from anyone (data.shards), and a run's unfinished parts lie in a folder it was given
+SHARD_COLUMNS = {"image": "bytes", "height": "int", "width": "int", "label": "int", "key": "text"}
+QUARANTINE_COLUMNS = {n: "text" for n in QUARANTINE_SCHEMA.names}
 SPLITS = ("train", "val")
 RECORDS = "_records"              # <split>-part-NNNNN.json per committed shard: its commit mark
 QUARANTINE_PARTS = "_quarantine"  # <split>-part-NNNNN.parquet: the rows each shard task refused
@@ -130,7 +135,8 @@ def merge_quarantine(root: str, parts: list[str]) -> int:
     rows: list[dict] = []
     for rel in parts:
         with fs.open_input_file(join(base, rel)) as f:
-            rows.extend(pq.read_table(f).to_pylist())
+            part = open_parquet(f, join(root, rel), QUARANTINE_COLUMNS)
+            rows.extend(part.read(columns=QUARANTINE_SCHEMA.names).to_pylist())
     rows.sort(key=lambda r: (r["key"], r["path"], r["reason"]))
     write_atomic(fs, join(base, "quarantine.parquet"), quarantine_bytes(rows))
     return len(rows)

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..storage import filesystem, join, open_input
 from .bounds import (CLS_BYTES, MAX_CLASSES, BoundedTarInfo, label_text_problem, parquet_group_problem,
                      parse_index)
 from .files import child_dirs, entries, file_type, files_with, list_files
+from .parquet import open_parquet
 from .synth import class_name
 
 # An item is one input: a dict with exactly these keys (the columns of the preprocess dataset).
@@ -150,6 +150,10 @@ def natural_order(names: set[str]) -> list[str]:
         return sorted(names)
 
 
+# The columns a Parquet corpus may have that vitp reads, and what each must hold (parquet.KINDS)
+SOURCE_COLUMNS = {"image": "image", "bytes": "image", "label": "label", "key": "label", "path": "label"}
+
+
 def image_column(names: list[str]) -> Optional[str]:
     return "image" if "image" in names else ("bytes" if "bytes" in names else None)
 
@@ -166,7 +170,10 @@ def parquet_plan(root: str, allow_outside_root: bool = False) -> Plan:
 def _expand_parquet(u: dict) -> list[dict]:
     path, rel = u["path"], u["rel"]
     with open_input(path) as f:
-        pf = pq.ParquetFile(f)
+        try:
+            pf = open_parquet(f, path, SOURCE_COLUMNS)
+        except InputError as e:  # a column that could run code, or of a type vitp does not read:
+            return [item(rel, -1, path=path, error=f"unreadable: {e}")]  # no row is read
         names = pf.schema_arrow.names
         img_col = image_column(names)
         if img_col is None or "label" not in names:

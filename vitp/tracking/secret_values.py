@@ -19,12 +19,15 @@ REDACTED = "***"
 # "aws_secret_access_key", "apiKey"), or ends in "_key" ("AZURE_STORAGE_KEY", "ssh_key"), "_pass"
 # ("DB_PASS") or "_pat" ("GITHUB_PAT"), but not inside another word ("tokenizer", "author", "monkey",
 # "passes", "pattern", "compass"). "password", "passphrase" and "connection string" count anywhere
-# in the name: PGPASSWORD, KEY_PASSPHRASE, AZURE_STORAGE_CONNECTION_STRING. docs/cluster.md
-# promises *_SECRET_*, *_TOKEN, *_PASSWORD and *_KEY. Only *string* values are redacted by key.
+# in the name: PGPASSWORD, KEY_PASSPHRASE, AZURE_STORAGE_CONNECTION_STRING; so do "accesstoken"
+# (MYACCESSTOKEN) and "_jwt" (GitLab's CI_JOB_JWT); a webhook URL (SLACK_WEBHOOK_URL) is itself the
+# credential that lets anyone post. docs/cluster.md promises *_SECRET_*, *_TOKEN, *_PASSWORD and
+# *_KEY. Only *string* values are redacted by key.
 _SECRET_WORD = re.compile(
     r"(^|_)(pwd|secrets?|tokens?|credentials?|auth|api_?key|access_?key|private_?key|secret_?key"
     r"|session_?key|account_?key|conn_?str)(_|$)|_key$|(^|_)(pass|pat)$"
     r"|passw(or)?d|passphrase|connection_?string"
+    r"|accesstoken|_jwt|^jwts?$|(^|_)webhook_?url$"
 )
 _CAMEL = re.compile(r"([a-z0-9])([A-Z])")
 
@@ -56,6 +59,11 @@ _NOT_SECRET_VALUES = {"disabled", "enabled", "required", "optional", "password",
 # Environment names that match a credential word but hold a place, not a secret: the working
 # directory (PWD), a file or socket (RAY_AUTH_TOKEN_PATH, SSH_AUTH_SOCK, AWS_SHARED_CREDENTIALS_FILE).
 _PLACE_NAME = re.compile(r"^(OLD)?PWD$|_(PATH|FILE|DIR|SOCK|SOCKET)$", re.IGNORECASE)
+
+
+def names_a_place(name: str) -> bool:
+    """True for a credential-like name that holds a place, not a secret (RAY_AUTH_TOKEN_PATH, PWD)."""
+    return bool(_PLACE_NAME.search(name))
 
 
 def _worth_masking(value: str) -> bool:
@@ -111,7 +119,7 @@ class _Registry:
             return
         with self.lock:  # another thread sees the new environment only once its secrets are in
             for name, value in list(os.environ.items()):
-                if is_secret_key(name) and not _PLACE_NAME.search(name):
+                if is_secret_key(name) and not names_a_place(name):
                     self.add(value)
                 add_uri_passwords(value)  # MLFLOW_BACKEND_STORE_URI, DATABASE_URL, http_proxy, ...
             self.environ = now

@@ -16,7 +16,7 @@ from ray import tune
 from .. import storage
 from ..config import ExperimentConfig, Run
 from ..console import get_logger
-from ..tracking.redact import is_secret_key
+from ..tracking.redact import is_secret_key, redact_message
 from ..tracking.store import MLFLOW_OUTAGE_S
 from ..train.staging import clear_dead_everywhere
 from .outcome import open_parent, summarise
@@ -33,6 +33,11 @@ def trial_params(config: Mapping[str, Any]) -> dict[str, Any]:
     """A Tune trial's config -> the flat trial dict (its explicit point merged in)."""
     params = {k: v for k, v in fold_cases(config).items() if k != "point" and not k.startswith("__")}
     return {**params, **(config.get("point") or {})}
+
+
+class TrialFailed(RuntimeError):
+    """What a trial raised, redacted, and without the error it was (whose message, traceback and
+    causes Tune would pickle and write into the sweep's folder as they are)."""
 
 
 def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent_run_id: str) -> None:
@@ -58,8 +63,10 @@ def finetune_trial_driver_fn(trial: dict[str, Any], spec: dict[str, Any], parent
                                    callbacks=[EvaluationReports(spec.tune.metric, cfg)])
         log_report(run, summary)  # attention rollouts of the trial's model
     except FINAL as e:  # its MLflow run is already ended FAILED with this line
-        tune.report({spec.tune.metric: math.nan, USER_ERROR: f"{type(e).__name__}: {e}"})
+        tune.report({spec.tune.metric: math.nan, USER_ERROR: redact_message(f"{type(e).__name__}: {e}")})
         return
+    except Exception as e:  # Tune writes what a trial raised to its files (error.txt, error.pkl)
+        raise TrialFailed(redact_message(f"{type(e).__name__}: {e}")) from None
     if summary.already_finished:  # a resumed sweep: this trial's training had finished before
         tune.report(summary.metrics)
     if summary.metrics.get(spec.tune.metric) is None:
@@ -102,6 +109,9 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     # Save the sweep state within seconds of a trial ending, so a killed driver's --resume
     # knows which trials finished (Tune's default period adapts and can lag by minutes).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
+    # Tune's CSV, JSON and TensorBoard files of every result duplicate MLflow, unredacted, and
+    # writing them is most of a large sweep's driver time; `=0` brings them back
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     _keep_credentials_out_of_trial_actors()
     path = spec.dir
     # Tune keeps its state through the same filesystem (S3 endpoint) as the rest of the pipeline
