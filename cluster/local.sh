@@ -25,6 +25,8 @@
 # --fake-autoscaling CONFIG runs Ray's autoscaler on the head with CONFIG, a launcher config whose
 # provider is Ray's fake multi-node one (`type: fake_multinode`): the worker nodes it launches are
 # raylets on this machine, in the head's process group (so `stop` ends them too).
+# Nothing leaves the machine: Ray's usage stats and MLflow's telemetry are off on every node unless
+# you export RAY_USAGE_STATS_ENABLED=1 or MLFLOW_DISABLE_TELEMETRY=false before `start`.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,7 +37,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PYTHON")"
 
 cmd="${1:-}"; shift || true
-case "$cmd" in -h|--help) sed -n '2,27p' "$0"; exit 0 ;; esac
+case "$cmd" in -h|--help) sed -n '2,29p' "$0"; exit 0 ;; esac
 node_index=""
 if [ "$cmd" = kill-node ]; then node_index="${1:-}"; shift || true; fi
 workers=1; num_cpus=2; port=6390; dash_port=8275; auth=0; state_dir=""; timeout=90; autoscaling=""
@@ -160,7 +162,7 @@ start_worker() {
   # Worker node $1 joins the head; its `ray start` leader pid goes to worker_pids[$1 - 1]
   # (start_cluster's array; the same port settings as the head's, see there).
   local i="$1"
-  local args=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
+  local args=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus"
               --dashboard-agent-listen-port "$(free_port "$port" "$dash_port" "$agent_port" "$client_port")"
               --min-worker-port 0 --max-worker-port 0 --block)
   node_dirs "$i"
@@ -186,7 +188,12 @@ node_dirs() {
 node_env() {
   # The environment every node of this cluster starts in (start, add-node).
   export PATH="$BIN:$PATH"
-  export RAY_USAGE_STATS_ENABLED=0
+  # Nothing leaves the machine unless the caller opts in (exports 1 / false): Ray's usage stats,
+  # which the head would send to usage-stats.ray.io (`ray start` reads this instead of
+  # --disable-usage-stats), and MLflow's telemetry in every driver, worker and trial (they import
+  # MLflow, which would post usage events to its telemetry service).
+  export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"
+  export MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
   # `stop` SIGTERMs each node's `ray start`, which first drains its node until it is idle, for up to
   # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (Ray's default: 30 s). Ray Data's detached actors never
   # leave, so after any job that read data every stop sat out its 20 s and ended in SIGKILL. No
@@ -233,7 +240,7 @@ start_cluster() {
   local agent_port client_port
   agent_port="$(free_port "$port" "$dash_port")"
   client_port="$(free_port "$port" "$dash_port" "$agent_port")"
-  local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus" --disable-usage-stats
+  local common=(--node-ip-address 127.0.0.1 --num-cpus "$num_cpus"
                 --dashboard-agent-listen-port "$agent_port" --min-worker-port 0 --max-worker-port 0 --block)
   # The head alone offers vitp_driver, which the job specs' drivers ask for (entrypoint_resources),
   # as on the cloud launchers and KubeRay: a driver never lands on a worker node that may go away.

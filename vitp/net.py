@@ -1,13 +1,16 @@
-"""Network helpers shared by the process launchers and the MLflow server: free TCP ports.
+"""Network helpers shared by the process launchers and the MLflow server: free TCP ports, and the
+switches that keep MLflow's and Ray's usage reports on this machine (`no_telemetry`).
 
 A sink: imports nothing from `vitp`, never torch or ray. `python -m vitp.net [TAKEN...]` prints
 one port (cluster/local.sh uses it).
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
+from typing import Mapping
 
 # Ports below the OS's ephemeral range are never handed to an outgoing connection, so a port
 # chosen there stays free until its server binds it (a port from the range, e.g. one `bind(0)`
@@ -56,6 +59,31 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     while len(ports) < n:
         ports.append(free_port(host, set(ports)))
     return ports
+
+
+# Nothing leaves the machine unasked. MLflow 3 sends usage telemetry from every process that imports
+# it (mlflow/__init__.py starts a client whose thread fetches config.mlflow-telemetry.io and posts
+# events where that says); MLFLOW_DISABLE_TELEMETRY=true stops it (mlflow/telemetry/utils.py
+# is_telemetry_disabled, read at import). Ray reports a cluster's usage from its head
+# (usage-stats.ray.io) unless RAY_USAGE_STATS_ENABLED=0 (ray/_common/usage/usage_lib.py
+# _usage_stats_enabledness). Set in this process they reach every process it starts: a local Ray's
+# workers, Train workers and trials, an `mlflow server`. A value the user set is theirs:
+# MLFLOW_DISABLE_TELEMETRY=false or RAY_USAGE_STATS_ENABLED=1 opts in.
+TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def telemetry_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """TELEMETRY_OFF, with the value `environ` (default os.environ) gives where it gives one."""
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name, "").strip() or off for name, off in TELEMETRY_OFF.items()}
+
+
+def no_telemetry() -> dict[str, str]:
+    """Turn MLflow's telemetry and Ray's usage stats off in this process and all it starts, unless
+    the user set them (an opt-in); call before mlflow is imported. Returns the values in force."""
+    env = telemetry_env()
+    os.environ.update(env)
+    return env
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 spec validation, recipe resolution, secret masking and the working_dir upload limit; and that
 the Kubernetes manifests, launchers and Dockerfile hold together when applied."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -166,6 +167,43 @@ def test_local_sh_binds_loopback_and_uses_token_auth():
     text = (ROOT / "cluster" / "local.sh").read_text()
     assert "--dashboard-host 127.0.0.1" in text and "--node-ip-address 127.0.0.1" in text
     assert "RAY_AUTH_MODE=token" in text and "ray stop" not in text.replace("`ray stop`", "")
+
+
+def test_nothing_leaves_the_cluster_unasked():
+    """MLflow's telemetry and Ray's usage stats (vitp.net.TELEMETRY_OFF) are off in every job spec
+    unless the submitting shell opts in, in every Ray container of the KubeRay manifests, in the MLflow
+    server's, on the launchers' nodes, on cluster/local.sh's nodes (its own node_env, run) and in the image."""
+    from vitp.net import TELEMETRY_OFF
+
+    opt_in = {"MLFLOW_DISABLE_TELEMETRY": "false", "RAY_USAGE_STATS_ENABLED": "1"}
+    for path in JOBS:
+        for shell, want in ((ENV, TELEMETRY_OFF), ({**ENV, **opt_in}, opt_in)):
+            env = load_spec(str(path), environ=shell, check_recipe=False).kwargs["runtime_env"]["env_vars"]
+            assert {k: env.get(k) for k in TELEMETRY_OFF} == want, path.name
+    for path in KUBERAY:
+        doc = yaml.safe_load(path.read_text())
+        spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            for c in group["template"]["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert {k: env.get(k) for k in TELEMETRY_OFF} == TELEMETRY_OFF, (path.name, group.get("groupName"))
+    docs = yaml.safe_load_all((ROOT / "cluster" / "mlflow" / "mlflow.yaml").read_text())
+    (server,) = [c for d in docs if d and d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]]
+    assert {e["name"]: e.get("value") for e in server["env"]}["MLFLOW_DISABLE_TELEMETRY"] == "true"
+    for path in LAUNCHER:
+        doc = yaml.safe_load(path.read_text())
+        starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in doc[key] if "ray start" in c]
+        assert len(starts) == 2 and all("MLFLOW_DISABLE_TELEMETRY=true " in c and "--disable-usage-stats" in c
+                                        for c in starts), (path.name, starts)
+    node_env = re.search(r"^node_env\(\) \{.*?^\}", (ROOT / "cluster" / "local.sh").read_text(), re.M | re.S).group(0)
+    for given, want in (({}, TELEMETRY_OFF), (opt_in, opt_in)):
+        clean = {k: v for k, v in os.environ.items() if k not in TELEMETRY_OFF}
+        out = subprocess.run(["bash", "-c", f"{node_env}\nauth=0 state_dir=/x port=1 BIN=/b; node_env; env"],
+                             env={**clean, **given}, capture_output=True, text=True, check=True).stdout
+        got = dict(line.split("=", 1) for line in out.splitlines() if line.split("=", 1)[0] in TELEMETRY_OFF)
+        assert got == want
+    image = (ROOT / "cluster" / "Dockerfile").read_text()
+    assert re.search(r"^ENV .*MLFLOW_DISABLE_TELEMETRY=true.*RAY_USAGE_STATS_ENABLED=0", image, re.M)
 
 
 # ------------------------------------------------------------------- pre-flight checks

@@ -16,6 +16,7 @@ from vitp.cli import cluster, demo, evaluate, experiment, plan
 from vitp.cli.args import Handler, pick_recipe, recipe_from_run
 from vitp.console import LOG_FORMAT_ENV, LOG_FORMATS, VERBOSE_ENV, quiet_env, quiet_loggers
 from vitp.errors import UserError
+from vitp.net import no_telemetry
 from vitp.versions import check_versions
 
 # The end of `vitp --help`. An invalid config lists its problems below the one line, one per line.
@@ -146,6 +147,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    no_telemetry()  # before anything imports mlflow: MLflow's telemetry, Ray's usage stats off unless opted in
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -166,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers must be at least 2: an all-reduce on one worker moves nothing")
     from vitp.cluster import allreduce  # the importable module, so Ray pickles _measure by name
 
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from vitp.cluster.ray_token import local_auth_env
+    from vitp.net import no_telemetry
+
+    no_telemetry()  # this driver and its Train workers (Ray Train imports MLflow)
+    if canonicalize_bootstrap_address(None) is None:  # no cluster to join: ray.init starts one, its token ours
+        os.environ.update(local_auth_env()[0])
     ray.init(logging_level="WARNING")
     with tempfile.TemporaryDirectory() as tmp:
         result = allreduce.measure(gang, args.storage or tmp)

@@ -1,8 +1,8 @@
-"""Join a Ray cluster or start a local Ray sized for a config (listening on loopback only unless
-$VITP_RAY_BIND says otherwise), and watch for placement groups left holding CPUs (orphans.py):
-`connect_ray`; how much of Ray's own output a user sees (vitp.console: errors and our lines, unless
-`vitp --verbose`). The one place a command calls `ray.init`; never submits jobs or trains.
-"""
+"""Join a Ray cluster or start a local Ray sized for a config (loopback only unless $VITP_RAY_BIND says
+otherwise; its token a private file, ray_token.py; telemetry off, vitp.net), and watch for placement
+groups left holding CPUs (orphans.py): `connect_ray`; how much of Ray's own output a user sees
+(vitp.console: errors and our lines, unless `vitp --verbose`). The one place a command calls
+`ray.init`; never submits jobs or trains."""
 from __future__ import annotations
 
 import contextlib
@@ -13,10 +13,13 @@ from typing import Iterator, Optional
 import ray
 
 from ..config import ExperimentConfig
-from ..console import library_log_level, log_env, quiet_env, verbose
+from ..console import get_logger, library_log_level, log_env, quiet_env, verbose
 from ..errors import ClusterError, ConfigError
-from ..net import free_port
+from ..net import free_port, telemetry_env
 from . import orphans, output
+from .ray_token import local_auth_env
+
+log = get_logger(__name__)
 
 
 # Logical CPUs a local Ray has beside its Train workers' own: Train's controller and Ray Data's
@@ -107,7 +110,9 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    env = {**quiet_env(), **log_env()}
+    # telemetry_env: MLflow's telemetry and Ray's usage stats off (unless the user set them) in
+    # every Train worker and trial, which import MLflow
+    env = {**quiet_env(), **log_env(), **telemetry_env()}
     os.environ.update(env)  # this process (Ray Data on the driver) and local Ray's workers
     # every Ray process of this job: Ray's and Ray Train's own INFO lines stay in the log files
     logging_config = None if verbose() else ray.LoggingConfig(log_level="WARNING")
@@ -134,13 +139,19 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         # traceback when another Ray runs beside this one. This process keeps its own environment
         # (a later local start must not join a cluster that is gone); address="local" starts a
         # new Ray whatever RAY_ADDRESS says.
+        # Its token likewise (RAY_AUTH_TOKEN_PATH): a private file of ours, not the ~/.ray/auth_token
+        # Ray would write for others to read (ray_token.py); the driver keeps the token Ray loaded.
         ip = local_bind()
         port = free_port()
-        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"), _node_address(ip) as node:
-            # the driver's own ray logger at ERROR unless verbose: ray.init's notices (token auth
-            # on a local cluster, ...) are not for the user to act on
+        auth_env, auth_line = local_auth_env()
+        with _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}", **auth_env), \
+                _node_address(ip) as node:
+            # the driver's own ray logger at ERROR unless verbose: ray.init's notices (that token
+            # auth is on, ...) are not for the user to act on; auth_line says what we did instead
             ray.init(address="local", num_cpus=local_cpus(cfg), include_dashboard=False,
                      logging_level="INFO" if verbose() else "ERROR", logging_config=logging_config, **node)
+        if auth_line:
+            log.info(auth_line)
     orphans.watch_job()  # placement groups of Train runs whose trials Tune stopped or paused
     if not verbose():
         output.install()

@@ -2,7 +2,7 @@
 
 Binds 127.0.0.1 unless told otherwise; beyond loopback it needs basic auth (MLflow's `basic-auth`
 app) with a non-default admin password, whose generated config lives in a private temp directory
-until the server stops. Used by tests and by `vitp mlflow-server`. No torch, no ray.
+until the server stops; its telemetry off (vitp.net). Used by tests and `vitp mlflow-server`; no torch, no ray.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from vitp.net import free_port
+from vitp.net import free_port, telemetry_env
 from vitp.storage import is_uri, rmtree
 from vitp.tracking.redact import redact_text
 from vitp.tracking.store import TrackingError, get_client, normalise_uri
@@ -325,6 +325,8 @@ def _launch(backend: str, artifact_root: str, host: str, port: int, allowed_host
             start_new_session=True,  # its own process group, so stop() reaches its workers too
             env={
                 **os.environ,
+                # MLflow's telemetry (the server's and its UI's) off unless the user opted in
+                **telemetry_env({**os.environ, **env}),
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
                 "MLFLOW_BACKEND_STORE_URI": backend,  # `mlflow server --backend-store-uri`'s envvar
                 **env,
