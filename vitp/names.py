@@ -31,16 +31,25 @@ def _describe(c: str) -> str:
     return f"{c!r} (U+{ord(c):04X}{' ' + unicodedata.name(c) if unicodedata.name(c, '') else ''})"
 
 
+def hidden_problem(value: str, what: str = "a name") -> str | None:
+    """"contains ...: ..." naming up to three control, invisible formatting or separator characters
+    of `value` (the characters no name holds; also refused in MLflow tags), or None."""
+    hidden = sorted({c for c in value if _hidden(c)})
+    if not hidden:
+        return None
+    return (f"contains {', '.join(_describe(c) for c in hidden[:3])}: {what} holds no control, invisible "
+            "formatting (bidi, zero-width) or line-separator characters")
+
+
 def name_problem(value: str) -> str | None:
     """Why `value` cannot be a name, or None: no path separators, no leading dot (so neither "."
     nor "..") or dash (read as an option), no control, invisible formatting (bidi, zero-width) or
     line-separator characters, at most MAX_LEN bytes of UTF-8."""
     if not value:
         return "is empty"
-    hidden = sorted({c for c in value if _hidden(c)})
+    hidden = hidden_problem(value)
     if hidden:
-        return (f"contains {', '.join(_describe(c) for c in hidden[:3])}: a name holds no control, invisible "
-                "formatting (bidi, zero-width) or line-separator characters")
+        return hidden
     size = len(value.encode("utf-8"))
     if size > MAX_LEN:
         return f"is {size} bytes long in UTF-8 (at most {MAX_LEN}: a path component's limit is counted in bytes)"

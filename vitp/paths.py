@@ -28,6 +28,7 @@ class RunPaths:
     <work_dir>/sweeps/<sweep>     a sweep's Tune state
     <work_dir>/export             the demo's pre-trained export
     <work_dir>/mlflow.db          the default MLflow store (local work_dir only)
+    <work_dir>/.vitp-demo         the mark of a work dir `vitp demo` made (what --fresh may empty)
     """
 
     work_dir: str  # absolute (a Run's), or a URI
@@ -57,9 +58,12 @@ class RunPaths:
     def export(self) -> str:
         return storage.join(self.work_dir, "export")
 
+    # The file `vitp demo` writes first into a work dir it makes (vitp/cli/demo.py): `--fresh` empties
+    # only a folder that holds it, since a work dir of the user's holds the same names as a demo's.
+    DEMO_MARKER = ".vitp-demo"
     # What vitp writes directly under a work_dir: the folders above, the SQLite store with its
-    # lock and journal files, its artifacts, and the demo's result and plots (vitp/cli/demo.py).
-    OWN_ENTRIES = ("synth", "shards", "runs", "sweeps", "export", "mlartifacts", "demo-result.json",
+    # lock and journal files, its artifacts, and the demo's marker, result and plots (vitp/cli/demo.py).
+    OWN_ENTRIES = ("synth", "shards", "runs", "sweeps", "export", "mlartifacts", DEMO_MARKER, "demo-result.json",
                    "compare.png", "low_data.png")
     OWN_DB_ENTRIES = ("mlflow.db", "mlflow.db.lock", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm")
 
@@ -68,6 +72,10 @@ class RunPaths:
         is not vitp's to delete whole: `vitp demo --fresh`)."""
         own = set(self.OWN_ENTRIES + self.OWN_DB_ENTRIES)
         return [name for name in storage.listdir(self.work_dir) if name not in own]
+
+    @property
+    def demo_marker(self) -> str:
+        return storage.join(self.work_dir, self.DEMO_MARKER)
 
     def mlflow_db(self) -> Path:
         """The default SQLite store's file; a ConfigError where work_dir is object storage."""

@@ -4,15 +4,24 @@ is this table: regenerate it with `VITP_WRITE_BAD_INPUTS=1 pytest tests/cli/test
 
 In process (vitp.cli.main) and before any Ray cluster or model starts: what each case shows
 is that the input is refused at the edge, not what a run would do with it."""
+import io
+import math
 import os
 import shlex
+import struct
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from vitp.cli import main
+from vitp.data.decode import DEFAULT_MAX_PIXELS, max_file_bytes
+from vitp.model.convert_npz import NPZ_MEMBER_BYTES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
+HUGE = max_file_bytes(DEFAULT_MAX_PIXELS) + 1  # an image file one byte over the bound (sparse: no disk used)
 
 # (command line, run in a directory holding the files below; exit code; what the line must say)
 CASES = [
@@ -43,6 +52,25 @@ CASES = [
     ("config debug --set data.image_size=1000000", 2, "data.image_size=1000000: must be in 8..4096"),
     ("config debug --set model.num_classes=2000000", 2, "model.num_classes=2000000: must be at most 1000000"),
     ("config debug --set train.steps=1e9", 2, "train.steps=1000000000: must be at most 10000000"),
+    # floats nearer 0 than a sane minimum, or subnormal (below the smallest normal float)
+    ("config debug --set optim.lr=1e-320", 2, "optim.lr=1e-320: must be at least 1e-10"),
+    ("config debug --set tracking.log_timeout_s=1e-300", 2,
+     "tracking.log_timeout_s=1e-300: must be at least 0.001 (a millisecond)"),
+    ("config debug --set model.dropout=1e-310", 2,
+     "model.dropout=1e-310: must be 0 or at least 2.2250738585072014e-308 (the smallest normal float"),
+    # MLflow's own tags (who ran it, from where) and tags that hide what they say
+    ("config debug --set 'tracking.tags={{\"mlflow.user\": \"admin\"}}'", 2,
+     "tracking.tags: tag name 'mlflow.user' is MLflow's own"),
+    ("config debug --set 'tracking.tags={{\"mlflow.source.name\": \"train.py\"}}'", 2,
+     "tracking.tags: tag name 'mlflow.source.name' is MLflow's own"),
+    ("config debug --set 'tracking.tags={{\"team\": \"a\u202eb\"}}'", 2,
+     "tracking.tags['team']: the value contains '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("config debug --set 'tracking.tags={{\"team\u200b\": \"vision\"}}'", 2,
+     "tracking.tags: tag name 'team\\u200b' contains '\\u200b' (U+200B ZERO WIDTH SPACE)"),
+    # the filesystem root as the folder everything is written into
+    ("config debug --set work_dir=/", 2, "work_dir='/' is the filesystem root"),
+    ("pretrain debug --set work_dir=/tmp/..", 2, "work_dir='/tmp/..' is the filesystem root"),
+    ("demo --work-dir /", 2, "work_dir='/' is the filesystem root"),
     # names: one component, counted in bytes, no invisible or direction-changing characters
     ("config debug --set tracking.run_prefix=../x", 2, "tracking.run_prefix='../x' contains '/'"),
     ("config debug --set tracking.run_name=" + "\u00e9" * 65, 2, "is 130 bytes long in UTF-8 (at most 128"),
@@ -72,7 +100,10 @@ CASES = [
     # a home directory named as the output of a command that deletes what it replaces
     ("synth debug --overwrite --out home", 2, "{d}/home: holds files vitp synth did not write (.bashrc, "),
     ("synth debug --out home/Documents", 2, "{d}/home/Documents: holds files vitp synth did not write (notes.txt)"),
-    ("demo --fresh --work-dir home", 2, "--work-dir home: holds files a demo did not write (.bashrc, "),
+    ("demo --fresh --work-dir home", 2, "--work-dir home: not made by vitp demo (no .vitp-demo file in it)"),
+    # a real run's work dir holds the very names a demo writes: only the demo's mark counts
+    ("demo --fresh --work-dir work", 2, "--work-dir work: not made by vitp demo (no .vitp-demo file in it), so "
+     "--fresh deletes nothing there"),
     ("preprocess debug --set data.source=imagefolder --set data.path=missing", 2,
      "data.path='missing' does not exist: point it at the imagefolder dataset"),
     ("export missing", 2, "missing: no such checkpoint directory"),
@@ -85,6 +116,15 @@ CASES = [
     ("config debug --set train.fewshot_weights=ema", 2, "train.fewshot_weights=ema needs a weight EMA"),
     ("import missing.npz --out out", 2, "missing.npz: no such file"),
     ("import corrupt.npz --out out", 2, "corrupt.npz: not an .npz file (no zip header)"),
+    # a zip bomb: a member whose declared size is beyond any ViT's array; an .npy header that lies
+    ("import bomb.npz --out out", 2, f"bomb.npz: its member 'w.npy' declares 2400000128 bytes uncompressed, more "
+     f"than the {NPZ_MEMBER_BYTES} any array of an importable ViT takes"),
+    ("import liar.npz --out out", 2, "liar.npz: its member 'w.npy' has an .npy header declaring 4398046511232 bytes"),
+    # images handed to predict: no more bytes than the pipeline reads, only the pipeline's formats
+    ("predict exp huge.png", 2, f"huge.png: {HUGE} bytes, more than an image within the {DEFAULT_MAX_PIXELS}-pixel "
+     f"limit takes ({HUGE - 1})"),
+    ("predict exp picture.ico", 2, "picture.ico: not a usable image (not_an_image: not an image of the formats read "
+     "here (JPEG, PNG, BMP, GIF, TIFF, WEBP, PPM)): give a JPEG or PNG"),
     ("analyze missing", 2, "missing: no such file or directory; give a checkpoint directory"),
     ("analyze exp", 2, "exp/model.safetensors: not a readable weights file"),
     ("attention exp missing.png", 2, "missing.png: no such image file"),
@@ -134,8 +174,43 @@ def inputs(tmp_path_factory):
     (d / "home" / ".bashrc").write_text("export PATH\n")
     (d / "home" / "Documents" / "notes.txt").write_text("mine\n")
     (d / "home" / "runs").mkdir()
+    for name in ("runs/b16/checkpoint_00000010", "shards/imagenet", "mlartifacts/1"):  # a real run's work dir
+        (d / "work" / name).mkdir(parents=True)
+    (d / "work" / "runs" / "b16" / "checkpoint_00000010" / "meta.json").write_text("{}")
+    (d / "work" / "mlflow.db").write_bytes(b"SQLite format 3\x00")
+    with open(d / "huge.png", "wb") as f:  # sparse: its size, no blocks
+        f.truncate(HUGE)
+    Image.new("RGB", (16, 16)).save(d / "picture.ico", format="ICO")  # a format Pillow reads, predict does not
+    (d / "bomb.npz").write_bytes(_npz_declaring((600_000_000,)))  # 2.4 GB of float32, as its zip says too
+    (d / "liar.npz").write_bytes(_npz(_header((2**40,))))  # 4 TB, in a member of 144 bytes
     get_client(f"sqlite:///{d}/store.db").create_experiment("present")  # (with the store's lock file)
     return d
+
+
+def _header(shape: tuple) -> dict:
+    return {"descr": "<f4", "fortran_order": False, "shape": shape}
+
+
+def _npz(header: dict, data: bytes = b"\0" * 16) -> bytes:
+    """An .npz whose one member, w.npy, has this .npy header and these bytes after it."""
+    npy = io.BytesIO()
+    np.lib.format.write_array_header_1_0(npy, header)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("w.npy", npy.getvalue() + data)
+    return out.getvalue()
+
+
+def _npz_declaring(shape: tuple) -> bytes:
+    """A small .npz whose member w.npy declares an array of `shape` in its .npy header and its full
+    size in the zip's directory (a zip bomb's claim: zipfile reads a member up to the size its
+    directory declares, numpy allocates what the header says)."""
+    raw = bytearray(_npz(_header(shape)))
+    size = 128 + math.prod(shape) * 4  # the header, padded to 128 bytes, and the float32 data
+    central = raw.index(b"PK\x01\x02")  # the central directory entry: uncompressed size at +24
+    raw[central + 24:central + 28] = struct.pack("<I", size)
+    raw[22:26] = struct.pack("<I", size)  # and the local header's, at +22
+    return bytes(raw)
 
 
 def _files(root: Path) -> set[str]:
@@ -163,9 +238,10 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(inputs, monkeypatch, cap
 
 
 def _cell(text: str) -> str:
-    """A table cell: the fixture folder left out, pipes escaped, and a character that would not
-    show (a control, a direction override, a zero-width space) written as its Python escape."""
-    text = text.replace("{d}/", "").replace("|", chr(92) + "|")
+    """A table cell: the fixture folder left out, str.format's doubled braces single, pipes escaped,
+    and a character that would not show (a control, a direction override, a zero-width space)
+    written as its Python escape."""
+    text = text.replace("{d}/", "").replace("{{", "{").replace("}}", "}").replace("|", chr(92) + "|")
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
@@ -175,8 +251,11 @@ def _table() -> str:
             f"Generated from `tests/cli/test_bad_inputs.py`, which runs each line below ({len(CASES)} cases) "
             "in a directory holding the files it names (`emptydir/`, `exp/` with a `config.json` and noise for "
             "weights, a corrupt `corrupt.npz`, job specs `bad.yaml` and `unknown.yaml`, an MLflow store "
-            "`store.db`, and `home/`: a home directory's `.bashrc` and `Documents/notes.txt` beside a `runs/` "
-            "folder) and checks that the command exits with the code shown, prints one line "
+            "`store.db`, `home/`: a home directory's `.bashrc` and `Documents/notes.txt` beside a `runs/` "
+            "folder, `work/`: a training run's work dir (`runs/`, `shards/`, `mlartifacts/`, `mlflow.db`), "
+            "`huge.png`: one byte over the bound on an image file, `picture.ico`: an icon, `bomb.npz` whose zip "
+            "directory and .npy header claim a 2.4 GB array and `liar.npz` whose .npy header claims a 4 TB one "
+            "in 144 bytes) and checks that the command exits with the code shown, prints one line "
             "(`vitp COMMAND: ...`; an invalid config lists its problems below it) that contains the text "
             "shown, prints no traceback, and leaves the directory as it was. Exit codes: 2 bad input you "
             "can fix, 3 a cluster that cannot be reached (`vitp --help` lists them all).\n\n"

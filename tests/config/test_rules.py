@@ -3,6 +3,7 @@ just outside it (derived from the rule: a range's ends, NaN, a bad name, ...) ar
 and values inside it pass. Every recipe passes every rule."""
 import dataclasses
 import math
+import sys
 
 import pytest
 
@@ -92,6 +93,12 @@ def test_numbers_just_outside_are_refused_and_the_ends_pass(key, rule):
         beyond.append(rule.hi if rule.hi_open else (rule.hi + 1 if rule.integer else math.nextafter(rule.hi, math.inf)))
     if not rule.integer:
         beyond += [math.nan, math.inf, -math.inf]
+        # nearer 0 than the rule's least magnitude (the smallest normal float, or its own minimum), in range
+        in_range = lambda v: (rule.lo < v or (v == rule.lo and not rule.lo_open)) and \
+            (v < rule.hi or (v == rule.hi and not rule.hi_open))  # noqa: E731
+        tiny = [math.nextafter(rule.least, 0), 5e-324, -5e-324, -math.nextafter(rule.least, 0)]
+        assert rule.least >= sys.float_info.min and any(map(in_range, tiny)), key  # a float rule always has some
+        beyond += [v for v in tiny if in_range(v)]
     for v in beyond:
         with pytest.raises(ConfigError) as e:
             validate(plant(base, key, wrap(v)), check_paths=False)
@@ -129,6 +136,24 @@ def test_every_recipe_passes_every_rule(name):
     ("tune.metric", "", "tune.metric='': must not be empty"),
     ("work_dir", "", "work_dir='': give a path or URI"),
     ("data.path", "/data/a\nb", "data.path='/data/a\\nb' contains the control character '\\n'"),
+    # floats nearer 0 than a sane minimum, or than the smallest normal float (subnormals)
+    ("optim.lr", 1e-320, "optim.lr=1e-320: must be at least 1e-10"),
+    ("tracking.log_timeout_s", 1e-300, "tracking.log_timeout_s=1e-300: must be at least 0.001 (a millisecond)"),
+    ("parallel.gpus_per_worker", 1e-5, "parallel.gpus_per_worker=1e-05: must be 0 or at least 0.0001"),
+    ("model.dropout", 1e-310,
+     "model.dropout=1e-310: must be 0 or at least 2.2250738585072014e-308 (the smallest normal"),
+    ("model.head_bias", -5e-324, "model.head_bias=-5e-324: must be 0 or at least 2.2250738585072014e-308 in magnitude"),
+    ("data.std", (0.5, 1e-310, 0.5), "data.std[1]=1e-310: must be at least 2.2250738585072014e-308"),
+    # MLflow's and vitp's own tags, and characters that hide what a tag says
+    ("tracking.tags", {"mlflow.user": "admin"}, "tracking.tags: tag name 'mlflow.user' is MLflow's own"),
+    ("tracking.tags", {"mlflow.source.name": "x"}, "tracking.tags: tag name 'mlflow.source.name' is MLflow's own"),
+    ("tracking.tags", {"vitp.heartbeat": "0"}, "tracking.tags: tag name 'vitp.heartbeat' is vitp's own"),
+    ("tracking.tags", {"team\u202e": "x"}, "tracking.tags: tag name 'team\\u202e' contains '\\u202e' (U+202E"),
+    ("tracking.tags", {"team": "a\u2066b"}, "tracking.tags['team']: the value contains '\\u2066' (U+2066"),
+    # the filesystem root as the folder every run writes into (a bucket is fine: test_a_value_inside...)
+    ("work_dir", "/", "work_dir='/' is the filesystem root"),
+    ("work_dir", "/tmp/../", "work_dir='/tmp/../' is the filesystem root"),
+    ("work_dir", "file:///", "work_dir='file:///' is the filesystem root"),
 ])
 def test_the_issue_values_are_refused_in_one_line(key, value, says):
     with pytest.raises(ConfigError) as e:

@@ -214,13 +214,21 @@ def test_a_data_pickle_that_would_walk_forever_is_refused(data, says):
     assert "\n" not in str(e.value)
 
 
-def test_a_cyclic_cifar_batch_is_refused_by_the_listing(tmp_path):
-    from vitp.data.datasets import cifar
+@pytest.mark.timeout(120)
+def test_a_cyclic_cifar_batch_ends_preprocess_in_one_line(ray_session, tmp_path, monkeypatch, capsys):
+    """`vitp preprocess` of a CIFAR-10 folder one of whose batches is a list inside itself: exit 2,
+    one line naming the batch, no shards."""
+    from vitp.cli import main
 
     root = _cifar10(tmp_path / "cyclic", {b"label_names": [b"a"] * 10})
     (root / "data_batch_3").write_bytes(b"]q\x00h\x00a.")
-    with pytest.raises(InputError, match=r"data_batch_3: a list or dict in it holds itself"):
-        cifar(str(root), "cifar10")
+    monkeypatch.chdir(tmp_path)
+    assert main(["preprocess", "debug", "--set", "data.source=cifar10", f"--set=data.path={root}",
+                 f"--set=work_dir={tmp_path / 'work'}", f"--set=data.shards={tmp_path / 'shards'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"vitp preprocess: {root}/data_batch_3: a list or dict in it holds itself or appears twice; "
+                   "a dataset batch is a plain tree of arrays, lists and numbers (use the dataset's official files)"]
+    assert not (tmp_path / "shards").exists()
 
 
 def test_weights_only_blocks_a_loader_that_asks_for_code_and_restores_the_environment(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -84,15 +85,55 @@ class Stages:
             self.log(f"[demo] {name}: {self.timings[name]:.0f}s")
 
 
-def _start_afresh(given: str, paths: RunPaths, log: Callable[[str], None]) -> None:
-    """`--fresh`: remove what an earlier demo wrote in its work_dir (`given` as --work-dir), refusing
-    (InputError, nothing deleted) a folder that holds anything else: `--work-dir ~` must not delete a home."""
-    work, foreign = paths.work_dir, paths.foreign_entries()
+# What the demo writes first into a work dir it makes (RunPaths.DEMO_MARKER): `--fresh` empties only
+# a folder that holds it. A work dir of `vitp pretrain` holds the very names a demo writes (runs/,
+# shards/, mlflow.db, mlartifacts/), so the names alone cannot tell the demo's from the user's.
+MARKER = {"made_by": "vitp demo", "note": "vitp demo --fresh empties this folder; delete this file to stop it"}
+MARKER_BYTES = 4096  # a marker is read only this small
+
+
+def made_by_demo(paths: RunPaths) -> bool:
+    """Whether the work dir holds the demo's marker: a regular file (not a link) of MARKER's JSON."""
+    marker = paths.demo_marker
+    if not storage.is_uri(marker) and os.path.islink(marker):
+        return False
+    size = storage.size(marker)  # None for a folder, a FIFO, nothing
+    if size is None or size > MARKER_BYTES:
+        return False
+    try:
+        return json.loads(storage.read_bytes(marker)).get("made_by") == MARKER["made_by"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def claim_work_dir(given: str, paths: RunPaths, fresh: bool, log: Callable[[str], None]) -> None:
+    """Before the demo writes anything: a new or empty work dir is marked as the demo's (the marker is
+    its first file). `fresh`: empty a marked one of what an earlier demo wrote (the marker stays);
+    refuse (InputError, nothing deleted) one without the marker, or holding anything a demo does not
+    write (`--work-dir ~` must not delete a home, `--work-dir work/debug` not a real run's work).
+    `given`: the work dir as --work-dir gave it."""
+    work = paths.work_dir
+    if storage.exists(work) and not storage.isdir(work):
+        raise InputError(f"--work-dir {given}: a file, not a folder; choose a folder for the demo's work")
+    if not storage.listdir(work):
+        storage.write_bytes(paths.demo_marker, json.dumps(MARKER).encode())
+        return
+    ours = made_by_demo(paths)
+    if not fresh:
+        if not ours:
+            log(f"[demo] {work} was not made by vitp demo (no {paths.DEMO_MARKER} in it): reusing what is "
+                "there; --fresh will not empty it")
+        return
+    if not ours:
+        raise InputError(f"--work-dir {given}: not made by vitp demo (no {paths.DEMO_MARKER} file in it), so "
+                         "--fresh deletes nothing there; choose a new --work-dir, or delete the folder yourself "
+                         "if it holds only an older demo's work")
+    foreign = paths.foreign_entries()
     if foreign:
         raise InputError(f"--work-dir {given}: holds files a demo did not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}); --fresh removes only a demo's own work "
                          "dir: choose another --work-dir")
-    own = storage.listdir(work)
+    own = [name for name in storage.listdir(work) if name != paths.DEMO_MARKER]
     if own:
         log(f"[demo] --fresh: removing {', '.join(own)} from {work}")
     for name in own:
@@ -228,8 +269,7 @@ def run_demo(quick: bool = False, fresh: bool = False, work_dir: str | None = No
 
     t0 = time.time()
     demo, given = _Demo.plan(quick, work_dir, seed, objective, changes or {}, log)
-    if fresh:
-        _start_afresh(given, demo.pre.paths, log)
+    claim_work_dir(given, demo.pre.paths, fresh, log)  # the marker first, or --fresh's refusal
     result: dict[str, Any] = {"work_dir": demo.work, "seed": seed, "sweep_name": demo.name}
     connect_ray(demo.pre.cfg, address)
     stages, pc = Stages(6, log), demo.pre.cfg
@@ -270,7 +310,8 @@ def _add_demo(sub) -> Handler:
     p = sub.add_parser("demo", help="the paper's point on this machine: pre-train, transfer, compare "
                                     "with training from scratch")
     p.add_argument("--quick", action="store_true", help="a smaller run (about 3 minutes on 2 cores)")
-    p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built")
+    p.add_argument("--fresh", action="store_true", help="start over instead of reusing what is built (empties "
+                                                         "only a work dir the demo made: it holds .vitp-demo)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the pre-training; the fine-tunes use SEED, SEED+1, SEED+2 (default 0)")
     p.add_argument("--objective", choices=["classify", "mpp"], default="classify",

@@ -73,22 +73,45 @@ def _add_import(sub) -> Handler:
 
 
 def _check_image(path: str) -> None:
-    """InputError naming `path` unless it is a file (checked before a model loads)."""
+    """InputError naming `path` unless it is an image file within the byte limit whose header is of a
+    format read here and within the pixel limit (checked before a model loads: its size, then only
+    its header is read)."""
+    from vitp.data.decode import (DEFAULT_MAX_PIXELS, IMAGE_FORMATS, DecodeError, max_file_bytes,  # lazy (pillow)
+                                  open_header)
+
     if not storage.isfile(path):
         raise InputError(f"{path}: no such image file; give a JPEG or PNG (a path or URI)")
+    size, limit = storage.size(path), max_file_bytes(DEFAULT_MAX_PIXELS)
+    if size is not None and size > limit:
+        raise InputError(f"{path}: {size} bytes, more than an image within the {DEFAULT_MAX_PIXELS}-pixel limit "
+                         f"takes ({limit}); give a JPEG or PNG of at most that size")
+    try:
+        with storage.open_input(path) as f:
+            open_header(f, DEFAULT_MAX_PIXELS, IMAGE_FORMATS)
+    except DecodeError as e:
+        raise InputError(f"{path}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e}); give a readable JPEG or PNG") from None
 
 
 def _read_image(path: str, size: int):
     """An image file (path or URI) -> (the decoded original (H, W, 3) uint8, the model's (S, S, 3)
-    uint8 view as evaluation crops it); InputError naming the file if it is missing or unusable."""
-    from vitp.data.decode import DecodeError, decode_image, resize_center_crop  # lazy: keeps vitp --help fast (numpy, pillow)
+    uint8 view as evaluation crops it); InputError naming the file if it is missing or unusable.
+    Read as the data pipeline reads a corpus's: no more bytes than an image within the pixel limit
+    takes (data/decode.py max_file_bytes, from the file's size before any read), and decoded only
+    by Pillow's decoders of IMAGE_FORMATS."""
+    from vitp.data.bounds import read_bounded  # lazy: keeps vitp --help fast (numpy, pillow)
+    from vitp.data.decode import (DEFAULT_MAX_PIXELS, IMAGE_FORMATS, DecodeError, decode_image, max_file_bytes,
+                                  resize_center_crop)
 
-    _check_image(path)
     try:
-        original = decode_image(storage.read_bytes(path))
+        original = decode_image(read_bounded(path, -1, 0, max_file_bytes(DEFAULT_MAX_PIXELS)), DEFAULT_MAX_PIXELS,
+                                formats=IMAGE_FORMATS)
         return original, resize_center_crop(original, size)
     except DecodeError as e:
         raise InputError(f"{path}: not a usable image ({e.reason}: {e}): give a JPEG or PNG") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e}); give a readable JPEG or PNG") from None
 
 
 def cmd_attention(args: argparse.Namespace) -> int:

@@ -99,7 +99,7 @@ def _allowed(key: str) -> str:
     each = isinstance(rule, Each)
     rule = rule.rule if isinstance(rule, Each) else rule
     if isinstance(rule, Number):
-        return f"{'each ' if each else ''}{rule.span}"
+        return f"{'each ' if each else ''}{rule.allowed}"
     return "name" if isinstance(rule, Name) else ""
 
 

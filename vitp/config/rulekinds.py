@@ -1,5 +1,5 @@
 """The kinds of rule a config key's value follows (rules.py holds the table of which key follows which):
-a number in a range, a choice, a flag, a name, a path, free text, MLflow tags, or a check of its own.
+a number in a range, a choice, a flag, a name, a path, free text or a check of its own (MLflow tags: tags.py).
 Each says why a value is refused in one line naming the key, and gives values it refuses and accepts.
 No torch or ray.
 """
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import posixpath
+import os
 import re
+import sys
 import unicodedata
 from typing import Any, Callable
 
 from ..names import name_error
-from ..storage import has_credentials
+from ..storage import has_credentials, is_uri
 
 
 class Rule:
@@ -36,10 +37,21 @@ def _num(x: float) -> str:
     return str(int(x)) if math.isfinite(x) and x == int(x) and abs(x) < 1e15 else f"{x:g}"
 
 
+def _exact(x: float) -> str:
+    """_num, or the float's repr where the short form would be another number (2.22507e-308)."""
+    return _num(x) if float(_num(x)) == x else repr(x)
+
+
+NORMAL_MIN = sys.float_info.min  # 2.2e-308, the smallest normal float64: below it digits are lost (subnormals)
+
+
 @dataclasses.dataclass(frozen=True)
 class Number(Rule):
     """A finite int or float in [lo, hi] (either end open). `below`/`above` say what a value under or
-    over the range must be (default: the range); `why` follows the message for a value below it."""
+    over the range must be (default: the range); `why` follows the message for a value below it.
+    A float other than 0 must be at least `least` in magnitude: by default the smallest normal float
+    (optim.lr=1e-320 is in (0, 10], and a subnormal), or a rule's own sane minimum (`least_why` says
+    why)."""
 
     lo: float = -math.inf
     hi: float = math.inf
@@ -50,6 +62,8 @@ class Number(Rule):
     above: str = ""
     why: str = ""
     optional: bool = False  # None allowed
+    least: float = NORMAL_MIN
+    least_why: str = "(the smallest normal float; a smaller one is subnormal)"
 
     @property
     def span(self) -> str:
@@ -59,8 +73,23 @@ class Number(Rule):
         return f"{'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
 
     @property
+    def allowed(self) -> str:
+        """The span, and a float's own minimum where it has one: "(0, 10], at least 1e-10"."""
+        if self.integer or self.least == NORMAL_MIN:
+            return self.span
+        return f"{self.span}, {'0 or ' if self._zero_ok else ''}at least {_exact(self.least)}"
+
+    @property
     def what(self) -> str:  # type: ignore[override]
-        return f"{'int' if self.integer else 'float'} in {self.span}{' or none' if self.optional else ''}"
+        return f"{'int' if self.integer else 'float'} in {self.allowed}{' or none' if self.optional else ''}"
+
+    @property
+    def _zero_ok(self) -> bool:
+        return not self._out_of_range(0.0)
+
+    def _out_of_range(self, value: float) -> bool:
+        return (value < self.lo or (self.lo_open and value == self.lo)
+                or value > self.hi or (self.hi_open and value == self.hi))
 
     def problem(self, key: str, value: Any) -> str | None:
         if value is None and self.optional:
@@ -72,6 +101,9 @@ class Number(Rule):
         low = value < self.lo or (self.lo_open and value == self.lo)
         high = value > self.hi or (self.hi_open and value == self.hi)
         if not (low or high):
+            if isinstance(value, float) and value != 0 and abs(value) < self.least:
+                return (f"{key}={value}: must be {'0 or ' if self._zero_ok else ''}at least {_exact(self.least)}"
+                        f"{' in magnitude' if self.lo < 0 else ''} {self.least_why}")
             return None
         says = (self.below if low else self.above) or f"must be in {self.span}"
         why = f" {self.why}" if self.why and not (high and self.above) else ""
@@ -80,21 +112,31 @@ class Number(Rule):
     def _step(self, x: float, up: bool) -> float:
         return x + (1 if up else -1) if self.integer else math.nextafter(x, math.inf if up else -math.inf)
 
+    def _tiny(self) -> list:
+        """Floats inside the range but nearer 0 than `least` (the smallest subnormal among them)."""
+        if self.integer:
+            return []
+        under = math.nextafter(self.least, 0.0)
+        return [v for v in dict.fromkeys((under, 5e-324, -under)) if not self._out_of_range(v)]
+
     def outside(self) -> list:
         out = [math.nan] if not self.integer else []
         if math.isfinite(self.lo):
             out.append(self.lo if self.lo_open else self._step(self.lo, False))
         if math.isfinite(self.hi):
             out.append(self.hi if self.hi_open else self._step(self.hi, True))
-        return out
+        return out + self._tiny()
 
     def inside(self) -> list:
         ends = []
         if math.isfinite(self.lo):
-            ends.append(self._step(self.lo, True) if self.lo_open else self.lo)
+            low = self._step(self.lo, True) if self.lo_open else self.lo
+            ends.append(self.least if not self.integer and 0 < low < self.least else low)
         if math.isfinite(self.hi):
             ends.append(self._step(self.hi, False) if self.hi_open else self.hi)
-        return ends + ([None] if self.optional else [])
+        if not self.integer and self.least != NORMAL_MIN and not self._out_of_range(self.least):
+            ends.append(self.least)
+        return list(dict.fromkeys(ends)) + ([None] if self.optional else [])
 
 
 def ints(lo: int, hi: int, why: str = "", say: str = "") -> Number:
@@ -102,16 +144,25 @@ def ints(lo: int, hi: int, why: str = "", say: str = "") -> Number:
     return Number(lo, hi, integer=True, why=why, below=say, above=say)
 
 
-def floats(span: str, why: str = "") -> Number:
-    """A float in an interval written as it reads: "[0, 1)", "(0, 1]", "[0, inf)"."""
+def _least(least: float | None, least_why: str) -> dict:
+    return {} if least is None else {"least": least, "least_why": least_why}
+
+
+def floats(span: str, why: str = "", least: float | None = None, least_why: str = "") -> Number:
+    """A float in an interval written as it reads: "[0, 1)", "(0, 1]", "[0, inf)"; other than 0, at
+    least `least` (default: the smallest normal float)."""
     m = re.fullmatch(r"([\[(])\s*(\S+),\s*(\S+)\s*([\])])", span)
     assert m, span
-    return Number(float(m[2]), float(m[3]), lo_open=m[1] == "(", hi_open=m[4] == ")", why=why)
+    return Number(float(m[2]), float(m[3]), lo_open=m[1] == "(", hi_open=m[4] == ")", why=why,
+                  **_least(least, least_why))
 
 
-def positive(cap: float, integer: bool = False, say: str = "must be > 0") -> Number:
-    """Above 0 (`say` for a value at or below it) and at most `cap`, a guard against absurd values."""
-    return Number(0, cap, lo_open=True, integer=integer, below=say, above=f"must be at most {_num(cap)}")
+def positive(cap: float, integer: bool = False, say: str = "must be > 0", least: float | None = None,
+             least_why: str = "") -> Number:
+    """Above 0 (`say` for a value at or below it) and at most `cap`, a guard against absurd values; a
+    float at least `least` (default: the smallest normal float), a sane minimum."""
+    return Number(0, cap, lo_open=True, integer=integer, below=say, above=f"must be at most {_num(cap)}",
+                  **_least(least, least_why))
 
 
 def count(cap: int, lo: int = 0, why: str = "") -> Number:
@@ -189,6 +240,7 @@ class Path(Rule):
     (refused without repeating it) and no control characters; "" = unset unless `required`."""
 
     required: bool = False
+    not_root: bool = False  # a folder vitp writes into (work_dir): never the filesystem root
     what = "a local path or URI, no credentials or control characters"
 
     def problem(self, key: str, value: Any) -> str | None:
@@ -204,13 +256,29 @@ class Path(Rule):
         size = len(value.encode("utf-8", "surrogatepass"))
         if size > MAX_PATH_BYTES:
             return f"{key}: a path of {size} bytes (at most {MAX_PATH_BYTES})"
+        if self.not_root and filesystem_root(value):
+            return (f"{key}={value!r} is the filesystem root: vitp writes synth/, shards/, runs/ and mlflow.db "
+                    "straight into it; give a folder of its own, e.g. /data/vitp-work")
         return None
 
     def outside(self) -> list:
-        return ["s3://KEY:SECRET@bucket/x", "a\x00b", "/" + "p" * MAX_PATH_BYTES] + (["", " "] if self.required else [])
+        return (["s3://KEY:SECRET@bucket/x", "a\x00b", "/" + "p" * MAX_PATH_BYTES]
+                + (["", " "] if self.required else []) + (["/", "//", "/tmp/..", "file:///"] if self.not_root else []))
 
     def inside(self) -> list:
-        return ["/data/x", "s3://bucket/x"] + ([] if self.required else [""])
+        return (["/data/x", "s3://bucket/x"] + ([] if self.required else [""])
+                + (["s3://bucket"] if self.not_root else []))  # a bucket's root is a folder of its own
+
+
+def filesystem_root(path: str) -> bool:
+    """Whether local `path` (or a file:// URI) is the filesystem root once symlinks, `.` and `..` are
+    resolved ("/", "//", "/tmp/..", a link to "/"); a bucket (s3://bucket) is not."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif is_uri(path) or not path.strip():
+        return False
+    real = os.path.realpath(path)
+    return os.path.dirname(real) == real
 
 
 class NameOrPath(Path):
@@ -291,33 +359,6 @@ class Text(Rule):
 
     def inside(self) -> list:
         return ["x"] + ([] if self.nonempty else [""])
-
-
-# MLflow's own rules for a tag (mlflow/utils/validation.py): refused at the first log otherwise, mid-run
-TAG_KEY = re.compile(r"[/\w.\- :]+")
-MAX_TAG_KEY, MAX_TAG_VALUE = 250, 8000
-
-
-class Tags(Rule):
-    what = f"MLflow tags: keys of letters, digits, '_-. :/' (at most {MAX_TAG_KEY}), string values (at most {MAX_TAG_VALUE})"
-
-    def problem(self, key: str, value: Any) -> str | None:
-        if not isinstance(value, dict):
-            return f"{key}={value!r}: expected a mapping (JSON object)"
-        for k, v in value.items():
-            if not isinstance(k, str) or not TAG_KEY.fullmatch(k) or len(k) > MAX_TAG_KEY or posixpath.normpath(k) != k \
-                    or k == "." or k.startswith(("/", "..")):
-                return (f"{key}: tag name {k!r} is not an MLflow tag name: letters, digits, '_', '-', '.', ' ', ':' "
-                        f"and '/' (not at the start, no '..'), at most {MAX_TAG_KEY} characters")
-            if not isinstance(v, str) or len(v) > MAX_TAG_VALUE:
-                return f"{key}[{k!r}]: a tag value is a string of at most {MAX_TAG_VALUE} characters"
-        return None
-
-    def outside(self) -> list:
-        return [{"a/../b": "x"}, {"": "x"}, {".": "x"}, {"k": "v" * (MAX_TAG_VALUE + 1)}, {"k\n": "v"}, {"k": 1}]
-
-    def inside(self) -> list:
-        return [{}, {"team": "vision", "data/version": "2"}]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ from typing import Any
 from ..errors import ConfigError
 from .overrides import field_type, valid_keys
 from .rulekinds import (MAX_PATH_BYTES, Check, Choice, Each, Elsewhere, Flag, Name, NameOrPath, Number, Path, Rule,
-                        Tags, Text, count, floats, ints, positive)
+                        Text, count, floats, ints, positive)
+from .tags import Tags
 
 __all__ = ["RULES", "Rule", "Number", "Each", "Name", "drill_steps", "rule_problems", "unruled_keys", "value_of"]
 
@@ -57,11 +58,14 @@ MAX_STEPS = 10_000_000
 MAX_CLASSES = 1_000_000
 MAX_WORKERS = 65_536
 MAX_SEED = 2**32 - 1  # numpy's seed range
+# A float's own minimum (rulekinds.Number.least) where a value nearer 0 is a typo that would break
+# something: every other float other than 0 must be at least the smallest normal float.
+RAY_UNIT, RAY_UNIT_WHY = 1e-4, "(Ray counts resources in units of 0.0001)"
 LITERAL = Choice(())  # in the table: the key's Literal choices, read from the schema below
 
 _TABLE: dict[str, Rule] = {
     "recipe": Name(),  # the first part of a derived run name
-    "work_dir": Path(required=True),
+    "work_dir": Path(required=True, not_root=True),
     # data
     "data.source": LITERAL,
     "data.path": Path(),
@@ -74,7 +78,7 @@ _TABLE: dict[str, Rule] = {
     "data.train_fraction": floats("(0, 1]"),
     "data.storage_format": LITERAL,
     "data.jpeg_quality": ints(1, 100),
-    "data.shard_mb": positive(65_536),
+    "data.shard_mb": positive(65_536, least=1e-3, least_why="(a kilobyte: the shard count is the data's size over it)"),
     "data.synth_classes": positive(MAX_CLASSES, integer=True),
     "data.synth_images_per_class": positive(MAX_CLASSES, integer=True),
     "data.synth_seed": ints(0, MAX_SEED),
@@ -100,7 +104,8 @@ _TABLE: dict[str, Rule] = {
     "model.resnet_norm": LITERAL,
     # optim
     "optim.name": LITERAL,
-    "optim.lr": positive(10.0, say="must be positive"),
+    "optim.lr": positive(10.0, say="must be positive", least=1e-10,
+                         least_why="(smaller steps vanish in float32 weights: 7 significant digits)"),
     "optim.beta1": floats("[0, 1)"),
     "optim.beta2": floats("[0, 1)"),
     "optim.weight_decay": floats("[0, inf)"),
@@ -115,8 +120,9 @@ _TABLE: dict[str, Rule] = {
     "parallel.num_workers": positive(MAX_WORKERS, integer=True, say="must be positive"),
     "parallel.min_workers": count(MAX_WORKERS, why="(0 = a fixed worker count)"),  # and at most num_workers
     "parallel.use_gpu": Flag(),
-    "parallel.cpus_per_worker": positive(1024.0),
-    "parallel.gpus_per_worker": floats("[0, 64]"),  # > 0 with use_gpu (validate.py)
+    "parallel.cpus_per_worker": positive(1024.0, least=RAY_UNIT, least_why=RAY_UNIT_WHY),
+    "parallel.gpus_per_worker": floats("[0, 64]", least=RAY_UNIT,
+                                       least_why=RAY_UNIT_WHY),  # > 0 with use_gpu (validate.py)
     "parallel.global_batch": positive(2**20, integer=True, say="must be positive"),
     "parallel.micro_batch": positive(65_536, integer=True, say="must be positive"),
     "parallel.grad_accum": positive(65_536, integer=True, say="must be positive"),
@@ -139,7 +145,7 @@ _TABLE: dict[str, Rule] = {
     "train.record_samples": Flag(),
     "train.resume": LITERAL,
     "train.init_from": Path(),  # exists (validate.py, with check_paths)
-    "train.device_peak_tflops": positive(1e6),
+    "train.device_peak_tflops": positive(1e6, least=1e-3, least_why="(a GFLOP/s: MFU divides by it)"),
     "train.compile": Flag(),
     "train.objective": LITERAL,
     "train.fewshot_every": count(MAX_STEPS, why="(0 = no few-shot probes)"),
@@ -171,8 +177,8 @@ _TABLE: dict[str, Rule] = {
     "tracking.run_name": Name(empty_ok=True),  # "" = derived
     "tracking.run_prefix": Name(empty_ok=True),  # "" = the recipe
     "tracking.tags": Tags(),
-    "tracking.log_timeout_s": positive(3600.0),
-    "tracking.spool_max_mb": positive(2.0**20),
+    "tracking.log_timeout_s": positive(3600.0, least=1e-3, least_why="(a millisecond)"),
+    "tracking.spool_max_mb": positive(2.0**20, least=1e-3, least_why="(a kilobyte: a few metric lines)"),
     "tracking.system_metrics": Flag(),
 }
 RULES: dict[str, Rule] = {k: Choice(typing.get_args(field_type(k))) if r is LITERAL else r for k, r in _TABLE.items()}

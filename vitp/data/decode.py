@@ -30,6 +30,13 @@ REASONS = (
 # 89.5 Mpx is Pillow's own default; ours is explicit so a corpus of huge scans fails loudly.
 DEFAULT_MAX_PIXELS = 89_478_485
 
+# The formats Pillow may decode, a corpus's images (preprocess) and an image handed to `vitp predict`,
+# `attention` or `analyze --image` alike: those of the file types a corpus is listed by (sources.py
+# IMAGE_EXTS: .jpg/.jpeg, .png, .bmp, .gif, .tif/.tiff, .webp, .ppm/.pgm). None of Pillow's other
+# decoders (some 40, EPS among them, which runs Ghostscript on load) sees bytes from anyone; whatever a
+# file is named, its header decides, and anything else is `not_an_image`. (formats=None: any, unused.)
+IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+
 
 def max_file_bytes(max_pixels: int) -> int:
     """The most bytes an image file may hold, checked before it is read: no image within the
@@ -56,8 +63,8 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 _LIFT_LOCK = threading.Lock()
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
-    """Image.open, with Pillow's own limit raised only when ours is above it.
+def _open(fp, max_pixels: int, formats: Optional[tuple[str, ...]]) -> Image.Image:
+    """Image.open(fp, formats), with Pillow's own limit raised only when ours is above it.
 
     Pillow's limit is a process-wide setting read by every thread's Image.open, so it is only ever
     raised to another number (never None: Pillow's own check would then fail with a TypeError in a
@@ -67,28 +74,26 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     """
     pil_limit = Image.MAX_IMAGE_PIXELS
     if pil_limit is None or max_pixels <= 2 * pil_limit:
-        return Image.open(io.BytesIO(data))
+        return Image.open(fp, formats=formats)
     with _LIFT_LOCK:
         saved = Image.MAX_IMAGE_PIXELS
         Image.MAX_IMAGE_PIXELS = max(max_pixels, saved or 0)  # Pillow raises above 2x this
         try:
-            return Image.open(io.BytesIO(data))
+            return Image.open(fp, formats=formats)
         finally:
             Image.MAX_IMAGE_PIXELS = saved
 
 
-def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 draft_size: Optional[int] = None) -> Image.Image:
-    """Open `data`, check the header's pixel count BEFORE decoding, then decode.
-
-    draft_size: for JPEG, let libjpeg decode at 1/2, 1/4, 1/8 scale as long as both sides
-    stay >= draft_size (a 4000px photo stored at 256px decodes ~8x faster).
-    """
-    if len(data) == 0:
-        raise DecodeError("empty", "zero-byte file")
+def open_header(fp, max_pixels: int = DEFAULT_MAX_PIXELS,
+                formats: Optional[tuple[str, ...]] = IMAGE_FORMATS) -> Image.Image:
+    """The image in binary file `fp`, its header read and checked (a format in `formats`; at most
+    `max_pixels`), nothing decoded yet; DecodeError with a reason otherwise."""
     try:
-        im = _open(data, max_pixels)
+        im = _open(fp, max_pixels, formats)
     except UnidentifiedImageError:
+        if formats:
+            raise DecodeError("not_an_image", f"not an image of the formats read here "
+                                              f"({', '.join(formats)})") from None
         raise DecodeError("not_an_image", "not an image Pillow can identify") from None
     except Image.DecompressionBombError as e:  # above 2x Pillow's limit, which is above ours
         raise DecodeError("too_large", f"{e} (limit {max_pixels}; raise max_pixels if genuine)") from None
@@ -102,6 +107,21 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
                                        "(decompression bomb guard; raise max_pixels if genuine)")
     if w <= 0 or h <= 0:
         raise DecodeError("corrupt", f"image has size {w}x{h}")
+    return im
+
+
+def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 draft_size: Optional[int] = None,
+                 formats: Optional[tuple[str, ...]] = IMAGE_FORMATS) -> Image.Image:
+    """Open `data`, check the header's format (one of `formats`) and pixel count BEFORE decoding,
+    then decode.
+
+    draft_size: for JPEG, let libjpeg decode at 1/2, 1/4, 1/8 scale as long as both sides
+    stay >= draft_size (a 4000px photo stored at 256px decodes ~8x faster).
+    """
+    if len(data) == 0:
+        raise DecodeError("empty", "zero-byte file")
+    im = open_header(io.BytesIO(data), max_pixels, formats)
     if draft_size and im.format == "JPEG":
         # Keep EXIF-rotated sizes right: draft scales both sides by the same factor.
         im.draft(None, (draft_size, draft_size))
@@ -171,9 +191,11 @@ def to_rgb(im: Image.Image) -> np.ndarray:
 
 
 def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 draft_size: Optional[int] = None) -> np.ndarray:
-    """Bytes of any image file -> (H, W, 3) uint8; DecodeError with a reason otherwise."""
-    im = open_checked(data, max_pixels=max_pixels, draft_size=draft_size)
+                 draft_size: Optional[int] = None,
+                 formats: Optional[tuple[str, ...]] = IMAGE_FORMATS) -> np.ndarray:
+    """Bytes of an image file of one of `formats` -> (H, W, 3) uint8; DecodeError with a reason
+    otherwise."""
+    im = open_checked(data, max_pixels=max_pixels, draft_size=draft_size, formats=formats)
     try:
         return to_rgb(im)
     except DecodeError:
@@ -308,6 +330,6 @@ def encode_jpeg(img: np.ndarray, quality: int) -> bytes:
 def decode_stored(image, height: int, width: int, storage_format: str) -> np.ndarray:
     """A shard row's `image` cell -> (height, width, 3) uint8. A uint8 cell may be bytes or
     already an array (ingest's view of the page buffer); either way no pixel is copied."""
-    if storage_format == "jpeg":
-        return np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+    if storage_format == "jpeg":  # written by encode_jpeg; a shard from elsewhere gets no other decoder
+        return np.asarray(Image.open(io.BytesIO(image), formats=("JPEG",)).convert("RGB"))
     return np.frombuffer(image, dtype=np.uint8).reshape(height, width, 3)

@@ -6,6 +6,7 @@ the variant from the result and writes the export.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -26,8 +27,56 @@ _JAX_BLOCK_NAMES = {
 }
 
 
+# What an .npz may declare, checked from its zip directory and each .npy header before any array is
+# read: the largest importable ViT (H/14, 632M parameters) is 2.5 GB of float32, its largest array (an
+# ImageNet-21k head, 21843 x 1280) 112 MB. Room for a checkpoint that also holds optimizer state
+# (`opt/`), none for a zip bomb (a few KB that inflate, or claim to, to terabytes).
+NPZ_MEMBER_BYTES = 2 << 30
+NPZ_TOTAL_BYTES = 16 << 30
+
+
+def _npy_bytes(member) -> int:
+    """Bytes the .npy header of the open zip member `member` declares: itself and its array's data
+    (shape x item size); ValueError for a header numpy cannot parse."""
+    version = np.lib.format.read_magic(member)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(member)  # 2.0 and 3.0 share the layout (3.0: UTF-8 field names)
+    if dtype.hasobject:  # a pickle, not item-sized data: np.load (allow_pickle=False) refuses it
+        return member.tell()
+    return member.tell() + math.prod(shape) * dtype.itemsize  # header + data
+
+
+def check_npz_sizes(src: str, local: str) -> None:
+    """InputError (one line naming `src`) unless every member of the .npz at `local` declares at most
+    NPZ_MEMBER_BYTES uncompressed (zipfile stops reading a member there), NPZ_TOTAL_BYTES in all, and
+    each .npy header an array that fits in the bytes its member declares; reads only headers."""
+    import zipfile
+
+    with zipfile.ZipFile(local) as zf:
+        infos = zf.infolist()
+        for info in infos:
+            if info.file_size > NPZ_MEMBER_BYTES:
+                raise InputError(f"{src}: its member {info.filename!r} declares {info.file_size} bytes "
+                                 f"uncompressed, more than the {NPZ_MEMBER_BYTES} any array of an importable ViT "
+                                 "takes (a zip bomb, or not a ViT checkpoint); no array was read")
+        total = sum(i.file_size for i in infos)
+        if total > NPZ_TOTAL_BYTES:
+            raise InputError(f"{src}: its members declare {total} bytes uncompressed in all, more than the "
+                             f"{NPZ_TOTAL_BYTES} an importable ViT's arrays take; no array was read")
+        for info in infos:
+            if not info.filename.endswith(".npy"):
+                continue
+            with zf.open(info) as member:
+                declared = _npy_bytes(member)
+            if declared > info.file_size:
+                raise InputError(f"{src}: its member {info.filename!r} has an .npy header declaring {declared} "
+                                 f"bytes, more than the {info.file_size} the member holds (damaged or crafted); "
+                                 "no array was read")
+
+
 def load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The arrays of an .npz (a path or URI, or {key: array} as is); never unpickles."""
+    """The arrays of an .npz (a path or URI, or {key: array} as is); never unpickles, and reads no
+    member before every member's declared size is within bounds (check_npz_sizes)."""
     if isinstance(src, Mapping):
         return {k: np.asarray(v) for k, v in src.items()}
     import zipfile
@@ -38,14 +87,18 @@ def load_npz(src: str | Mapping[str, Any]) -> dict[str, np.ndarray]:
                 raise InputError(f"{src}: not an .npz file (no zip header); is it the right file, "
                                  "and is the download complete?")
         try:
+            check_npz_sizes(src, local)
             with np.load(local, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files}
+        except InputError:  # check_npz_sizes's own line (an InputError is a ValueError too)
+            raise
         except ValueError as e:
             if "pickle" not in str(e):
                 raise InputError(f"{src}: not a readable .npz ({e})") from None
             raise InputError(f"{src}: holds pickled Python objects, which are never loaded (loading "
                              "them could run code): an official ViT .npz holds arrays only") from None
-        except (OSError, EOFError, zipfile.BadZipFile) as e:
+        except (OSError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError) as e:
+            # NotImplementedError: a compression zipfile lacks; RuntimeError: an encrypted member
             raise InputError(f"{src}: not a readable .npz ({e}); is the download complete?") from None
 
 
