@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 from typing import Iterator, Optional
 
@@ -101,6 +102,16 @@ def local_cpus(cfg: ExperimentConfig) -> int:
     return max(os.cpu_count() or 1, per_run * max(1, cfg.tune.max_concurrent_trials))
 
 
+def _submitted_job_env() -> dict:
+    """The env_vars of the runtime_env this process's Ray job was submitted with (Ray's job manager
+    hands the entrypoint its job config in RAY_JOB_CONFIG_JSON_ENV_VAR); {} outside a submitted job."""
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+        return dict((config.get("runtime_env") or {}).get("env_vars") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
 def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
     """Join the cluster at `address` (or $RAY_ADDRESS); else start a local Ray sized for `cfg`.
 
@@ -123,6 +134,9 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
         remote_env = {k: v for k, v in env.items() if k != "RAY_DATA_LOGGING_CONFIG"}
         if not verbose():
             remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
+        # inside a submitted job Ray refuses a ray.init that sets a variable the job's own
+        # runtime_env sets too (a job spec's telemetry switches): the job's value stands
+        remote_env = {k: v for k, v in remote_env.items() if k not in _submitted_job_env()}
         try:
             ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
                      logging_config=logging_config, runtime_env={"env_vars": remote_env})
