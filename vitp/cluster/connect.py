@@ -136,7 +136,8 @@ def connect_ray(cfg: ExperimentConfig, address: Optional[str] = None) -> None:
             remote_env["RAY_DATA_LOG_LEVEL"] = "WARNING"
         # inside a submitted job Ray refuses a ray.init that sets a variable the job's own
         # runtime_env sets too (a job spec's telemetry switches): the job's value stands
-        remote_env = {k: v for k, v in remote_env.items() if k not in _submitted_job_env()}
+        job_env = _submitted_job_env()
+        remote_env = {k: v for k, v in remote_env.items() if k not in job_env}
         try:
             ray.init(address=address, log_to_driver=True, logging_level=library_log_level(),
                      logging_config=logging_config, runtime_env={"env_vars": remote_env})
