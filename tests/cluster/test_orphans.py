@@ -84,15 +84,66 @@ def test_a_train_run_that_ended_with_its_trial_gives_its_cpus_back(ray_session, 
         other.wait(timeout=60)
 
 
-def test_the_cleaner_says_when_it_cannot_ask_the_cluster(ray_session, caplog):
-    """Ray's state API lives in the dashboard, which this session's local Ray lacks (as a driver on a
-    worker node cannot reach the head's): the cleaner of ended jobs' groups stops with a warning
-    naming the consequence and the fix, instead of going quiet."""
-    orphans._threads.pop("vitp-orphan-placement-groups", None)
+CLEANER = "vitp-orphan-placement-groups"
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    """The cleaner's round every 10 ms, its backoff doubling from 20 ms to at most 30 ms, and its
+    give-up after 4 failures in a row: the same loop as a 4-day run's, in well under a second."""
+    monkeypatch.setattr(orphans, "INTERVAL_S", 0.01)
+    monkeypatch.setattr(orphans, "BACKOFF_MAX_S", 0.03)
+    monkeypatch.setattr(orphans, "GIVE_UP_AFTER", 4)
+    orphans._threads.pop(CLEANER, None)
+    yield
+    orphans._threads.pop(CLEANER, None)
+
+
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "vitp.cluster.orphans" and r.levelname == "WARNING"]
+
+
+def test_the_cleaner_retries_a_failing_state_api_and_a_success_resets_its_count(ray_session, quick_backoff,
+                                                                                 monkeypatch, caplog):
+    """The state API failing (a dashboard restarting under a 4-day run) stops the cleaner no more:
+    each failure is a warning naming the error (redacted) and the wait before the next try, which
+    doubles up to its cap; a success starts the count again, so only GIVE_UP_AFTER failures in a
+    row end it, with one line saying it gave up, why, and what is lost."""
+    script = iter(["fail", "fail", "fail", "ok", "fail", "fail", "ok"])  # then it fails for good
+    calls = []
+
+    def flaky_orphans():  # what remove_orphans asks the state API through
+        calls.append(next(script, "fail"))
+        if calls[-1] == "fail":
+            raise ConnectionError(f"dashboard http://admin:hunter2@head:8265 refused (call {len(calls)})")
+        return []
+
+    monkeypatch.setattr(orphans, "orphans", flaky_orphans)
     with caplog.at_level("WARNING", logger="vitp.cluster.orphans"):
         orphans.watch()
-        orphans._threads["vitp-orphan-placement-groups"].join(timeout=120)
-    assert not orphans._threads["vitp-orphan-placement-groups"].is_alive()
-    said = [r.getMessage() for r in caplog.records if r.name == "vitp.cluster.orphans"]
-    assert len(said) == 1 and said[0].startswith(orphans.CLEANER_STOPPED), said
-    assert "vitp_driver" in said[0] and "ray list placement-groups" in said[0]
+        orphans._threads[CLEANER].join(timeout=60)
+    assert not orphans._threads[CLEANER].is_alive(), f"the cleaner still runs after {len(calls)} rounds"
+    # 3 failures, a success, 2, a success, then the 4 in a row that end it: the count was reset
+    assert calls == ["fail"] * 3 + ["ok"] + ["fail"] * 2 + ["ok"] + ["fail"] * 4, calls
+    said = _said(caplog)
+    retries, (gave_up,) = said[:-1], said[-1:]
+    assert len(retries) == 8 and all(line.startswith(f"{CLEANER}: ConnectionError: dashboard") for line in retries)
+    waits = [float(line.rsplit("trying again in ", 1)[1].removesuffix(" s")) for line in retries]
+    assert waits == [0.02, 0.03, 0.03, 0.02, 0.03, 0.02, 0.03, 0.03], waits  # doubling, capped, reset
+    assert gave_up.startswith(f"{CLEANER}: gave up after 4 failures in a row"), gave_up
+    assert "(call 11)" in gave_up and gave_up.endswith(orphans.CLEANER_STOPPED), gave_up
+    assert not any("hunter2" in line for line in said), said
+
+
+def test_the_cleaner_says_when_it_gives_up_asking_the_cluster(ray_session, quick_backoff, caplog):
+    """Ray's state API lives in the dashboard, which this session's local Ray lacks (as a driver on a
+    worker node cannot reach the head's): the cleaner of ended jobs' groups tries GIVE_UP_AFTER times,
+    then stops with one warning naming the consequence and the fix, instead of going quiet."""
+    with caplog.at_level("WARNING", logger="vitp.cluster.orphans"):
+        orphans.watch()
+        orphans._threads[CLEANER].join(timeout=120)
+    assert not orphans._threads[CLEANER].is_alive()
+    said = _said(caplog)
+    assert len(said) == 4 and all("trying again in" in line for line in said[:3]), said
+    assert sum("gave up" in line for line in said) == 1 and said[-1].endswith(orphans.CLEANER_STOPPED), said
+    assert "vitp_driver" in said[-1] and "ray list placement-groups" in said[-1]

@@ -45,19 +45,26 @@ def test_no_notice_is_no_checkpoint(sleeps):
     assert watch(1) is False and watch.deadline is None and sleeps == []
 
 
-@pytest.mark.parametrize("min_workers,user_value", [(1, None), (0, None), (1, "90")])
-def test_an_elastic_run_gives_train_a_short_start_timeout_around_fit(monkeypatch, min_workers, user_value):
-    """Elastic, the timeout is ours inside fit() and gone after; a fixed-size run gets Ray's default
-    (unset); a value the user set is kept."""
+@pytest.mark.parametrize("min_workers,placement_s,user_value,inside", [
+    (1, 1800, None, "25"),  # elastic: ELASTIC_START_TIMEOUT_S, then it decides again
+    (0, 1800, None, "1800"),  # fixed: one wait of parallel.placement_timeout_s
+    (0, 0, None, None),  # 0 = for ever: Ray's default (60 s), retried for ever
+    (1, 1800, "90", "90"),
+    (0, 1800, "90", "90"),
+])
+def test_train_gets_the_start_timeout_of_the_run_around_fit(monkeypatch, min_workers, placement_s, user_value, inside):
+    """Elastic, a short timeout; fixed-size, parallel.placement_timeout_s; each ours inside fit() and
+    gone after. 0 leaves Ray's default (unset); a value the user set is kept."""
     from vitp.recipes import resolve
-    from vitp.train.trainer import _START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S, _elastic_start_timeout
+    from vitp.train.trainer import _START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S, _start_timeout
 
+    assert ELASTIC_START_TIMEOUT_S == 25
     monkeypatch.delenv(_START_TIMEOUT_ENV, raising=False)
     if user_value:
         monkeypatch.setenv(_START_TIMEOUT_ENV, user_value)
-    inside = user_value or (str(ELASTIC_START_TIMEOUT_S) if min_workers else None)
-    cfg = resolve("debug", [f"parallel.min_workers={min_workers}"], check_paths=False)
-    with _elastic_start_timeout(cfg):
+    cfg = resolve("debug", [f"parallel.min_workers={min_workers}", f"parallel.placement_timeout_s={placement_s}"],
+                  check_paths=False)
+    with _start_timeout(cfg):
         assert os.environ.get(_START_TIMEOUT_ENV) == inside  # what Train passes on to its controller
     assert os.environ.get(_START_TIMEOUT_ENV) == user_value  # as it was before
 

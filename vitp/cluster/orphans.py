@@ -12,6 +12,8 @@ from typing import Callable
 
 import ray
 
+from vitp.tracking.redact import redact_message
+
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 30.0
@@ -96,33 +98,58 @@ def release_dead_creators() -> list[str]:
     return gone
 
 
-def _every(name: str, interval_s: float, fn: Callable[[], object], stopped: str = "") -> None:
+# A failed round (the dashboard restarting, a slow GCS) is tried again after twice the interval,
+# doubling each failure in a row up to BACKOFF_MAX_S; GIVE_UP_AFTER failures in a row end the
+# thread (a 4-day run outlives many hiccups, but not a state API that is gone). A success resets.
+BACKOFF_MAX_S = 600.0
+GIVE_UP_AFTER = 8
+
+
+def _error(e: BaseException) -> str:
+    """`e` on one line, cut short and redacted (a dashboard URL in it may carry a password)."""
+    return f"{type(e).__name__}: {redact_message(' '.join(str(e).split()))[:200]}"
+
+
+def _every(name: str, interval_s: float, fn: Callable[[], object], stopped: str) -> None:
     """fn() now and every interval_s, in a daemon thread named `name` (one per process), while this
-    process is connected to Ray. With `stopped` (what is lost), the first failure while still
-    connected ends the thread with a warning saying so; without it failures are only logged at debug."""
+    process is connected to Ray. A failure while still connected is said in a warning and tried again
+    after a doubling backoff (BACKOFF_MAX_S at most); after GIVE_UP_AFTER in a row the thread ends
+    with a warning saying so and what is lost (`stopped`)."""
     def loop() -> None:
+        failures, first_failed = 0, 0.0
         while ray.is_initialized():
             try:
                 fn()
+                failures, wait_s = 0, interval_s
             except Exception as e:  # noqa: BLE001 - housekeeping: never a reason to stop the driver
-                if stopped and ray.is_initialized():
-                    log.warning("%s: %s (%s)", stopped, " ".join(str(e).split())[:200] or type(e).__name__,
-                                type(e).__name__)
+                if not ray.is_initialized():
+                    log.debug("%s: %s", name, e)  # the driver disconnecting
                     return
-                log.debug("%s: %s", name, e)  # the driver disconnecting
-            time.sleep(interval_s)
+                failures += 1
+                first_failed = first_failed if failures > 1 else time.monotonic()
+                if failures >= GIVE_UP_AFTER:
+                    log.warning("%s: gave up after %d failures in a row over %.0f s (the last: %s): %s", name,
+                                failures, time.monotonic() - first_failed, _error(e), stopped)
+                    return
+                wait_s = min(interval_s * 2 ** failures, max(BACKOFF_MAX_S, interval_s))
+                log.warning("%s: %s (%d failure(s) in a row, gives up at %d); trying again in %g s",
+                            name, _error(e), failures, GIVE_UP_AFTER, wait_s)
+            time.sleep(wait_s)
 
     if name not in _threads or not _threads[name].is_alive():
         _threads[name] = threading.Thread(target=loop, name=name, daemon=True)
         _threads[name].start()
 
 
-# Said once where the cleaner cannot ask the cluster (Ray's state API lives in the dashboard): a
-# driver on a worker node, or a dashboard that is down.
+# Said once the cleaner gives up asking the cluster (Ray's state API lives in the dashboard): a
+# driver on a worker node, or a dashboard that stays down.
 CLEANER_STOPPED = ("placement groups that ended vitp jobs leave holding CPUs will not be removed by this "
                    "driver: it cannot reach the dashboard's state API (a driver on a worker node? the job "
                    "specs ask for the head's vitp_driver resource: docs/cluster.md, 'Where drivers run'; "
                    "meanwhile `ray list placement-groups` shows them)")
+RELEASER_STOPPED = ("placement groups of this job's Train runs whose trials Tune stopped or paused will not be "
+                    "released by this driver: they hold their CPUs until the job ends (`ray list placement-groups` "
+                    "shows them)")
 
 
 def watch() -> None:
@@ -132,4 +159,5 @@ def watch() -> None:
 
 def watch_job() -> None:
     """release_dead_creators now and every RELEASE_EVERY_S while this process is connected."""
-    _every("vitp-ended-train-runs-placement-groups", RELEASE_EVERY_S, release_dead_creators)
+    _every("vitp-ended-train-runs-placement-groups", RELEASE_EVERY_S, release_dead_creators,
+           stopped=RELEASER_STOPPED)

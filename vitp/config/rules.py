@@ -123,6 +123,8 @@ _TABLE: dict[str, Rule] = {
     "parallel.cpus_per_worker": positive(1024.0, least=RAY_UNIT, least_why=RAY_UNIT_WHY),
     "parallel.gpus_per_worker": floats("[0, 64]", least=RAY_UNIT,
                                        least_why=RAY_UNIT_WHY),  # > 0 with use_gpu (validate.py)
+    "parallel.placement_timeout_s": floats("[0, 604800]", why="(0 = wait forever; at most a week)", least=1e-3,
+                                           least_why="(a millisecond)"),
     "parallel.global_batch": positive(2**20, integer=True, say="must be positive"),
     "parallel.micro_batch": positive(65_536, integer=True, say="must be positive"),
     "parallel.grad_accum": positive(65_536, integer=True, say="must be positive"),

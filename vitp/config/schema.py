@@ -105,6 +105,9 @@ class ParallelConfig:
     use_gpu: bool = True  # false: CPU workers (gloo), as in the tests and debug recipes
     cpus_per_worker: float = 8.0  # Ray resources each Train worker reserves
     gpus_per_worker: float = 1.0  # GPUs each Train worker reserves (with use_gpu)
+    # seconds a run waits for the cluster to place its workers (num_workers bundles of cpus_per_worker,
+    # gpus_per_worker) before it fails naming what is missing; room for an autoscaler; 0 = wait forever
+    placement_timeout_s: float = 1800.0
     global_batch: int = 4096  # images per optimizer step, over all workers
     micro_batch: int = 64  # per worker per forward/backward
     grad_accum: int = 8  # global_batch = micro_batch * grad_accum * num_workers

@@ -7,10 +7,10 @@ from __future__ import annotations
 from vitp.tracking.store import TrackingError
 
 # Params a finished run may be continued with a new value of (`vitp pretrain ... --set train.steps=N`).
-# Keys a resumed run may change: its length, and the worker count (resume at another world
-# size keeps the global batch; micro batch and accumulation follow it).
+# Keys a resumed run may change: its length, the worker count (resume at another world size keeps
+# the global batch; micro batch and accumulation follow it), and how long it waits for them.
 CONTINUABLE = ("train.steps", "train.pause_at", "parallel.num_workers", "parallel.min_workers", "parallel.grad_accum",
-               "parallel.micro_batch")
+               "parallel.micro_batch", "parallel.placement_timeout_s")
 
 
 class ParamConflictError(TrackingError, ValueError):

@@ -2,7 +2,7 @@
 
 Owns: the failure policy's use (failures.py decides which errors are final), the storage context
 and Train's checkpoint bookkeeping kept through a store outage, a worker group that retries a start
-a worker died in, an elastic policy that leaves CPUs to the data tasks and counts the cluster as it is.
+a worker died in, an elastic policy that leaves CPUs to the data, and the gang's wait (placement.py).
 """
 
 from __future__ import annotations
@@ -13,17 +13,21 @@ import time
 import ray
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.exceptions import (InsufficientClusterResourcesError, WorkerGroupStartupFailedError,
+                                               WorkerGroupStartupTimeoutError)
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import controller as train_controller
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
+from ray.train.v2.api.exceptions import ControllerError
 
 from ..console import get_logger
+from ..errors import ClusterError
 from ..storage import through_outages
 from .failures import UserErrorsAreFinal
+from .placement import PlacementClock, never_fits
 
 log = get_logger(__name__)
 
@@ -120,17 +124,43 @@ class Controller(TrainController):
     """Train's controller, with worker groups that retry a start a worker died in. It is built with
     the run's storage context: S3 cut off then made the actor's creation fail, the run (or the
     sweep trial) with it; the context is made first here, waiting out the outage, and its
-    checkpoint bookkeeping waits out the store (WaitsOutTheStore)."""
+    checkpoint bookkeeping waits out the store (WaitsOutTheStore). A gang the cluster does not place
+    within `placement_timeout_s` ends the run in one line (placement.py): Train alone retries the
+    start every RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for ever, an elastic run waits for ever."""
 
     worker_group_cls = StartsWholeOrRetries
 
-    def __init__(self, train_fn_ref, train_run_context, *args, **kwargs):
+    def __init__(self, train_fn_ref, train_run_context, *args, placement_timeout_s: float = 0.0, **kwargs):
+        self._placement = PlacementClock(placement_timeout_s)
         storage_context(train_run_context.run_config)  # a cached property: Train's read finds it made
         train_controller.CheckpointManager = WaitsOutTheStore  # the name Train's __init__ builds it by
         try:
             super().__init__(train_fn_ref, train_run_context, *args, **kwargs)
         finally:
             train_controller.CheckpointManager = CheckpointManager
+
+    def _make_and_handle_scaling_decision_for_non_running_worker_group(self, controller_state):
+        # each pass while no group runs: an elastic run below min_workers decides nothing, and waits here
+        scaling = self._train_run_context.scaling_config
+        try:
+            self._placement.check(scaling.max_workers, scaling._resources_per_worker_not_none, scaling.min_workers)
+        except ClusterError as e:  # a ControllerError: no traceback from Train's loop, and not retried
+            raise ControllerError(e) from None
+        return super()._make_and_handle_scaling_decision_for_non_running_worker_group(controller_state)
+
+    def _start_worker_group(self, num_workers: int, resources_per_worker: dict) -> None:
+        self._placement.waiting()
+        try:
+            super()._start_worker_group(num_workers, resources_per_worker)
+        except InsufficientClusterResourcesError as e:
+            raise ControllerError(never_fits(num_workers, resources_per_worker, e)) from None
+        except WorkerGroupStartupTimeoutError:
+            try:
+                self._placement.check(num_workers, resources_per_worker)
+            except ClusterError as e:
+                raise ControllerError(e) from None
+            raise  # within the budget: Train tries again
+        self._placement.placed()
 
 
 @contextlib.contextmanager
@@ -145,9 +175,16 @@ def _our_controller():
 
 class Trainer(TorchTrainer):
     """TorchTrainer whose controller does not retry a user's mistake (UserErrorsAreFinal), does
-    retry a worker group a worker died in as it started, and, elastic, leaves CPUs to the data."""
+    retry a worker group a worker died in as it started, and, elastic, leaves CPUs to the data.
+    With `placement_timeout_s` (parallel.placement_timeout_s) a gang not placed in that time ends
+    the run with GangNotPlaced."""
+
+    def __init__(self, *args, placement_timeout_s: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.placement_timeout_s = placement_timeout_s
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["placement_timeout_s"] = self.placement_timeout_s
         if "failure_policy" in controller_init_kwargs:  # otherwise Train's own policy runs
             controller_init_kwargs["failure_policy"] = UserErrorsAreFinal(self.run_config.failure_config)
         if type(controller_init_kwargs.get("scaling_policy")) is ElasticScalingPolicy:

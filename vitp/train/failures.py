@@ -22,8 +22,12 @@ FINAL = (ConfigError, InputError)  # the same input fails the same way on every 
 
 
 def final_error(error: BaseException) -> Optional[UserError]:
-    """The lowest rank's ConfigError or InputError inside a Train failure, None if there is none
-    (a fault, a bug, or not a worker-group error)."""
+    """The lowest rank's ConfigError or InputError inside a Train failure, or the UserError our
+    controller ended the run with (a gang not placed: placement.py); None if there is none (a
+    fault, a bug)."""
+    controller_failure = getattr(error, "controller_failure", None)
+    if isinstance(controller_failure, UserError):
+        return controller_failure
     failures = getattr(error, "worker_failures", None)
     if not isinstance(failures, dict):
         return None

@@ -47,23 +47,28 @@ class TrainSummary:
     already_finished: bool = False  # the run's final checkpoint existed: nothing was trained
 
 
+# How long one start of the worker group waits for its placement group: Ray Train's
+# RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), after which its controller tries again, for ever. A
+# fixed-size run waits parallel.placement_timeout_s at once (our controller then ends the run in one
+# line: controller.py), so a slow autoscaler is not met with a retry and a traceback each minute.
 # An elastic run (parallel.min_workers) starts its worker group with as many workers as Ray's
 # autoscaling coordinator says are ready. That view is refreshed every 20 s, so just after a node is
 # lost (a preemption at its deadline) it can still count the node, and the group waits for a
-# placement that never comes: Ray Train's default of 60 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)
-# before it decides again, with no failure counted. One refresh later the view holds only what is
-# left. A value the user set in the environment wins.
+# placement that never comes: 60 s before it decides again, with no failure counted. One refresh
+# later the view holds only what is left. A value the user set in the environment wins.
 ELASTIC_START_TIMEOUT_S = 25
 _START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 @contextmanager
-def _elastic_start_timeout(cfg: ExperimentConfig) -> Iterator[None]:
+def _start_timeout(cfg: ExperimentConfig) -> Iterator[None]:
     """Around `trainer.fit()`: Train passes the driver's value on to its controller."""
-    if not cfg.parallel.min_workers or _START_TIMEOUT_ENV in os.environ:
+    p = cfg.parallel
+    wait_s = ELASTIC_START_TIMEOUT_S if p.min_workers else p.placement_timeout_s
+    if not wait_s or _START_TIMEOUT_ENV in os.environ:  # 0: Train's own, retried for ever
         yield
         return
-    os.environ[_START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
+    os.environ[_START_TIMEOUT_ENV] = f"{wait_s:g}"
     try:
         yield
     finally:
@@ -121,6 +126,7 @@ def build_trainer(run: Run, mlflow_info: Optional[dict[str, str]] = None,
     fs, inner = storage.filesystem(run.paths.runs)
     return Trainer(  # a worker's ConfigError or InputError is not retried (failures.py)
         train_per_worker,
+        placement_timeout_s=p.placement_timeout_s,
         train_loop_config={"cfg": cfg_dict, "mlflow": mlflow_info, "datasets": list(datasets)},
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
         # min_workers: elastic, Train runs what the cluster has (a lost node costs a restart on
@@ -181,7 +187,7 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
     trainer = build_trainer(run, mlflow_info, with_val=with_val, callbacks=callbacks)
     error: BaseException | None = None
     try:
-        with _elastic_start_timeout(cfg):
+        with _start_timeout(cfg):
             result = trainer.fit()
     except BaseException as e:  # noqa: BLE001 - its MLflow run is ended first, then it is raised
         error = e
@@ -196,7 +202,7 @@ def run_training(run: Run, tracking: bool = True, with_val: bool = True,
         end_run(logger, run, checkpoint, error, warn)
     if error is not None:
         user_error = final_error(error)
-        if user_error is not None:  # the worker's own one-line error, not Train's wrapper
+        if user_error is not None:  # the worker's (or controller's) own one-line error, not Train's wrapper
             raise user_error from error
         raise error
     return TrainSummary(cfg.run_name, logger.run_id if logger else None, checkpoint, dict(result.metrics or {}),
