@@ -105,7 +105,7 @@ def test_p5_containers_see_the_efa_devices_and_use_the_ofi_plugin():
     assert re.search(r"ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+", dockerfile)
     assert "efa_installer.sh -y --skip-kmod" in dockerfile and "--skip-plugin" not in dockerfile
     (path,) = re.findall(r"ENV LD_LIBRARY_PATH=(\S+)", dockerfile)
-    assert path.split(":")[:2] == ["/opt/amazon/ofi-nccl/lib", "/opt/amazon/efa/lib"], path
+    assert path.split(":")[:2] == ["/opt/amazon/ofi-nccl/nccl-lib", "/opt/amazon/efa/lib"], path
     assert "tcpx" not in path  # its older NCCL core must not replace torch's
 
 

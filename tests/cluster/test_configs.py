@@ -13,6 +13,7 @@ import pytest
 import ray
 import yaml
 
+from vitp import recipes
 from vitp.cluster.entrypoint import add_overrides, parse_entrypoint
 from vitp.cluster.jobspec import load_spec, resolve_recipes
 from vitp.cluster.upload import check_upload_size
@@ -22,7 +23,7 @@ from .conftest import ROOT, vitp
 
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 LAUNCHER = [ROOT / "cluster" / "aws.yaml", ROOT / "cluster" / "gcp.yaml"]
-KUBERAY = sorted((ROOT / "cluster" / "kuberay").glob("ray*.yaml"))
+KUBERAY = sorted((ROOT / "cluster" / "kuberay").glob("ray*.yaml")) + sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml"))
 ENV = {"VITP_STORE": "s3://bucket/vit", "PRETRAINED": "s3://bucket/vit/h14_i21k/export"}
 
 
@@ -88,8 +89,9 @@ def _check_cluster_spec(spec: dict, where: str):
         for key in ("groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"):
             assert key in g, f"{where}: workerGroupSpecs[{g.get('groupName')}] lacks {key}"
     gpu = groups["gpu"]["template"]["spec"]
-    # cloud-neutral: the node selector is the overlay's (cluster/overlays/, test_manifest_schemas.py)
-    assert "nodeSelector" not in gpu and gpu["tolerations"], where
+    # the base is cloud-neutral: the node selector is the overlay's (cluster/overlays/,
+    # test_manifest_schemas.py), which the RayJobs of cluster/kuberay/<cloud>/ are built from
+    assert ("nodeSelector" in gpu) == (where != "raycluster.yaml") and gpu["tolerations"], where
     pods = [head["template"]["spec"]] + [g["template"]["spec"] for g in groups.values()]
     assert {p.get("serviceAccountName") for p in pods} == {"vit-ray"}, where
     assert any("nvidia.com/gpu" in c["resources"]["limits"] for c in gpu["containers"]), where
@@ -102,7 +104,7 @@ def _check_cluster_spec(spec: dict, where: str):
     assert not claims, (where, claims)
 
 
-@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: str(p.relative_to(ROOT / "cluster" / "kuberay")))
 def test_kuberay_manifests_name_the_crd_required_fields(path):
     doc = yaml.safe_load(path.read_text())
     assert doc["apiVersion"] == "ray.io/v1" and doc["metadata"]["name"]
@@ -121,7 +123,8 @@ def test_kuberay_manifests_name_the_crd_required_fields(path):
 def test_there_is_a_rayjob_per_stage_and_they_are_up_to_date():
     kinds = {yaml.safe_load(p.read_text())["kind"] for p in KUBERAY}
     assert kinds == {"RayCluster", "RayJob"}
-    assert len([p for p in KUBERAY if p.name.startswith("rayjob-")]) == 7
+    # one per stage and cloud overlay
+    assert len([p for p in KUBERAY if p.name.startswith("rayjob-")]) == 7 * 3
     out = subprocess.run([sys.executable, str(ROOT / "cluster" / "kuberay" / "generate.py"), "--check"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -129,7 +132,8 @@ def test_there_is_a_rayjob_per_stage_and_they_are_up_to_date():
 
 def test_every_rayjob_ends_retries_its_log_stream_and_frees_its_cluster_soon():
     """A RayJob has a deadline no shorter than the FLOPs model's time for its training at the peak
-    of its GPUs; its submitter survives more dropped log streams than Kubernetes' default 2 (each
+    of its GPUs (a sweep's: every trial of its grid, with the pre-trained model's variant, on all the
+    GPUs of its cluster); its submitter survives more dropped log streams than Kubernetes' default 2 (each
     retry re-attaches to the same job); its finished cluster goes within ten minutes."""
     from vitp.model.flops import training_flops
 
@@ -138,12 +142,19 @@ def test_every_rayjob_ends_retries_its_log_stream_and_frees_its_cluster_soon():
         assert spec["submitterConfig"]["backoffLimit"] > 2, path.name
         assert 0 < spec["ttlSecondsAfterFinished"] <= 600, path.name
         assert spec["activeDeadlineSeconds"] > 0, path.name
-        if path.name.startswith("rayjob-pretrain"):
-            job = ROOT / "jobs" / (path.stem.removeprefix("rayjob-").replace("-", "_") + ".yaml")
-            cfg = parse_entrypoint(yaml.safe_load(job.read_text())["entrypoint"])[0].configs()[0]
-            peak_s = (training_flops(cfg.model.variant, cfg.data.image_size, cfg.model.num_classes)
-                      * cfg.train.steps * cfg.parallel.global_batch / (cfg.parallel.num_workers * 989e12))
-            assert spec["activeDeadlineSeconds"] > peak_s, (path.name, peak_s)
+        if path.name.startswith(("rayjob-pretrain", "rayjob-finetune-sweep")):
+            job = yaml.safe_load((ROOT / "jobs" / (path.stem.removeprefix("rayjob-").replace("-", "_") + ".yaml")).read_text())
+            (call,) = [c for c in parse_entrypoint(job["entrypoint"]) if c.subcommand in ("pretrain", "sweep")]
+            source = job["metadata"].get("source")
+            variant = recipes.resolve(source, []).model.variant if source else None
+            flops = 0.0
+            for cfg in call.configs():
+                lrs = len(cfg.tune.space.get("optim.lr", [0])) if call.subcommand == "sweep" else 1
+                flops += lrs * (training_flops(variant or cfg.model.variant, cfg.data.image_size, cfg.model.num_classes)
+                                * cfg.train.steps * cfg.parallel.global_batch)
+            (gpu,) = [g for g in spec["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "gpu"]
+            peak_s = flops / (gpu["replicas"] * int(gpu["rayStartParams"]["num-gpus"]) * 989e12)
+            assert spec["activeDeadlineSeconds"] > 2 * peak_s, (path.name, peak_s)
 
 
 def test_mlflow_manifest_parses_and_requires_auth():
@@ -333,7 +344,8 @@ def test_vitp_debug_before_the_command_still_names_the_recipe():
 
 
 def _k8s_docs() -> list[tuple[Path, dict]]:
-    return [(p, d) for p in sorted((ROOT / "cluster").glob("*/*.yaml"))
+    paths = sorted((ROOT / "cluster").glob("*/*.yaml")) + sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml"))
+    return [(p, d) for p in paths
             for d in yaml.safe_load_all(p.read_text())
             if isinstance(d, dict) and d.get("kind") and d["kind"] != "Kustomization"]
 
@@ -386,9 +398,16 @@ def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
     def ns_of(path: Path, doc: dict) -> str:  # cluster/accounts/ names its own namespaces
         if doc["kind"] == "Namespace":
             return ""
-        return doc["metadata"].get("namespace") or namespace[path.parent.name]
+        folder = path.parent.parent.name if path.name.startswith("rayjob-") else path.parent.name
+        return doc["metadata"].get("namespace") or namespace[folder]
 
     defined = {(ns_of(p, d), d["kind"], d["metadata"]["name"]) for p, d in _k8s_docs()}
+    # what each cloud's accounts/ path makes (kustomize's generators: the bucket's ConfigMaps)
+    from .test_manifest_schemas import _render
+    for accounts in sorted((ROOT / "cluster" / "overlays").glob("*/accounts")):
+        made = {(d["metadata"].get("namespace", ""), d["kind"], d["metadata"]["name"]) for d in _render(accounts)}
+        assert {("vit", "ConfigMap", "vit-store"), ("mlflow", "ConfigMap", "mlflow-store")} <= made, accounts
+        defined |= made
     kinds = {"secret": "Secret", "configmap": "ConfigMap", "serviceaccount": "ServiceAccount"}
     created = {(ns, kinds[kind], name) for ns, kind, name in
                re.findall(r"kubectl -n (\S+) create (secret|configmap|serviceaccount)(?: generic)? (\S+)", readme)}
@@ -420,16 +439,21 @@ def test_every_referenced_account_secret_and_configmap_is_defined_or_created():
     assert refs - defined - created == set()
 
 
-def test_mlflow_image_has_the_sql_driver_and_s3_client_its_stores_need():
+def test_mlflow_image_has_the_sql_driver_and_bucket_clients_its_stores_need():
     dep = next(d for _, d in _k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow")
     dockerfile = (ROOT / "cluster" / "Dockerfile").read_text()
     (tag,) = set(re.findall(r"docker build -f cluster/Dockerfile -t (\S+) \.", dockerfile))
     assert {c["image"] for c in dep["spec"]["template"]["spec"]["containers"]} == {tag}
-    installs = " ".join(line for line in dockerfile.splitlines() if "pip install" in line)
+    installs = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if "pip install" in line)
     secret_help = (ROOT / "cluster" / "mlflow" / "mlflow.yaml").read_text()
     assert "BACKEND_STORE_URI='postgresql://" in secret_help and "psycopg2-binary" in installs
-    assert any(a.startswith("--artifacts-destination=s3://") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"])
-    assert "boto3" in installs
+    # the artifact bucket from ConfigMap mlflow-store, one per cloud (s3:// or gs://)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--artifacts-destination=$(MLFLOW_ARTIFACTS_DESTINATION)" in container["args"]
+    (env,) = [e for e in container["env"] if e["name"] == "MLFLOW_ARTIFACTS_DESTINATION"]
+    assert env["valueFrom"]["configMapKeyRef"] == {"name": "mlflow-store", "key": "MLFLOW_ARTIFACTS_DESTINATION",
+                                                   "optional": False}
+    assert "boto3" in installs and "google-cloud-storage" in installs
 
 
 def _dockerignored(patterns: list[str], path: str) -> bool:

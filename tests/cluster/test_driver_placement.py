@@ -43,7 +43,7 @@ def _kuberay_offers(spec: dict) -> dict[str, dict]:
 
 
 RAYCLUSTER = yaml.safe_load((ROOT / "cluster" / "kuberay" / "raycluster.yaml").read_text())
-RAYJOBS = sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml"))
+RAYJOBS = sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml"))
 
 
 def _local_sh_head_offers() -> dict:

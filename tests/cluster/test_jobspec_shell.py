@@ -19,7 +19,7 @@ from vitp.errors import ConfigError
 from .conftest import ROOT
 
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
-RAYJOBS = sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml"))
+RAYJOBS = sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml"))
 # What the user's shell exported when running `vitp submit` (the spec sends them as env_vars).
 ENV = {"VITP_STORE": "s3://bucket/vit", "PRETRAINED": "s3://bucket/vit/h14_i21k/export",
        "MLFLOW_TRACKING_URI": "http://mlflow.example:5000"}
@@ -59,8 +59,10 @@ def run_shell(shell: str, command: str, env: dict, stubs, *flags: str) -> tuple[
 
 
 def expand(word: str, env: dict) -> str:
-    """$VAR / ${VAR} as the shell expands them (the shipped specs use no other expansion)."""
-    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: env.get(m.group(1), ""), word)
+    """$VAR, ${VAR} and ${VAR:-default} as the shell expands them (the shipped specs use no other
+    expansion)."""
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}|\$([A-Za-z_][A-Za-z0-9_]*)",
+                  lambda m: env.get(m.group(1) or m.group(3)) or (m.group(2) or "")[2:], word)
 
 
 def expected_calls(raw: str, env: dict, overrides: list[str]) -> list[list[str]]:
@@ -98,6 +100,52 @@ def test_a_failing_call_stops_the_and_chain_after_the_rewrite(stubs):
     out, calls = run_shell("bash", spec.entrypoint, {**ENV, "STUB_FAIL": "finetune_cifar100"}, stubs)
     assert out.returncode == 1
     assert [c[2] for c in calls] == ["finetune_cifar10", "finetune_cifar100"]  # && intact: the rest skipped
+
+
+PRETRAIN_JOBS = [p for p in JOBS if p.stem.startswith("pretrain_")]
+
+
+@pytest.mark.parametrize("path", PRETRAIN_JOBS, ids=lambda p: p.name)
+def test_pretraining_is_gated_on_the_doctor_with_the_runs_own_settings(path, stubs):
+    """`vitp doctor RECIPE --allreduce --min-busbw ${VITP_MIN_BUSBW:-0} ... && vitp pretrain RECIPE ...`:
+    the doctor gets the run's --set items and the submitter's, and a FAIL (exit 3) stops the chain
+    before training. VITP_MIN_BUSBW goes from this shell when set; unset, the nodes' own (else 0)."""
+    assert PRETRAIN_JOBS
+    spec = load_spec(str(path), OVERRIDES, environ=ENV)
+    doctor, pretrain = spec.calls
+    assert (doctor.subcommand, pretrain.subcommand) == ("doctor", "pretrain")
+    assert doctor.recipe == pretrain.recipe and doctor.overrides == pretrain.overrides
+    assert pretrain.overrides[-len(OVERRIDES):] == OVERRIDES
+    assert "VITP_MIN_BUSBW" not in spec.kwargs["runtime_env"]["env_vars"]  # unset here: not sent
+    out, calls = run_shell("sh", spec.entrypoint, ENV, stubs)
+    assert out.returncode == 0, out.stderr
+    assert calls[0][:5] == ["vitp", "doctor", doctor.recipe, "--allreduce", "--min-busbw"] and calls[0][5] == "0"
+    assert [c[1] for c in calls] == ["doctor", "pretrain"]
+    # This shell's VITP_MIN_BUSBW is sent (runtime_env), else the nodes' own stands; either way a
+    # FAIL (the stub exits 1 for `doctor`) stops the chain before training.
+    sent = load_spec(str(path), environ={**ENV, "VITP_MIN_BUSBW": "100"}).kwargs["runtime_env"]["env_vars"]
+    assert sent["VITP_MIN_BUSBW"] == "100"
+    for cluster_env in (sent, {"VITP_MIN_BUSBW": "100"}):  # from this shell; the nodes' own
+        out, calls = run_shell("sh", spec.entrypoint, {**ENV, **cluster_env, "STUB_FAIL": "doctor"}, stubs)
+        assert out.returncode == 1 and [c[1] for c in calls] == ["doctor"], calls
+        assert calls[0][5] == "100"
+
+
+def test_every_value_option_of_a_recipe_command_is_not_taken_for_its_recipe():
+    """`vitp doctor --min-busbw 100 b16_i21k`: the parser knows which options take a value, from
+    vitp's own argument parsers."""
+    import argparse
+
+    from vitp.cli import build_parser
+    from vitp.cluster.entrypoint import RECIPE_COMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in sorted(RECIPE_COMMANDS):
+        for action in sub.choices[name]._actions:
+            for opt in action.option_strings if action.nargs != 0 and action.dest != "help" else ():
+                if opt.startswith("--") and opt not in ("--config", "--like"):  # RECIPE's own spellings
+                    (call,) = parse_entrypoint(f"vitp {name} {opt} 100 debug")
+                    assert call.recipe == "debug", (name, opt)
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -195,7 +243,7 @@ def submitter_command(job: dict, version: str) -> str:
 
 
 @pytest.mark.parametrize("version", ["v1.5.1", "v1.7.0"])
-@pytest.mark.parametrize("path", RAYJOBS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RAYJOBS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_rayjob_entrypoint_reaches_the_cluster_intact(path, version, stubs):
     job = yaml.safe_load(path.read_text())
     (stem,) = [k for k, v in _generator().STAGES.items() if v == job["metadata"]["name"]]
@@ -210,8 +258,13 @@ def test_rayjob_entrypoint_reaches_the_cluster_intact(path, version, stubs):
     sent = shlex.join(submit[submit.index("--") + 1:])
     for var in ("$VITP_STORE", "$PRETRAINED", "$MLFLOW_TRACKING_URI"):
         assert (var in sent) == (var in raw), var
-    # The driver runs it with /bin/sh -c and the runtime env's variables: every call of the spec.
-    cluster_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    # The driver runs it with /bin/sh -c, the runtime env's variables and its pod's (VITP_STORE and
+    # PRETRAINED from ConfigMap vit-store, as the cloud's accounts/ path makes it): every call of the spec.
+    from .test_manifest_schemas import _render
+
+    (store,) = [d["data"] for d in _render(ROOT / "cluster" / "overlays" / path.parent.name / "accounts")
+                if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "vit-store"]
+    cluster_env = {**store, **yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]}
     out, calls = run_shell("sh", sent, cluster_env, stubs)
     assert out.returncode == 0, out.stderr
     assert calls == expected_calls(raw, cluster_env, [])

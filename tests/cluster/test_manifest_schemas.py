@@ -16,7 +16,8 @@ import yaml
 from .k8s_schema import KUBERAY_RELEASES, PLURAL, core_validator, crd_validator, errors
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = (sorted((ROOT / "cluster" / "kuberay").glob("*.yaml")) + sorted((ROOT / "cluster" / "accounts").glob("*.yaml"))
+MANIFESTS = (sorted((ROOT / "cluster" / "kuberay").glob("*.yaml")) + sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml"))
+             + sorted((ROOT / "cluster" / "accounts").glob("*.yaml"))
              + [ROOT / "cluster" / "mlflow" / "mlflow.yaml"])
 
 
@@ -40,20 +41,29 @@ def _render(overlay: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-# overlay -> (the GPU group's node selector key, the identity annotation, extra GPU pod resources)
-CLOUD = {"gke": ("cloud.google.com/gke-accelerator", "iam.gke.io/gcp-service-account", {}),
-         "eks": ("node.kubernetes.io/instance-type", "eks.amazonaws.com/role-arn", {"vpc.amazonaws.com/efa": "32"}),
-         "gfd": ("nvidia.com/gpu.product", None, {})}
+# overlay -> (the GPU group's node selector key, the identity annotation, extra GPU pod resources, the bucket's scheme)
+CLOUD = {"gke": ("cloud.google.com/gke-accelerator", "iam.gke.io/gcp-service-account", {}, "gs://"),
+         "eks": ("node.kubernetes.io/instance-type", "eks.amazonaws.com/role-arn", {"vpc.amazonaws.com/efa": "32"}, "s3://"),
+         "gfd": ("nvidia.com/gpu.product", None, {}, "s3://")}
 # where each service account lives: the Ray pods' and the tracking server's
 ACCOUNTS = {("vit", "vit-ray"), ("mlflow", "mlflow")}
 
 
-def _accounts(docs: list[dict], identity) -> None:
-    """Both service accounts, each in its namespace, each with the cloud's identity (or none)."""
+def _accounts(docs: list[dict], identity, scheme: str) -> None:
+    """Both service accounts, each in its namespace, each with the cloud's identity (or none); the
+    bucket once, in the cloud's scheme: ConfigMap vit-store for the Ray pods (VITP_STORE and
+    PRETRAINED under it), mlflow-store for the tracking server's artifacts."""
     sas = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "ServiceAccount"}
     assert set(sas) == ACCOUNTS, set(sas)
     for key, sa in sas.items():
         assert list(sa["metadata"].get("annotations", {})) == ([identity] if identity else []), key
+    maps = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    assert set(maps) == {("vit", "vit-store"), ("mlflow", "mlflow-store")}, set(maps)
+    store = maps[("vit", "vit-store")]
+    assert set(store) == {"VITP_STORE", "PRETRAINED", "VITP_MIN_BUSBW"} and store["VITP_STORE"].startswith(scheme), store
+    assert float(store["VITP_MIN_BUSBW"]) >= 0, store
+    assert store["PRETRAINED"].startswith(store["VITP_STORE"] + "/"), store
+    assert maps[("mlflow", "mlflow-store")]["MLFLOW_ARTIFACTS_DESTINATION"].startswith(scheme), maps
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
@@ -64,7 +74,7 @@ def test_every_overlay_renders_to_valid_objects_with_its_clouds_names(overlay):
     accounts/ path alone (what a RayJob and the MLflow server need) renders the same two accounts."""
     docs = _render(overlay)
     by_kind = {d["kind"]: d for d in docs}
-    assert set(by_kind) == {"Namespace", "ServiceAccount", "NetworkPolicy", "RayCluster"}, set(by_kind)
+    assert set(by_kind) == {"Namespace", "ServiceAccount", "ConfigMap", "NetworkPolicy", "RayCluster"}, set(by_kind)
     assert {d["metadata"]["namespace"] for d in docs if d["kind"] in ("NetworkPolicy", "RayCluster")} == {"vit"}
     found = [f"{overlay.name} {d['kind']}: {line}" for d in docs for line in errors(
         crd_validator(KUBERAY_RELEASES[0], d["kind"]) if d["kind"] in PLURAL
@@ -72,30 +82,32 @@ def test_every_overlay_renders_to_valid_objects_with_its_clouds_names(overlay):
     found += [f"{overlay.name} RayCluster ({r}): {line}" for r in KUBERAY_RELEASES[1:]
               for line in errors(crd_validator(r, "RayCluster"), by_kind["RayCluster"])]
     assert not found, "\n".join(found)
-    label, identity, extra = CLOUD[overlay.name]
+    label, identity, extra, scheme = CLOUD[overlay.name]
     groups = {g["groupName"]: g["template"]["spec"] for g in by_kind["RayCluster"]["spec"]["workerGroupSpecs"]}
     assert list(groups["gpu"]["nodeSelector"]) == [label]
-    assert "nodeSelector" not in groups["cpu-data"]
+    # every pod on its pool (cluster/nodepools.yaml; placed there by test_scheduling.py)
+    assert groups["cpu-data"]["nodeSelector"] and by_kind["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"]
     (gpu,) = groups["gpu"]["containers"]
     for key, value in extra.items():
         assert gpu["resources"]["requests"][key] == gpu["resources"]["limits"][key] == value, key
-    _accounts(docs, identity)
+    _accounts(docs, identity, scheme)
     alone = _render(overlay / "accounts")  # an empty cluster takes it: it brings the namespaces
-    assert {d["kind"] for d in alone} == {"Namespace", "ServiceAccount"}
+    assert {d["kind"] for d in alone} == {"Namespace", "ServiceAccount", "ConfigMap"}
     assert {d["metadata"]["name"] for d in alone if d["kind"] == "Namespace"} == {ns for ns, _ in ACCOUNTS}
-    _accounts(alone, identity)
+    _accounts(alone, identity, scheme)
 
 
 def test_every_rayjob_header_names_an_accounts_path_that_exists():
-    for path in sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml")):
+    for path in sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml")):
         paths = re.findall(r"kubectl apply -k (cluster/overlays/\w+/accounts)", path.read_text())
-        assert paths and all((ROOT / p / "kustomization.yaml").exists() for p in paths), path.name
+        assert paths == [f"cluster/overlays/{path.parent.name}/accounts"], path  # its own cloud's
+        assert (ROOT / paths[0] / "kustomization.yaml").exists(), path
 
 
 def test_a_rayjob_that_never_starts_fails_within_the_hour():
     """preRunningDeadlineSeconds (KubeRay >= 1.7): a cluster that cannot start (no GPU nodes, an
     image that cannot be pulled) ends the RayJob instead of waiting out activeDeadlineSeconds."""
-    for path in sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml")):
+    for path in sorted((ROOT / "cluster" / "kuberay").glob("*/rayjob-*.yaml")):
         spec = yaml.safe_load(path.read_text())["spec"]
         assert 0 < spec["preRunningDeadlineSeconds"] <= 3600 < spec["activeDeadlineSeconds"], path.name
 

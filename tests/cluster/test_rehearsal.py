@@ -4,9 +4,11 @@ MLflow server (artifacts in the bucket): raw corpus -> preprocess -> pretrain (2
 per node, one SIGKILLed mid-run and resumed from S3 in the same MLflow run) -> export to S3 ->
 downstream preparation -> fine-tune sweep from the S3 export -> few-shot -> `vitp compare`.
 Few-shot and fine-tuning from an export and shards on a storage URI are checked here (the
-readers themselves: tests/test_uri_paths.py). Then, on the same cluster, the drills of the long
-tier: a preemption (the worker node drained with a deadline and killed at it while an elastic run
-goes on on the head), a node lost during a checkpoint's upload, and a node lost under a Tune trial."""
+readers themselves: tests/test_uri_paths.py). First the pre-training specs' gate: `vitp doctor
+--allreduce --min-busbw` inside the job ends it, below the asked bandwidth, before training would
+start. Then, on the same cluster, the drills of the long tier: a preemption (the worker node drained
+with a deadline and killed at it while an elastic run goes on on the head), a node lost during a
+checkpoint's upload, and a node lost under a Tune trial."""
 import io
 import json
 import os
@@ -234,6 +236,59 @@ def kill_train_worker_on_worker_node(address: str, job_submission_id: str):
     return victim.pid, victim.node_id
 
 
+# --------------------------------------------------------------------------- the pre-training gate
+# The shipped pre-training specs run `vitp doctor RECIPE --allreduce --min-busbw ${VITP_MIN_BUSBW:-0}
+# ... && vitp pretrain RECIPE ...`. Inside the job's driver Ray's job supervisor sets RAY_ADDRESS to
+# the cluster's GCS: the doctor joins the cluster and all-reduces the gang in its own process. First
+# on the fresh cluster (the rehearsal below runs the same gate before its pre-training, at 0).
+
+
+def gated(tmp_path: Path, marker: str) -> str:
+    """jobs/pretrain_b16_i21k.yaml with its gate as written, on the debug recipe (synthetic data:
+    no shards needed), and `printf` of `marker` in place of the training: a spec file."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "jobs" / "pretrain_b16_i21k.yaml").read_text())
+    gate, train = doc["entrypoint"].split(" && ")
+    assert gate.startswith("vitp doctor b16_i21k --allreduce --min-busbw ${VITP_MIN_BUSBW:-0} --set "), gate
+    assert train.startswith("vitp pretrain b16_i21k "), train
+    word, rest = marker.split(" ", 1)  # printed by the job, not in its entrypoint's text
+    doc["entrypoint"] = f"{gate.replace(' b16_i21k ', ' debug ', 1)} && printf '{word} %s\\n' '{rest}'"
+    (path := tmp_path / "gated.yaml").write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_the_pretraining_gate_ends_the_job_below_the_asked_bandwidth_before_training(rehearsal, tmp_path):
+    marker = "training would start now"
+    spec = gated(tmp_path, marker)
+    gang = [s for s in PRETRAIN if s.startswith("parallel.")]  # via `vitp submit --set`: one worker per node
+    prefix = storage.join(rehearsal.store, "b16_i21k") + "/"  # the spec's work_dir (its probes)
+    slow = submit(rehearsal, spec, gang, env={"VITP_MIN_BUSBW": "100000"})  # far above gloo on loopback
+    text = slow.stdout + slow.stderr
+    assert slow.returncode == 1, text[-6000:]
+    assert " FAILED: Job entrypoint command failed with exit code 3" in slow.stderr, text[-6000:]  # the doctor's
+    failed = re.findall(r"^FAIL .*$", slow.stdout, re.M)
+    assert len(failed) == 1 and re.match(
+        r"FAIL all-reduce: 2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, bus bandwidth [\d.]+ GB/s, "
+        r"below the 100000 GB/s asked -> check the nodes' fabric: EFA", failed[0]), text[-6000:]
+    assert marker not in slow.stdout, "the command after the gate ran"
+    # the doctor joined the cluster at the GCS address the job's driver was given, and its other
+    # checks passed from there: the bucket from the head and the other node, MLflow at the jobs' address
+    gcs = re.escape(f":{rehearsal.cluster.port} answers (Ray ")
+    assert re.search(rf"^ok   cluster: \S+{gcs}.*2 node\(s\) alive", slow.stdout, re.M), slow.stdout[-6000:]
+    for name in ("storage here", "storage on cluster", "mlflow", "mlflow from cluster", "data"):
+        assert re.search(rf"^ok   {name}: ", slow.stdout, re.M), (name, slow.stdout[-6000:])
+    assert "accepted a run" in slow.stdout and rehearsal.mlflow.uri in slow.stdout
+
+    # Unset in this shell (and on the nodes): `--min-busbw 0` reports the bandwidth, the next command runs
+    ok = submit(rehearsal, spec, gang)
+    out = succeeded(ok, "the gate at 0")
+    assert re.search(r"^ok   all-reduce: 2 workers on 2 node\(s\) \(gloo\): .*bus bandwidth [\d.]+ GB/s$",
+                     out, re.M), out[-6000:]
+    assert re.search(rf"^{marker}$", out, re.M) and not re.search(r"^FAIL ", out, re.M), out[-6000:]
+    assert not [k for k in rehearsal.keys(prefix) if "/.vitp-doctor/" in k], "the doctor left probes behind"
+
+
 # --------------------------------------------------------------------------- the test
 
 
@@ -274,7 +329,9 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     assert "written by 2 node(s)" in out, out[-3000:]
 
     # 2. pretrain on 2 Train workers (one per node); SIGKILL the one on the worker node mid-run.
-    call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls[0]
+    #    The spec's gate (`vitp doctor ... --allreduce --min-busbw 0 && vitp pretrain ...`) runs first.
+    gate, call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls
+    assert (gate.subcommand, call.subcommand) == ("doctor", "pretrain") and gate.overrides == call.overrides
     pre_cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
     log = open(tmp_path / "pretrain.log", "w+")
     job = subprocess.Popen([sys.executable, "-m", "vitp.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
@@ -294,6 +351,7 @@ def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehea
     out = Path(log.name).read_text()
     killed = f"RayTrainWorker pid {pid} on node {node[:8]} killed after step {max(before)}"
     assert job.returncode == 0 and " SUCCEEDED" in out, f"pretrain, {killed}:\n{out[-8000:]}"
+    assert re.search(r"^ok   all-reduce: 2 workers on 2 node\(s\) \(gloo\)", out, re.M), out[:6000]  # the gate
     assert len(train_workers(address, submission_id)) > 2, f"{killed}, but no worker was replaced"
 
     # ... resumed from the checkpoint in the bucket, into the same MLflow run, one value per step

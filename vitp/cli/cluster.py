@@ -158,7 +158,8 @@ def _add_doctor(sub) -> Handler:
                    help="also all-reduce across the recipe's Train workers (the GPUs a run takes, for a few "
                         "seconds) and report the bus bandwidth in GB/s (docs/cluster.md, 'Bandwidth between nodes')")
     p.add_argument("--min-busbw", type=float, default=0.0, metavar="GBPS",
-                   help="with --allreduce (implied): FAIL below this bus bandwidth, e.g. 300 on p5.48xlarge")
+                   help="with --allreduce (implied): FAIL below this bus bandwidth, e.g. 100 on p5.48xlarge to catch "
+                        "NCCL falling back to TCP (docs/cluster.md, 'Bandwidth between nodes')")
     return cmd_doctor
 
 

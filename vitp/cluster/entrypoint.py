@@ -15,12 +15,15 @@ from vitp.config.files import like_recipe
 from vitp.errors import ConfigError
 from vitp.tracking.redact import redact_text
 
-# vitp subcommands whose first positional argument is a recipe name.
-RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot"}
+# vitp subcommands whose first positional argument is a recipe name. `doctor` too: a spec's gate
+# (`vitp doctor RECIPE --allreduce ... && vitp pretrain RECIPE ...`) must check the gang and work_dir
+# the run will have, so `vitp submit --set` reaches it as it reaches the run.
+RECIPE_COMMANDS = {"config", "synth", "preprocess", "pretrain", "finetune", "sweep", "fewshot", "doctor"}
 # Options of those subcommands that take a value (so the value is not mistaken for the recipe).
 _VALUE_OPTIONS = {"--set", "--from", "--address", "--out", "--tracking-uri", "--name", "--datasets",
                   "--space", "--scheduler", "--experiment", "--sweep", "--tag", "--filter",
-                  "--format", "--plot", "--recipe"}
+                  "--format", "--plot", "--recipe", "--search", "--log-format", "--job-tracking-uri",
+                  "--min-busbw"}
 _GLOBAL_FLAGS = {"--debug"}  # vitp's own options, given before the subcommand
 
 
