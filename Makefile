@@ -86,7 +86,7 @@ test: $(STAMP)
 # tests/conftest.py), nothing marked slow (tests on the real MLflow server are, by the same hook,
 # and tests that wait out a store cut-off in real time).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray" $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray and not long" $(XDIST) $(PYTEST_ARGS)
 
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m "e2e and not gpu and not long" $(PYTEST_ARGS)

@@ -110,3 +110,16 @@ def test_a_long_marker_needs_its_reason_and_a_case_that_exists():
     with pytest.raises(pytest.UsageError, match=r"t\.py::f\[gone\]"):
         mark_long(renamed, [])
     mark_long(renamed, ["t.py::f[b]"])  # one case asked for: its siblings were not collected
+
+
+def test_only_the_long_targets_collect_the_long_tier():
+    """Every Makefile target that selects tests by marker leaves `long` out, but test-long's own;
+    `make test-fast` among them (it once collected long tests)."""
+    text = (ROOT / "Makefile").read_text()
+    targets = dict(re.findall(r"^([\w-]+):.*\n(?:\t.*\n)*?\t\$\(BIN\)/python -m pytest -m \"([^\"]+)\"", text, re.M))
+    assert {"test", "test-fast", "test-e2e", "test-long"} <= set(targets), targets
+    for target, marks in targets.items():
+        if target == "test-long":
+            assert marks.startswith("long and"), marks
+        else:
+            assert "not long" in marks, (target, marks)
