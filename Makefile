@@ -89,7 +89,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not e2e and not slow and not ray and not long" $(XDIST) $(PYTEST_ARGS)
 
 test-e2e: $(STAMP)
-	$(BIN)/python -m pytest -m "e2e and not gpu and not long" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "e2e and not gpu and not long" --timeout=600 $(PYTEST_ARGS)
 
 # The tests marked long (about 30 minutes on 2 cores, docs/testing.md): the unit-level ones on the xdist workers,
 # then the end-to-end ones one at a time. Run before resolving work that touches what they test.

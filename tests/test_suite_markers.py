@@ -123,3 +123,25 @@ def test_only_the_long_targets_collect_the_long_tier():
             assert marks.startswith("long and"), marks
         else:
             assert "not long" in marks, (target, marks)
+
+
+E2E_TEST_TIMEOUT_S = 600  # CI's cap on one e2e test (issue: one test must not eat the suite's budget)
+
+
+def test_no_test_ci_runs_may_take_more_than_ten_minutes():
+    """`make test-e2e` passes --timeout=600, and no test outside the long tier raises its own
+    timeout above it (a marker wins over the command line)."""
+    text = (ROOT / "Makefile").read_text()
+    (e2e,) = re.findall(r"^test-e2e:.*\n\t(.*)$", text, re.M)
+    assert f"--timeout={E2E_TEST_TIMEOUT_S}" in e2e, e2e
+    over = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        source = path.read_text()
+        # a decorator block: lines from "@", with the indented continuations of a wrapped call
+        for m in re.finditer(r"((?:^[ \t]*@.*\n)(?:^(?:[ \t]*@|[ \t]+\S).*\n)*)[ \t]*(?:async )?def (test_\w+)",
+                             source, re.M):
+            decorators, name = m.groups()
+            limits = [int(x) for x in re.findall(r"@pytest\.mark\.timeout\((\d+)", decorators)]
+            if any(t > E2E_TEST_TIMEOUT_S for t in limits) and "@pytest.mark.long(" not in decorators:
+                over.append(f"{path.relative_to(ROOT)}::{name} ({max(limits)} s)")
+    assert not over, "over the 10-minute cap outside the long tier: " + ", ".join(over)

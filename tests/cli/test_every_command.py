@@ -4,8 +4,9 @@ on tiny inputs, checking what it printed or wrote (not only the exit code).
 Fast part (`make test`, ~1 min): --help, config (+ --list, --keys), model, import (each
 --format), and bad invocations (one line on stderr, the documented exit code). The e2e part
 (`make test-e2e`): one chained scenario in a temporary work dir, synth -> preprocess -> pretrain
--> export -> import / attention / finetune / fewshot / sweep -> compare against a basic-auth MLflow
-server (runs in PostgreSQL, artifacts on S3); mlflow-server; submit + jobs against a local Ray
+-> export -> import / attention / finetune / fewshot / sweep -> compare (and --stale-after) against a
+basic-auth MLflow server (runs in PostgreSQL, artifacts on S3, its login cache); mlflow-server in its
+exposed form (--auth --allowed-hosts, --auth-cache-s 0); submit + jobs against a local Ray
 cluster (cluster/local.sh); then a search of everything the chain printed and wrote for the
 secrets it ran with (test_no_secret_leaves_the_chain). The demo has its own file (test_demo_e2e.py).
 """
@@ -332,19 +333,52 @@ def test_import_with_the_wrong_format_is_one_line(weight_files, tmp_path):
     assert not (tmp_path / "x" / "model.safetensors").exists()
 
 
-# --- mlflow-server: serves, and Ctrl-C stops it cleanly (e2e: a real server takes 10-80 s to start
-# on 2 shared cores; tests/cluster/test_mlflow_server.py covers its auth in the default run)
+# --- mlflow-server: the exposed form docs/cluster.md gives, served and refused by Host header, the
+# login cache docs/security.md describes, and Ctrl-C stops it cleanly (e2e: a real server takes
+# 10-80 s to start on 2 shared cores)
+
+
+def http(url: str, host: str, user: str | None = None, password: str | None = None, method: str = "GET",
+         body: dict | None = None) -> tuple[int, bytes]:
+    """(status, body) of a request sent with this Host header (basic auth when `user` is given, a
+    JSON `body` if any)."""
+    import base64
+    import urllib.error
+
+    headers = {"Host": host}
+    if user:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    data = None if body is None else json.dumps(body).encode()
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
-    port = free_port()
+    """`vitp mlflow-server --auth --allowed-hosts mlflow.example.com` (docs/cluster.md) with
+    `--auth-cache-s 0` (docs/security.md: the password checked on every request): the listed Host
+    is served, another refused with 403 (MLflow's DNS-rebinding guard); a password changed
+    directly in the user database is refused at the next request (the default cache would still
+    let it in: test_a_verified_login_outlives_a_change_in_the_user_database); Ctrl-C stops it."""
+    import sqlite3
+    from contextlib import closing
+
+    from werkzeug.security import generate_password_hash  # how MLflow's user store hashes
+
+    port, password, listed = free_port(), "ctrl-c-admin-password-5v9q", "mlflow.example.com"
+    env = {k: v for k, v in vitp_env().items() if not k.startswith("MLFLOW_AUTH")}
+    env["MLFLOW_AUTH_ADMIN_PASSWORD"] = password  # its users: auth.db beside the SQLite store
     proc = subprocess.Popen(
-        [str(VITP), "mlflow-server", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+        [str(VITP), "mlflow-server", "--auth", "--allowed-hosts", listed, "--auth-cache-s", "0",
+         "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
          "--artifacts-destination", str(tmp_path / "artifacts"), "--log", str(tmp_path / "server.log")],
-        env=vitp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # Ctrl-C reaches a foreground process with SIGINT at its default; a test run started in
         # the background (`make test-e2e &`) would pass SIGINT down ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -360,11 +394,20 @@ def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
                 break
         banner = "".join(lines)
         uri = f"http://127.0.0.1:{port}"
-        assert f"mlflow server at {uri}" in banner and f"MLFLOW_TRACKING_URI={uri}" in banner, (
-            banner + proc.stderr.read() if proc.poll() is not None else banner)
-        with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=5", timeout=30) as resp:
-            body = json.load(resp)
-        assert [e["name"] for e in body["experiments"]] == ["Default"]  # a fresh store, served
+        assert (f"mlflow server at {uri}" in banner and f"MLFLOW_TRACKING_URI={uri}" in banner
+                and "auth basic" in banner), banner + proc.stderr.read() if proc.poll() is not None else banner
+        api = f"{uri}/api/2.0/mlflow/experiments/search?max_results=5"
+        assert http(api, listed)[0] == 401  # past the Host guard, at the login
+        status, body = http(api, listed, "admin", password)
+        assert status == 200 and [e["name"] for e in json.loads(body)["experiments"]] == ["Default"], body
+        assert http(api, "evil.example.com", "admin", password)[0] == 403  # a login does not get past it
+        # the admin's password changed in the user database itself, not through the server's API
+        changed = "ctrl-c-changed-password-2m7x"
+        with closing(sqlite3.connect(tmp_path / "auth.db")) as db, db:
+            assert db.execute("UPDATE users SET password_hash = ? WHERE username = 'admin'",
+                              (generate_password_hash(changed),)).rowcount == 1
+        assert http(api, listed, "admin", password)[0] == 401  # verified a moment ago: not cached
+        assert http(api, listed, "admin", changed)[0] == 200
     finally:
         proc.send_signal(signal.SIGINT)
         try:  # communicate drains both pipes: a full pipe must not hold the server's exit
@@ -805,6 +848,34 @@ class TestChain:
         csv_out = ok(scenario.vitp("compare", *sets, "--sweep", scenario.SWEEP, "--format", "csv")).out
         csv_rows = [line for line in csv_out.splitlines() if line]
         assert csv_rows[0].startswith("best,recipe,variant,dataset,source,lr") and len(csv_rows) == 3
+
+    def test_compare_ends_a_run_without_a_heartbeat_killed(self, scenario):
+        """`vitp compare --stale-after SECONDS` (docs/failures.md, docs/training.md) first ends KILLED,
+        never FINISHED, each RUNNING run whose last heartbeat is older than SECONDS, and shows it so;
+        a run that beat within SECONDS stays RUNNING. The runs are left as a SIGKILLed driver and a
+        live one leave them, their heartbeat tags written here (a real SIGKILL:
+        tests/tracking/test_outage.py): 400 s old, past the 300 given and short of the default 600."""
+        from vitp.tracking.spool import HEARTBEAT_TAG
+        from vitp.tracking.stale import STALE_TAG
+
+        client = scenario.tracking_client()
+        experiment, beat = client.create_experiment("cli-stale"), time.time()
+        dead = client.create_run(experiment, run_name="driver-killed", tags={HEARTBEAT_TAG: str(beat - 400)})
+        alive = client.create_run(experiment, run_name="driver-alive", tags={HEARTBEAT_TAG: str(beat)})
+        try:
+            r = ok(scenario.vitp("compare", *scenario.sets(scenario.finetune_sets()[:2]), "--stale-after", "300",
+                                 "--format", "json"))
+            marked = re.findall(r"^marked run (\S+) \((.*)\) KILLED: no heartbeat for (\d+) s$", r.err, re.M)
+            assert [m[:2] for m in marked] == [(dead.info.run_id, "driver-killed")], str(r)
+            assert int(marked[0][2]) >= 400, str(r)
+            shown = {row["run_id"]: row["status"] for row in json.loads(r.out)}
+            assert (shown[dead.info.run_id], shown[alive.info.run_id]) == ("KILLED", "RUNNING"), shown
+            after = client.get_run(dead.info.run_id)
+            assert "no heartbeat" in after.data.tags[STALE_TAG]
+            assert after.info.end_time == int((beat - 400) * 1000)  # it ended when it last beat
+            assert client.get_run(alive.info.run_id).info.status == "RUNNING"
+        finally:
+            client.set_terminated(alive.info.run_id)  # leaves no RUNNING run to the commands after
 
 
 # --- submit / jobs against a local Ray cluster (cluster/local.sh: one head node, no auth)

@@ -4,7 +4,8 @@ MLflow server (artifacts in the bucket): raw corpus -> preprocess -> pretrain (2
 per node, one SIGKILLed mid-run and resumed from S3 in the same MLflow run) -> export to S3 ->
 downstream preparation -> fine-tune sweep from the S3 export -> few-shot -> `vitp compare`.
 Few-shot and fine-tuning from an export and shards on a storage URI are checked here (the
-readers themselves: tests/test_uri_paths.py). First the pre-training specs' gate: `vitp doctor
+readers themselves: tests/test_uri_paths.py). Each stage is a test of TestEveryStageOnS3AcrossTwoNodes,
+in order, the next fed by the one before (`Story`). First the pre-training specs' gate: `vitp doctor
 --allreduce --min-busbw` inside the job ends it, below the asked bandwidth, before training would
 start. Then, on the same cluster, the drills of the long tier: a preemption (the worker node drained
 with a deadline and killed at it while an elastic run goes on on the head), a node lost during a
@@ -258,6 +259,7 @@ def gated(tmp_path: Path, marker: str) -> str:
     return str(path)
 
 
+@pytest.mark.timeout(600)  # with the cluster's and the MLflow server's start: the module's first test
 def test_the_pretraining_gate_ends_the_job_below_the_asked_bandwidth_before_training(rehearsal, tmp_path):
     marker = "training would start now"
     spec = gated(tmp_path, marker)
@@ -289,132 +291,237 @@ def test_the_pretraining_gate_ends_the_job_below_the_asked_bandwidth_before_trai
     assert not [k for k in rehearsal.keys(prefix) if "/.vitp-doctor/" in k], "the doctor left probes behind"
 
 
-# --------------------------------------------------------------------------- the test
+# --------------------------------------------------------------------------- the rehearsal
+# The story in stages, a test each, on the module's cluster, bucket and MLflow server: no test near
+# 10 minutes where the whole story in one test took 12 on a busy day. As TestChain does
+# (tests/cli/test_every_command.py), a stage runs once, in the first test that needs it (run alone,
+# a test runs the stages before its own first: give it the time they take), and a stage that failed
+# fails every later test in one line that names it.
 
 
-@pytest.mark.timeout(3600)  # cluster + MLflow start, 9 jobs: far over the default 30 min on a busy machine
-def test_rehearsal_every_stage_on_s3_across_two_nodes_with_a_killed_worker(rehearsal, tmp_path):
-    from mlflow.tracking import MlflowClient
+class Story:
+    """The rehearsal's stages, in order (each needs the one before it): what each printed, and what
+    a later one uses of an earlier one (`facts`)."""
 
-    env, store, address = rehearsal.env, rehearsal.store, rehearsal.cluster.address
-    client = MlflowClient(rehearsal.mlflow.uri)
-    bucket_name = rehearsal.bucket.split("/")[-1]
-    vit_prefix = store.split("/", 3)[3] + "/"  # "vit/"
+    def __init__(self, rehearsal, tmp: Path):
+        self.rehearsal, self.tmp = rehearsal, tmp
+        self.env, self.store, self.address = rehearsal.env, rehearsal.store, rehearsal.cluster.address
+        self.vit_prefix = self.store.split("/", 3)[3] + "/"  # "vit/"
+        self.facts: dict = {}
+        self._out: dict[str, str] = {}
+        self._failed: dict[str, str] = {}
 
-    # Preflight: the cluster, the bucket from the driver and from both nodes, the MLflow server from
-    # this machine (its port-forward address) and from the cluster (the jobs' address), and the
-    # recipe's Train gang all-reducing across the two nodes
-    gang = [s for s in PRETRAIN if s.startswith("parallel.")]  # the pre-training gang: one worker per node
-    r = vitp("doctor", "debug", "--address", address, "--set", f"work_dir={storage.join(store, 'doctor')}",
-             *sets(gang), "--tracking-uri", rehearsal.forward.uri, "--allreduce", env=env)
-    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "2 node(s) alive" in r.stdout and "storage on cluster" in r.stdout, r.stdout
-    assert re.search(r"ok +all-reduce: 2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, "
-                     r"bus bandwidth [\d.]+ GB/s", r.stdout), r.stdout
-    print(next(line for line in r.stdout.splitlines() if "all-reduce:" in line))
-    assert f"the jobs' address: {rehearsal.mlflow.uri} answers" in r.stdout and rehearsal.forward.connections
-    forwarded = rehearsal.forward.connections
+    @property
+    def client(self):
+        """MLflow at the jobs' address (not this machine's port-forward: its connections are counted)."""
+        from mlflow.tracking import MlflowClient
 
-    # 0. The raw corpus in the bucket (the user's upload), in the layout the preprocess spec reads.
-    pre_spec = "jobs/preprocess_i21k.yaml"
-    for path, source in raw_inputs(pre_spec, DATA, env).items():
-        write_raw(source, path)
+        return MlflowClient(self.rehearsal.mlflow.uri)
 
-    # 1. preprocess: raw Parquet -> shards + manifest, in the bucket, written by the workers of
-    #    both nodes (small shards: several shard tasks, which Ray Data spreads over the nodes)
-    out = succeeded(submit(rehearsal, pre_spec, DATA + ["data.num_classes=10", "data.shard_mb=0.05"]),
-                    "preprocess")
-    shard_keys = [k for k in rehearsal.keys(vit_prefix) if k.endswith(".parquet")]
-    assert shard_keys and any(k.endswith("manifest.json") for k in rehearsal.keys(vit_prefix)), out
-    assert "written by 2 node(s)" in out, out[-3000:]
+    def need(self, stage: str) -> str:
+        """`stage`'s output, run now unless a test ran it; a stage that failed fails this test too."""
+        if stage in self._failed:
+            pytest.fail(f"{self._failed[stage]}, so this test cannot run", pytrace=False)
+        if stage not in self._out:
+            try:
+                self._out[stage] = getattr(self, "_" + stage)()
+            except BaseException as e:  # an assertion, a pytest.fail, the test's timeout
+                first = (str(e).strip().splitlines() or [""])[0]
+                cannot = ", so this test cannot run"  # an earlier stage failed: name that one
+                self._failed[stage] = (first.removesuffix(cannot) if first.endswith(cannot) else
+                                       f"stage {stage!r} failed: {type(e).__name__}: {first[:300]}")
+                raise
+        return self._out[stage]
 
-    # 2. pretrain on 2 Train workers (one per node); SIGKILL the one on the worker node mid-run.
-    #    The spec's gate (`vitp doctor ... --allreduce --min-busbw 0 && vitp pretrain ...`) runs first.
-    gate, call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls
-    assert (gate.subcommand, call.subcommand) == ("doctor", "pretrain") and gate.overrides == call.overrides
-    pre_cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
-    log = open(tmp_path / "pretrain.log", "w+")
-    job = subprocess.Popen([sys.executable, "-m", "vitp.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
-                            "--address", address, "--follow", *sets(PRETRAIN)],
-                           cwd=ROOT, env=vitp_env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        ckpt_keys = lambda: rehearsal.keys(vit_prefix)  # noqa: E731
-        run, before = wait_for_progress(client, pre_cfg.run_name, ckpt_keys, CHECKPOINT_EVERY + 2, job,
-                                        pre_cfg.parallel.num_workers)
-        log.flush()
-        submission_id = re.search(r"^submitted (\S+) to ", Path(log.name).read_text(), re.M).group(1)
-        pid, node = kill_train_worker_on_worker_node(address, submission_id)
-        job.wait(timeout=900)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    out = Path(log.name).read_text()
-    killed = f"RayTrainWorker pid {pid} on node {node[:8]} killed after step {max(before)}"
-    assert job.returncode == 0 and " SUCCEEDED" in out, f"pretrain, {killed}:\n{out[-8000:]}"
-    assert re.search(r"^ok   all-reduce: 2 workers on 2 node\(s\) \(gloo\)", out, re.M), out[:6000]  # the gate
-    assert len(train_workers(address, submission_id)) > 2, f"{killed}, but no worker was replaced"
+    def _preflight(self) -> str:
+        """The cluster, the bucket from the driver and from both nodes, the MLflow server from this
+        machine (its port-forward address) and from the cluster (the jobs' address), and the recipe's
+        Train gang all-reducing across the two nodes."""
+        gang = [s for s in PRETRAIN if s.startswith("parallel.")]  # the pre-training gang: one worker per node
+        work = storage.join(self.store, "doctor")
+        r = vitp("doctor", "debug", "--address", self.address, "--set", f"work_dir={work}", *sets(gang),
+                 "--tracking-uri", self.rehearsal.forward.uri, "--allreduce", env=self.env)
+        self.facts["forwarded"] = self.rehearsal.forward.connections  # the jobs after it add none
+        assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
 
-    # ... resumed from the checkpoint in the bucket, into the same MLflow run, one value per step
-    runs = client.search_runs([run.info.experiment_id], f"attributes.run_name = '{pre_cfg.run_name}'")
-    assert [r.info.run_id for r in runs] == [run.info.run_id] and runs[0].info.status == "FINISHED"
-    resumed = re.findall(rf"\[{re.escape(pre_cfg.run_name)}\] resumed from (\S+) at step (\d+)", out)
-    assert resumed and int(resumed[-1][1]) >= CHECKPOINT_EVERY, f"{killed}:\n{out[-6000:]}"
-    assert bucket_name in resumed[-1][0] and str(rehearsal.cluster.state_dir) not in resumed[-1][0]
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert len(steps) == len(set(steps)), f"train/loss logged twice for some steps: {sorted(steps)}"
-    assert max(steps) == pre_cfg.train.steps and set(before) <= set(steps)
-    assert client.get_metric_history(run.info.run_id, "train/resumed_from"), "the resume is not recorded"
-    checkpoint = re.search(r"^\s*checkpoint:\s+(\S+)", out, re.M).group(1)
-    assert storage.is_uri(checkpoint) and checkpoint.startswith(rehearsal.bucket), checkpoint
+    def _preprocess(self) -> str:
+        """0. The raw corpus in the bucket (the user's upload), in the layout the preprocess spec reads;
+        1. preprocess: raw Parquet -> shards + manifest, in the bucket, written by the workers of both
+        nodes (small shards: several shard tasks, which Ray Data spreads over the nodes)."""
+        self.need("preflight")
+        pre_spec = "jobs/preprocess_i21k.yaml"
+        for path, source in raw_inputs(pre_spec, DATA, self.env).items():
+            write_raw(source, path)
+        return succeeded(submit(self.rehearsal, pre_spec, DATA + ["data.num_classes=10", "data.shard_mb=0.05"]),
+                         "preprocess")
 
-    # 3. export from the driver, straight to the bucket
-    export = storage.join(store, "b16_i21k", "export")
-    r = vitp("export", checkpoint, "--out", export, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert storage.isfile(storage.join(export, "model.safetensors"))
-    pretrained = {"PRETRAINED": export}
+    def _pretrain(self) -> str:
+        """2. pretrain on 2 Train workers (one per node), the one on the worker node SIGKILLed mid-run.
+        The spec's gate (`vitp doctor ... --allreduce --min-busbw 0 && vitp pretrain ...`) runs first."""
+        self.need("preprocess")
+        env, address = self.env, self.address
+        gate, call = load_spec("jobs/pretrain_b16_i21k.yaml", PRETRAIN, environ={**os.environ, **env}).calls
+        assert (gate.subcommand, call.subcommand) == ("doctor", "pretrain") and gate.overrides == call.overrides
+        cfg = recipes.with_overrides(call.recipe, [expand(o, env) for o in call.overrides])
+        log = self.tmp / "pretrain.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen([sys.executable, "-m", "vitp.cli", "submit", "jobs/pretrain_b16_i21k.yaml",
+                                    "--address", address, "--follow", *sets(PRETRAIN)],
+                                   cwd=ROOT, env=vitp_env(env), stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            ckpt_keys = lambda: self.rehearsal.keys(self.vit_prefix)  # noqa: E731
+            run, before = wait_for_progress(self.client, cfg.run_name, ckpt_keys, CHECKPOINT_EVERY + 2, job,
+                                            cfg.parallel.num_workers)
+            submission_id = re.search(r"^submitted (\S+) to ", log.read_text(), re.M).group(1)
+            pid, node = kill_train_worker_on_worker_node(address, submission_id)
+            job.wait(timeout=900)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        out = log.read_text()
+        killed = f"RayTrainWorker pid {pid} on node {node[:8]} killed after step {max(before)}"
+        self.facts.update(pretrain_cfg=cfg, pretrain_run=run, before=before, submission_id=submission_id,
+                          killed=killed)
+        assert job.returncode == 0 and " SUCCEEDED" in out, f"pretrain, {killed}:\n{out[-8000:]}"
+        checkpoint = re.search(r"^\s*checkpoint:\s+(\S+)", out, re.M)
+        assert checkpoint, f"pretrain printed no checkpoint, {killed}:\n{out[-6000:]}"
+        self.facts["checkpoint"] = checkpoint.group(1)
+        return out
 
-    # 4. downstream preparation: raw downstream corpora in the bucket -> shards
-    prep_spec = find_spec("downstream", "prepare")
-    for path, source in raw_inputs(prep_spec, FINETUNE, {**env, **pretrained}).items():
-        write_raw(source, path)
-    succeeded(submit(rehearsal, prep_spec, FINETUNE, env=pretrained), "downstream preparation")
+    def _export(self) -> str:
+        """3. export from the driver, straight to the bucket."""
+        self.need("pretrain")
+        export = storage.join(self.store, "b16_i21k", "export")
+        r = vitp("export", self.facts["checkpoint"], "--out", export, env=self.env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        self.facts["export"] = export
+        return r.stdout
 
-    # 5. the fine-tune sweep from the S3 export, 6. few-shot, on the cluster: both read the export
-    #    and the shards from the bucket
-    out = succeeded(submit(rehearsal, "jobs/finetune_sweep.yaml", FINETUNE, env=pretrained, timeout=1500),
-                    "fine-tune sweep")
-    out = succeeded(submit(rehearsal, "jobs/fewshot.yaml", [o for o in FINETUNE if not o.startswith("tune.")],
-                           env=pretrained), "few-shot")
-    got = {line.split(":")[0] for line in out.splitlines() if line.startswith("fewshot/")}
-    assert got == {f"fewshot/{k}shot_top1" for k in (1, 5, 10, 25)}, out[-3000:]
+    def pretrained(self) -> dict[str, str]:
+        """What the downstream specs are given: the export in the bucket."""
+        return {"PRETRAINED": self.facts["export"]}
 
-    # every job logged at the jobs' address (VITP_JOB_TRACKING_URI): none came through this machine's
-    assert rehearsal.forward.connections == forwarded, "a job used this machine's MLflow address"
+    def _downstream(self) -> str:
+        """4. downstream preparation: raw downstream corpora in the bucket -> shards."""
+        self.need("export")
+        prep_spec = find_spec("downstream", "prepare")
+        for path, source in raw_inputs(prep_spec, FINETUNE, {**self.env, **self.pretrained()}).items():
+            write_raw(source, path)
+        return succeeded(submit(self.rehearsal, prep_spec, FINETUNE, env=self.pretrained()), "downstream preparation")
 
-    # 7. compare from this machine (its own address): every stage's runs, read back from the server
-    r = vitp("compare", "--tracking-uri", rehearsal.forward.uri, "--format", "json", env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(r.stdout)
-    assert any(row["run_id"] == run.info.run_id and row["status"] == "FINISHED" for row in rows), rows
-    sweep_recipes = {r for c in load_spec("jobs/finetune_sweep.yaml", FINETUNE,
-                                          environ={**os.environ, **env, **pretrained}).calls for r in c.recipes}
-    assert len(sweep_recipes) == 5, sweep_recipes  # CIFAR-10/100, Pets, Flowers, ImageNet
-    trials = [row for row in rows if row["recipe"] in sweep_recipes and row["sweep"]]
-    assert {row["recipe"] for row in trials} == sweep_recipes, rows
-    assert all(row["status"] == "FINISHED" and row["best_top1"] is not None for row in trials), trials
-    assert all(row["source"] == export for row in trials), trials  # from the S3 export
-    assert any(row["fewshot_1"] is not None for row in rows), rows
+    def _sweep(self) -> str:
+        """5. the fine-tune sweep from the S3 export, on the cluster: the export and the shards read
+        from the bucket."""
+        self.need("downstream")
+        return succeeded(submit(self.rehearsal, "jobs/finetune_sweep.yaml", FINETUNE, env=self.pretrained()),
+                         "fine-tune sweep")
 
-    # Nothing another node would need was left on a node: no shard, checkpoint or export in any
-    # node's Ray temp dir, working directory or TMPDIR; all of it (and MLflow's artifacts) is in
-    # the bucket.
-    assert node_files(rehearsal.cluster.node_dirs) == []
-    keys = rehearsal.keys()
-    for pattern in (r"\.parquet$", r"/meta\.json$", r"\.safetensors$", r"/checkpoint_[^/]+/"):
-        assert any(re.search(pattern, k) for k in keys if k.startswith(vit_prefix)), pattern
-    assert any(k.startswith("mlflow/") for k in keys), "no MLflow artifact reached the bucket"
+    def _fewshot(self) -> str:
+        """6. few-shot on the cluster, of the S3 export and the shards in the bucket."""
+        self.need("sweep")
+        return succeeded(submit(self.rehearsal, "jobs/fewshot.yaml", [o for o in FINETUNE if not o.startswith("tune.")],
+                                env=self.pretrained()), "few-shot")
 
+
+@pytest.fixture(scope="module")
+def story(rehearsal, tmp_path_factory):
+    return Story(rehearsal, tmp_path_factory.mktemp("rehearsal-story"))
+
+
+class TestEveryStageOnS3AcrossTwoNodes:
+    """preflight -> preprocess -> pretrain (a worker SIGKILLed) -> export -> downstream preparation ->
+    fine-tune sweep -> few-shot -> compare, each fed by the one before (`Story`)."""
+
+    @pytest.mark.timeout(600)
+    def test_preflight_reaches_the_bucket_and_mlflow_from_both_nodes_and_all_reduces_across_them(self, story):
+        out = story.need("preflight")
+        assert "2 node(s) alive" in out and "storage on cluster" in out, out
+        assert re.search(r"ok +all-reduce: 2 workers on 2 node\(s\) \(gloo\): 16 MiB in [\d.]+ ms, "
+                         r"bus bandwidth [\d.]+ GB/s", out), out
+        print(next(line for line in out.splitlines() if "all-reduce:" in line))
+        assert f"the jobs' address: {story.rehearsal.mlflow.uri} answers" in out and story.facts["forwarded"]
+
+    @pytest.mark.timeout(600)
+    def test_preprocess_writes_the_shards_to_the_bucket_from_both_nodes(self, story):
+        out = story.need("preprocess")
+        keys = story.rehearsal.keys(story.vit_prefix)
+        shard_keys = [k for k in keys if k.endswith(".parquet")]
+        assert shard_keys and any(k.endswith("manifest.json") for k in keys), out
+        assert "written by 2 node(s)" in out, out[-3000:]
+
+    @pytest.mark.timeout(600)
+    def test_pretrain_with_a_worker_sigkilled_on_the_other_node_resumes_from_the_bucket_in_the_same_run(self, story):
+        out = story.need("pretrain")
+        rehearsal, client, facts = story.rehearsal, story.client, story.facts
+        cfg, run, before, killed = facts["pretrain_cfg"], facts["pretrain_run"], facts["before"], facts["killed"]
+        assert re.search(r"^ok   all-reduce: 2 workers on 2 node\(s\) \(gloo\)", out, re.M), out[:6000]  # the gate
+        assert len(train_workers(story.address, facts["submission_id"])) > 2, f"{killed}, but no worker was replaced"
+
+        # ... resumed from the checkpoint in the bucket, into the same MLflow run, one value per step
+        runs = client.search_runs([run.info.experiment_id], f"attributes.run_name = '{cfg.run_name}'")
+        assert [r.info.run_id for r in runs] == [run.info.run_id] and runs[0].info.status == "FINISHED"
+        resumed = re.findall(rf"\[{re.escape(cfg.run_name)}\] resumed from (\S+) at step (\d+)", out)
+        assert resumed and int(resumed[-1][1]) >= CHECKPOINT_EVERY, f"{killed}:\n{out[-6000:]}"
+        bucket_name = rehearsal.bucket.split("/")[-1]
+        assert bucket_name in resumed[-1][0] and str(rehearsal.cluster.state_dir) not in resumed[-1][0]
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+        assert len(steps) == len(set(steps)), f"train/loss logged twice for some steps: {sorted(steps)}"
+        assert max(steps) == cfg.train.steps and set(before) <= set(steps)
+        assert client.get_metric_history(run.info.run_id, "train/resumed_from"), "the resume is not recorded"
+        checkpoint = facts["checkpoint"]
+        assert storage.is_uri(checkpoint) and checkpoint.startswith(rehearsal.bucket), checkpoint
+
+    @pytest.mark.timeout(600)
+    def test_export_writes_the_model_to_the_bucket(self, story):
+        story.need("export")
+        assert storage.isfile(storage.join(story.facts["export"], "model.safetensors"))
+
+    @pytest.mark.timeout(600)
+    def test_downstream_preparation_shards_the_raw_corpora_in_the_bucket(self, story):
+        story.need("downstream")  # the job SUCCEEDED; the sweep and few-shot after it read its shards
+
+    @pytest.mark.timeout(600)
+    def test_finetune_sweep_trains_from_the_s3_export(self, story):
+        story.need("sweep")  # the job SUCCEEDED; its trials' runs are checked through `vitp compare` below
+
+    @pytest.mark.timeout(600)
+    def test_fewshot_reports_every_shot_count_of_the_s3_export(self, story):
+        out = story.need("fewshot")
+        got = {line.split(":")[0] for line in out.splitlines() if line.startswith("fewshot/")}
+        assert got == {f"fewshot/{k}shot_top1" for k in (1, 5, 10, 25)}, out[-3000:]
+
+    @pytest.mark.timeout(600)
+    def test_compare_reads_every_stages_runs_back_and_nothing_was_left_on_a_node(self, story):
+        story.need("fewshot")
+        rehearsal, env, export = story.rehearsal, story.env, story.facts["export"]
+        # every job logged at the jobs' address (VITP_JOB_TRACKING_URI): none came through this machine's
+        assert rehearsal.forward.connections == story.facts["forwarded"], "a job used this machine's MLflow address"
+
+        # 7. compare from this machine (its own address): every stage's runs, read back from the server
+        r = vitp("compare", "--tracking-uri", rehearsal.forward.uri, "--format", "json", env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        rows = json.loads(r.stdout)
+        run = story.facts["pretrain_run"]
+        assert any(row["run_id"] == run.info.run_id and row["status"] == "FINISHED" for row in rows), rows
+        sweep_recipes = {r for c in load_spec("jobs/finetune_sweep.yaml", FINETUNE,
+                                              environ={**os.environ, **env, **story.pretrained()}).calls
+                         for r in c.recipes}
+        assert len(sweep_recipes) == 5, sweep_recipes  # CIFAR-10/100, Pets, Flowers, ImageNet
+        trials = [row for row in rows if row["recipe"] in sweep_recipes and row["sweep"]]
+        assert {row["recipe"] for row in trials} == sweep_recipes, rows
+        assert all(row["status"] == "FINISHED" and row["best_top1"] is not None for row in trials), trials
+        assert all(row["source"] == export for row in trials), trials  # from the S3 export
+        assert any(row["fewshot_1"] is not None for row in rows), rows
+
+        # Nothing another node would need was left on a node: no shard, checkpoint or export in any
+        # node's Ray temp dir, working directory or TMPDIR; all of it (and MLflow's artifacts) is in
+        # the bucket.
+        assert node_files(rehearsal.cluster.node_dirs) == []
+        keys = rehearsal.keys()
+        for pattern in (r"\.parquet$", r"/meta\.json$", r"\.safetensors$", r"/checkpoint_[^/]+/"):
+            assert any(re.search(pattern, k) for k in keys if k.startswith(story.vit_prefix)), pattern
+        assert any(k.startswith("mlflow/") for k in keys), "no MLflow artifact reached the bucket"
 
 # ------------------------------------------------------------------------- the preemption
 # On the same cluster, after the rehearsal (it ends the worker node, so it runs last): the worker
