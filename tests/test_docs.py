@@ -249,10 +249,14 @@ def test_every_test_the_failure_table_names_is_there_and_placed_where_it_says():
     assert len(rows) > 40, len(rows)
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`", cells[2])
-        assert named, row
-        for path, name in named:
-            assert re.search(rf"^\s*def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"
+        # FILE::TEST or FILE::CLASS::TEST (a chain's step)
+        found = re.findall(r"`(tests/[\w/]+\.py)::(?:(\w+)::)?(\w+)(?:\[[^\]]*\])?`", cells[2])
+        assert found, row
+        for path, cls, name in found:
+            source = (ROOT / path).read_text()
+            assert not cls or re.search(rf"^class {cls}\b", source, re.M), f"{path}::{cls}"
+            assert re.search(rf"^\s*def {name}\(", source, re.M), f"{path}::{name}"
+        named = [(path, name) for path, _, name in found]
         # marked long: every case; long_cases: some of them (CI runs the others)
         tiers = {{"long": "long", "cases": "both", "": "CI"}[tier_in_source((ROOT / path).read_text(), name)]
                  for path, name in named}
