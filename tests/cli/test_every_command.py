@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from httpcalls import request  # tests/httpcalls.py
 from vitp.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -338,26 +339,6 @@ def test_import_with_the_wrong_format_is_one_line(weight_files, tmp_path):
 # 10-80 s to start on 2 shared cores)
 
 
-def http(url: str, host: str, user: str | None = None, password: str | None = None, method: str = "GET",
-         body: dict | None = None) -> tuple[int, bytes]:
-    """(status, body) of a request sent with this Host header (basic auth when `user` is given, a
-    JSON `body` if any)."""
-    import base64
-    import urllib.error
-
-    headers = {"Host": host}
-    if user:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-    data = None if body is None else json.dumps(body).encode()
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
@@ -397,17 +378,17 @@ def test_mlflow_server_serves_and_stops_on_ctrl_c(tmp_path):
         assert (f"mlflow server at {uri}" in banner and f"MLFLOW_TRACKING_URI={uri}" in banner
                 and "auth basic" in banner), banner + proc.stderr.read() if proc.poll() is not None else banner
         api = f"{uri}/api/2.0/mlflow/experiments/search?max_results=5"
-        assert http(api, listed)[0] == 401  # past the Host guard, at the login
-        status, body = http(api, listed, "admin", password)
+        assert request(api, listed)[0] == 401  # past the Host guard, at the login
+        status, body = request(api, listed, "admin", password)
         assert status == 200 and [e["name"] for e in json.loads(body)["experiments"]] == ["Default"], body
-        assert http(api, "evil.example.com", "admin", password)[0] == 403  # a login does not get past it
+        assert request(api, "evil.example.com", "admin", password)[0] == 403  # a login does not get past it
         # the admin's password changed in the user database itself, not through the server's API
         changed = "ctrl-c-changed-password-2m7x"
         with closing(sqlite3.connect(tmp_path / "auth.db")) as db, db:
             assert db.execute("UPDATE users SET password_hash = ? WHERE username = 'admin'",
                               (generate_password_hash(changed),)).rowcount == 1
-        assert http(api, listed, "admin", password)[0] == 401  # verified a moment ago: not cached
-        assert http(api, listed, "admin", changed)[0] == 200
+        assert request(api, listed, "admin", password)[0] == 401  # verified a moment ago: not cached
+        assert request(api, listed, "admin", changed)[0] == 200
     finally:
         proc.send_signal(signal.SIGINT)
         try:  # communicate drains both pipes: a full pipe must not hold the server's exit

@@ -1,15 +1,14 @@
 """`vitp mlflow-server` / start_server with basic auth: refuses the default admin password,
 requires a login, rejects Host headers outside --allowed-hosts; with its artifact store on S3
 (moto), what clients log lands in the bucket. Real mlflow server processes."""
-import base64
 import shutil
-import urllib.error
-import urllib.request
 
 import pytest
 
 from vitp.tracking.store import TrackingError
 from vitp.tracking.server import AuthSettings, _artifact_store_env, start_server
+
+from httpcalls import request  # tests/httpcalls.py
 
 from .conftest import vitp
 
@@ -18,20 +17,7 @@ pytestmark = pytest.mark.slow
 
 def status(url, host=None, user=None, password=None, method="GET", body=None) -> int:
     """The HTTP status of one request (basic auth when `user` is given, a JSON `body` if any)."""
-    import json
-
-    headers = {"Host": host} if host else {}
-    if user:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-    data = None if body is None else json.dumps(body).encode()
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers, method=method),
-                                    timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    return request(url, host, user, password, method, body, timeout=10)[0]
 
 
 def get(url, host=None, user=None, password=None) -> int:
